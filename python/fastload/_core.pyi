@@ -1,0 +1,50 @@
+"""Type stub of the Rust extension ``fastload._core``."""
+
+from os import PathLike
+
+MAX_HEADER_LEN: int
+CHUNK: int
+
+# (name, data pointer, byte length, safetensors dtype, selection)
+# selection: None (whole tensor), [start, stop] (flat elements) or [dim, start, stop] (a slice).
+_Job = tuple[str, int, int, str, list[int] | None]
+
+class SafetensorsFile:
+    """An open safetensors file whose header has been read and validated.
+
+    Raises ``fastload.CheckpointError`` naming the file and the broken rule for a malformed file,
+    ``fastload.FastloadIOError`` when the file cannot be read.
+    """
+
+    def __init__(self, path: str | PathLike[str], mode: str = "pread") -> None: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def file_size(self) -> int: ...
+    @property
+    def data_start(self) -> int: ...
+    def keys(self) -> list[str]: ...
+    def metadata(self) -> dict[str, str] | None: ...
+    def tensors(self) -> list[tuple[str, str, list[int], int, int]]: ...
+    def info(self, name: str) -> tuple[str, list[int], int, int]: ...
+    def copy_into(self, jobs: list[_Job], threads: int | None = None) -> int:
+        """Validate every job, then fill the destinations in parallel with the GIL released.
+
+        The caller must keep every destination alive and untouched until this returns.
+        """
+    def __len__(self) -> int: ...
+    def __contains__(self, name: str) -> bool: ...
+
+def write_file(
+    path: str | PathLike[str],
+    tensors: list[tuple[str, str, list[int], int, int]],
+    metadata: dict[str, str] | None = None,
+    threads: int | None = None,
+) -> int:
+    """Write (name, dtype, shape, pointer, nbytes) tensors to a new file, fsynced; bytes written."""
+
+def validate(path: str | PathLike[str]) -> int: ...
+def dtype_bits() -> dict[str, int]: ...
+def default_threads() -> int: ...

@@ -1,0 +1,236 @@
+//! The `fastload._core` Python extension: thin wrappers over the core that release the GIL for
+//! all I/O and copying, and turn core errors into the `fastload.errors` hierarchy.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::copy::{self, Request, Selection};
+use crate::dtype::{Dtype, ALL_DTYPES};
+use crate::error::Error;
+use crate::file::{ReadMode, SafetensorsFile};
+use crate::write::{self, Source};
+
+/// Raises `err` as the matching `fastload.errors` class, prefixed with the file name.
+fn to_py(py: Python<'_>, path: &std::path::Path, err: Error) -> PyErr {
+    let class = match &err {
+        Error::UnknownTensor { .. } => "TensorNotFoundError",
+        Error::UnsupportedConversion { .. } => "UnsupportedError",
+        Error::Io { .. } => "FastloadIOError",
+        e if e.is_file_error() => "CheckpointError",
+        _ => "RequestError",
+    };
+    let msg = format!("{}: {err}", path.display());
+    let made = py
+        .import("fastload.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|cls| cls.call1((msg.clone(),)))
+        .map(PyErr::from_value);
+    made.unwrap_or_else(|e| e)
+}
+
+fn parse_dtype(name: &str) -> PyResult<Dtype> {
+    Dtype::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown safetensors dtype '{name}'")))
+}
+
+fn parse_selection(name: &str, sel: Option<Vec<u64>>) -> PyResult<Selection> {
+    match sel.as_deref() {
+        None => Ok(Selection::All),
+        Some([start, stop]) => Ok(Selection::Elements { start: *start, stop: *stop }),
+        Some([dim, start, stop]) => Ok(Selection::Slice { dim: *dim as usize, start: *start, stop: *stop }),
+        Some(other) => Err(PyValueError::new_err(format!(
+            "tensor '{name}': selection must be [start, stop] or [dim, start, stop], got {other:?}"
+        ))),
+    }
+}
+
+/// One destination: (name, pointer, byte length, dtype name, selection or None).
+type Job = (String, usize, usize, String, Option<Vec<u64>>);
+
+/// An open, validated safetensors file.
+#[pyclass(frozen, module = "fastload._core", name = "SafetensorsFile")]
+struct PySafetensorsFile {
+    inner: Arc<SafetensorsFile>,
+}
+
+#[pymethods]
+impl PySafetensorsFile {
+    #[new]
+    #[pyo3(signature = (path, mode = "pread"))]
+    fn new(py: Python<'_>, path: PathBuf, mode: &str) -> PyResult<Self> {
+        let read_mode = ReadMode::parse(mode)
+            .ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', got '{mode}'")))?;
+        let opened = py.detach(|| SafetensorsFile::open(&path, read_mode));
+        let inner = opened.map_err(|e| to_py(py, &path, e))?;
+        Ok(PySafetensorsFile { inner: Arc::new(inner) })
+    }
+
+    /// The path the file was opened with.
+    #[getter]
+    fn path(&self) -> String {
+        self.inner.path().display().to_string()
+    }
+
+    /// The read path: "pread" or "mmap".
+    #[getter]
+    fn mode(&self) -> &'static str {
+        self.inner.mode().name()
+    }
+
+    /// File size in bytes.
+    #[getter]
+    fn file_size(&self) -> u64 {
+        self.inner.len()
+    }
+
+    /// Absolute offset of the data section.
+    #[getter]
+    fn data_start(&self) -> u64 {
+        self.inner.header().data_start()
+    }
+
+    /// Tensor names, sorted.
+    fn keys(&self) -> Vec<String> {
+        self.inner.header().sorted_names().into_iter().map(String::from).collect()
+    }
+
+    /// The `__metadata__` dict, or None.
+    fn metadata(&self) -> Option<HashMap<String, String>> {
+        self.inner.header().metadata().map(|m| m.iter().cloned().collect())
+    }
+
+    /// `(name, dtype, shape, begin, end)` for every tensor in header order; offsets are relative
+    /// to the data section.
+    fn tensors(&self) -> Vec<(String, &'static str, Vec<u64>, u64, u64)> {
+        self.inner
+            .header()
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.begin, t.end))
+            .collect()
+    }
+
+    /// `(dtype, shape, begin, end)` of one tensor.
+    fn info(&self, py: Python<'_>, name: &str) -> PyResult<(&'static str, Vec<u64>, u64, u64)> {
+        let t = self.inner.header().get(name).ok_or_else(|| {
+            to_py(py, self.inner.path(), Error::UnknownTensor { tensor: name.to_string() })
+        })?;
+        Ok((t.dtype.name(), t.shape.clone(), t.begin, t.end))
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.header().tensors().len()
+    }
+
+    fn __contains__(&self, name: &str) -> bool {
+        self.inner.header().get(name).is_some()
+    }
+
+    /// Fills destinations given as `(name, ptr, nbytes, dtype, selection)`; returns bytes written.
+    ///
+    /// Every job is validated before any byte is written. The GIL is released while copying.
+    /// The caller must keep each destination alive and untouched until this returns.
+    #[pyo3(signature = (jobs, threads = None))]
+    fn copy_into(&self, py: Python<'_>, jobs: Vec<Job>, threads: Option<usize>) -> PyResult<u64> {
+        let mut requests = Vec::with_capacity(jobs.len());
+        for (name, ptr, len, dtype, sel) in jobs {
+            let selection = parse_selection(&name, sel)?;
+            let dtype = parse_dtype(&dtype)?;
+            requests.push(Request { name, ptr: ptr as *mut u8, len, dtype, selection });
+        }
+        let file = &*self.inner;
+        let plan = copy::plan(file, &requests).map_err(|e| to_py(py, file.path(), e))?;
+        // Raw pointers are not Send; the plan only holds them as addresses.
+        let plan = SendPlan(plan);
+        // SAFETY: the Python caller owns the destinations (torch tensors it keeps referenced for the
+        // duration of the call) and `plan` checked each one's length.
+        let done = py.detach(move || {
+            let p = plan;
+            unsafe { copy::execute(file, &p.0, threads) }
+        });
+        done.map_err(|e| to_py(py, file.path(), e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SafetensorsFile('{}', mode='{}', tensors={})",
+            self.inner.path().display(),
+            self.inner.mode().name(),
+            self.inner.header().tensors().len()
+        )
+    }
+}
+
+struct SendPlan(copy::Plan);
+// SAFETY: a Plan holds destination addresses that the caller guarantees valid during the call.
+unsafe impl Send for SendPlan {}
+
+/// One source: (name, dtype, shape, pointer, byte length).
+type SourceSpec = (String, String, Vec<u64>, usize, usize);
+
+/// Writes tensors to a new file at `path` (never overwriting one), fsynced; returns bytes written.
+#[pyfunction]
+#[pyo3(signature = (path, tensors, metadata = None, threads = None))]
+fn write_file(
+    py: Python<'_>,
+    path: PathBuf,
+    tensors: Vec<SourceSpec>,
+    metadata: Option<HashMap<String, String>>,
+    threads: Option<usize>,
+) -> PyResult<u64> {
+    let mut sources = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape, ptr, len) in tensors {
+        let dtype = parse_dtype(&dtype)?;
+        sources.push(Source { name, dtype, shape, ptr: ptr as *const u8, len });
+    }
+    let mut meta: Option<Vec<(String, String)>> = metadata.map(|m| m.into_iter().collect());
+    if let Some(m) = meta.as_mut() {
+        m.sort();
+    }
+    let sources = SendSources(sources);
+    let p = path.clone();
+    // SAFETY: the Python caller keeps the source tensors alive during the call.
+    let done = py.detach(move || {
+        let s = sources;
+        unsafe { write::write_file(&p, &s.0, meta.as_deref(), threads) }
+    });
+    done.map_err(|e| to_py(py, &path, e))
+}
+
+struct SendSources(Vec<Source>);
+// SAFETY: sources are read-only addresses the caller keeps valid during the call.
+unsafe impl Send for SendSources {}
+
+/// Validates a whole file without reading tensor data; returns the number of tensors.
+#[pyfunction]
+fn validate(py: Python<'_>, path: PathBuf) -> PyResult<usize> {
+    let opened = py.detach(|| SafetensorsFile::open(&path, ReadMode::Pread));
+    opened.map(|f| f.header().tensors().len()).map_err(|e| to_py(py, &path, e))
+}
+
+/// `{dtype name: bits}` for every safetensors dtype.
+#[pyfunction]
+fn dtype_bits() -> HashMap<&'static str, usize> {
+    ALL_DTYPES.iter().map(|d| (d.name(), d.bits())).collect()
+}
+
+/// Copy threads used when none are given.
+#[pyfunction]
+fn default_threads() -> usize {
+    copy::default_threads()
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySafetensorsFile>()?;
+    m.add_function(wrap_pyfunction!(write_file, m)?)?;
+    m.add_function(wrap_pyfunction!(validate, m)?)?;
+    m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
+    m.add_function(wrap_pyfunction!(default_threads, m)?)?;
+    m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
+    m.add("CHUNK", copy::CHUNK)?;
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! Element conversion between the floating-point types (F32, F16, BF16, F64).
+//!
+//! Works on raw little-endian bytes with no alignment assumption on either side: a block of
+//! elements is decoded into an aligned scratch array, converted, and written back as bytes. Rounding
+//! is round-to-nearest-even, as torch's `Tensor.to`. Conversions that involve F64 go through f64 so
+//! that nothing is rounded twice; the others go through f32, which holds F16 and BF16 exactly.
+
+use half::{bf16, f16};
+
+use crate::dtype::Dtype;
+
+const BLOCK: usize = 2048;
+
+/// Converts `n` elements of `from` in `src` into `to` at `dst`.
+///
+/// `src` must hold at least `n * from.itemsize()` bytes and `dst` at least `n * to.itemsize()`;
+/// both types must satisfy [`Dtype::is_convertible_float`]. Callers (the copy planner) check both.
+pub fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
+    debug_assert!(from.is_convertible_float() && to.is_convertible_float());
+    let n = src.len() / from.itemsize().unwrap_or(1);
+    if from == Dtype::F64 || to == Dtype::F64 {
+        run::<f64>(src, from, dst, to, n);
+    } else {
+        run::<f32>(src, from, dst, to, n);
+    }
+}
+
+/// The intermediate type of a conversion.
+trait Wide: Copy + Default {
+    fn decode(bytes: &[u8], dtype: Dtype, out: &mut [Self]);
+    fn encode(vals: &[Self], dtype: Dtype, out: &mut [u8]);
+}
+
+fn u16s(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
+    bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]))
+}
+
+fn put<const N: usize>(out: &mut [u8], vals: impl Iterator<Item = [u8; N]>) {
+    for (dst, v) in out.chunks_exact_mut(N).zip(vals) {
+        dst.copy_from_slice(&v);
+    }
+}
+
+impl Wide for f32 {
+    fn decode(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
+        match dtype {
+            Dtype::F32 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Dtype::F16 => {
+                for (o, u) in out.iter_mut().zip(u16s(bytes)) {
+                    *o = f16::from_bits(u).to_f32();
+                }
+            }
+            Dtype::BF16 => {
+                // bf16 is the high half of an f32: exact and cheap.
+                for (o, u) in out.iter_mut().zip(u16s(bytes)) {
+                    *o = f32::from_bits((u as u32) << 16);
+                }
+            }
+            _ => unreachable!("f32 path is only used for F32/F16/BF16"),
+        }
+    }
+
+    fn encode(vals: &[f32], dtype: Dtype, out: &mut [u8]) {
+        match dtype {
+            Dtype::F32 => put(out, vals.iter().map(|v| v.to_le_bytes())),
+            Dtype::F16 => put(out, vals.iter().map(|&v| f16::from_f32(v).to_bits().to_le_bytes())),
+            Dtype::BF16 => put(out, vals.iter().map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())),
+            _ => unreachable!("f32 path is only used for F32/F16/BF16"),
+        }
+    }
+}
+
+impl Wide for f64 {
+    fn decode(bytes: &[u8], dtype: Dtype, out: &mut [f64]) {
+        match dtype {
+            Dtype::F64 => {
+                for (o, c) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                    *o = f64::from_le_bytes(c.try_into().expect("chunks of 8"));
+                }
+            }
+            _ => {
+                let mut tmp = [0f32; BLOCK];
+                let tmp = &mut tmp[..out.len()];
+                f32::decode(bytes, dtype, tmp);
+                for (o, &t) in out.iter_mut().zip(tmp.iter()) {
+                    *o = t as f64;
+                }
+            }
+        }
+    }
+
+    fn encode(vals: &[f64], dtype: Dtype, out: &mut [u8]) {
+        match dtype {
+            Dtype::F64 => put(out, vals.iter().map(|v| v.to_le_bytes())),
+            Dtype::F32 => put(out, vals.iter().map(|&v| (v as f32).to_le_bytes())),
+            Dtype::F16 => put(out, vals.iter().map(|&v| f16::from_f64(v).to_bits().to_le_bytes())),
+            Dtype::BF16 => put(out, vals.iter().map(|&v| bf16::from_f64(v).to_bits().to_le_bytes())),
+            _ => unreachable!("conversion is only defined between float types"),
+        }
+    }
+}
+
+fn run<W: Wide>(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype, n: usize) {
+    let (si, di) = (from.itemsize().unwrap_or(1), to.itemsize().unwrap_or(1));
+    let mut scratch = [W::default(); BLOCK];
+    let mut done = 0;
+    while done < n {
+        let k = BLOCK.min(n - done);
+        let vals = &mut scratch[..k];
+        W::decode(&src[done * si..(done + k) * si], from, vals);
+        W::encode(vals, to, &mut dst[done * di..(done + k) * di]);
+        done += k;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes_f32(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn bf16_round_trips_through_f32_exactly() {
+        let vals: Vec<f32> = (0..5000).map(|i| (i as f32 - 2500.0) * 0.37).collect();
+        let src = bytes_f32(&vals);
+        let mut b = vec![0u8; vals.len() * 2];
+        convert(&src, Dtype::F32, &mut b, Dtype::BF16);
+        let mut back = vec![0u8; vals.len() * 4];
+        convert(&b, Dtype::BF16, &mut back, Dtype::F32);
+        for (i, c) in back.chunks_exact(4).enumerate() {
+            let got = f32::from_le_bytes(c.try_into().unwrap());
+            assert_eq!(got, bf16::from_f32(vals[i]).to_f32());
+        }
+    }
+
+    #[test]
+    fn f16_to_bf16_rounds_like_a_two_step_conversion() {
+        let vals: Vec<u16> = (0..4096u16).map(|i| f16::from_f32(i as f32 * 0.01 - 20.0).to_bits()).collect();
+        let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut out = vec![0u8; src.len()];
+        convert(&src, Dtype::F16, &mut out, Dtype::BF16);
+        for (i, c) in out.chunks_exact(2).enumerate() {
+            let want = bf16::from_f32(f16::from_bits(vals[i]).to_f32()).to_bits();
+            assert_eq!(u16::from_le_bytes([c[0], c[1]]), want);
+        }
+    }
+
+    #[test]
+    fn f64_conversions_round_once() {
+        let v = [1.0f64 / 3.0, -1e300, 65504.0, 1e-8];
+        let src: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut out = vec![0u8; 8];
+        convert(&src, Dtype::F64, &mut out, Dtype::F16);
+        let got: Vec<u16> = out.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+        let want: Vec<u16> = v.iter().map(|&x| f16::from_f64(x).to_bits()).collect();
+        assert_eq!(got, want);
+        let mut back = vec![0u8; 32];
+        convert(&out, Dtype::F16, &mut back, Dtype::F64);
+        assert_eq!(f64::from_le_bytes(back[16..24].try_into().unwrap()), 65504.0);
+    }
+}

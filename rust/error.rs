@@ -1,0 +1,194 @@
+//! One error type for the core; each broken rule is its own variant.
+//!
+//! Messages name the tensor where there is one. The file name is added by the caller that knows it
+//! (see [`crate::file::SafetensorsFile`] and the Python bindings), so the same validation code
+//! serves in-memory buffers and files.
+
+use std::fmt;
+
+/// Everything that can go wrong while reading a safetensors file or copying out of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// Fewer than 8 bytes: there is no header length.
+    FileTooSmall { len: u64 },
+    /// The declared header length is above the cap (100 MB, as in the safetensors crate).
+    HeaderTooLarge { len: u64, cap: u64 },
+    /// The declared header length runs past the end of the file.
+    HeaderPastEof { len: u64, file_len: u64 },
+    /// The header bytes are not UTF-8.
+    HeaderNotUtf8 { position: usize },
+    /// The header is not valid JSON.
+    InvalidJson { detail: String },
+    /// The header JSON is not an object.
+    HeaderNotObject,
+    /// A tensor entry lacks a field, has an unknown field, or a field of the wrong type.
+    InvalidTensorEntry { tensor: String, detail: String },
+    /// A dtype name that the format does not define.
+    UnknownDtype { tensor: String, dtype: String },
+    /// A shape whose element count overflows, or a packed type that does not end on a byte.
+    InvalidShape { tensor: String, detail: String },
+    /// `data_offsets` with begin > end.
+    InvalidOffsets { tensor: String, begin: u64, end: u64 },
+    /// shape × itemsize differs from the `data_offsets` span.
+    SpanMismatch { tensor: String, expected: u64, actual: u64 },
+    /// `data_offsets` end beyond the data section.
+    OffsetsPastEof { tensor: String, end: u64, data_len: u64 },
+    /// The same tensor name appears twice.
+    DuplicateName { tensor: String },
+    /// Two tensors share bytes.
+    Overlap { tensor: String, other: String },
+    /// Bytes that no tensor covers before a tensor (a hole, or data not starting at 0).
+    Gap { tensor: String, expected: u64, begin: u64 },
+    /// Bytes that no tensor covers at the end of the data section.
+    TrailingBytes { covered: u64, data_len: u64 },
+    /// `__metadata__` is not an object of string to string.
+    InvalidMetadata { detail: String },
+    /// A name the file does not contain.
+    UnknownTensor { tensor: String },
+    /// A destination of the wrong byte size.
+    DestinationSize { tensor: String, expected: u64, actual: u64 },
+    /// A destination pointer that is null while bytes are to be written.
+    NullDestination { tensor: String },
+    /// A dtype conversion the engine does not do.
+    UnsupportedConversion { tensor: String, from: String, to: String },
+    /// A selection (element range or slice) outside the tensor.
+    InvalidSelection { tensor: String, detail: String },
+    /// The file got shorter after its header was read.
+    FileShrunk { expected: u64, actual: u64 },
+    /// An operating-system error.
+    Io { detail: String },
+}
+
+impl Error {
+    /// A short, stable name of the broken rule (used in messages and by tests).
+    pub fn rule(&self) -> &'static str {
+        match self {
+            Error::FileTooSmall { .. } => "file-too-small",
+            Error::HeaderTooLarge { .. } => "header-too-large",
+            Error::HeaderPastEof { .. } => "header-past-eof",
+            Error::HeaderNotUtf8 { .. } => "header-not-utf8",
+            Error::InvalidJson { .. } => "invalid-json",
+            Error::HeaderNotObject => "header-not-object",
+            Error::InvalidTensorEntry { .. } => "invalid-tensor-entry",
+            Error::UnknownDtype { .. } => "unknown-dtype",
+            Error::InvalidShape { .. } => "invalid-shape",
+            Error::InvalidOffsets { .. } => "invalid-offsets",
+            Error::SpanMismatch { .. } => "span-mismatch",
+            Error::OffsetsPastEof { .. } => "offsets-past-eof",
+            Error::DuplicateName { .. } => "duplicate-name",
+            Error::Overlap { .. } => "overlap",
+            Error::Gap { .. } => "gap",
+            Error::TrailingBytes { .. } => "trailing-bytes",
+            Error::InvalidMetadata { .. } => "invalid-metadata",
+            Error::UnknownTensor { .. } => "unknown-tensor",
+            Error::DestinationSize { .. } => "destination-size",
+            Error::NullDestination { .. } => "null-destination",
+            Error::UnsupportedConversion { .. } => "unsupported-conversion",
+            Error::InvalidSelection { .. } => "invalid-selection",
+            Error::FileShrunk { .. } => "file-shrunk",
+            Error::Io { .. } => "io",
+        }
+    }
+
+    /// Whether the error is about the file's content (as opposed to the caller's request or the
+    /// operating system). The bindings raise content errors as `CheckpointError`.
+    pub fn is_file_error(&self) -> bool {
+        !matches!(
+            self,
+            Error::UnknownTensor { .. }
+                | Error::DestinationSize { .. }
+                | Error::NullDestination { .. }
+                | Error::UnsupportedConversion { .. }
+                | Error::InvalidSelection { .. }
+                | Error::Io { .. }
+        )
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[{}] ", self.rule())?;
+        match self {
+            Error::FileTooSmall { len } => {
+                write!(f, "file is {len} bytes; a safetensors file starts with an 8-byte header length")
+            }
+            Error::HeaderTooLarge { len, cap } => {
+                write!(f, "header length {len} exceeds the {cap}-byte limit")
+            }
+            Error::HeaderPastEof { len, file_len } => write!(
+                f,
+                "header length {len} runs past the end of the {file_len}-byte file (truncated or not safetensors)"
+            ),
+            Error::HeaderNotUtf8 { position } => {
+                write!(f, "header is not valid UTF-8 (at byte {position} of the header)")
+            }
+            Error::InvalidJson { detail } => write!(f, "header is not valid JSON: {detail}"),
+            Error::HeaderNotObject => write!(f, "header JSON must be an object of tensor entries"),
+            Error::InvalidTensorEntry { tensor, detail } => {
+                write!(f, "tensor '{tensor}': invalid entry: {detail}")
+            }
+            Error::UnknownDtype { tensor, dtype } => {
+                write!(f, "tensor '{tensor}': unknown dtype '{dtype}'")
+            }
+            Error::InvalidShape { tensor, detail } => {
+                write!(f, "tensor '{tensor}': invalid shape: {detail}")
+            }
+            Error::InvalidOffsets { tensor, begin, end } => write!(
+                f,
+                "tensor '{tensor}': data_offsets [{begin}, {end}] have begin > end"
+            ),
+            Error::SpanMismatch { tensor, expected, actual } => write!(
+                f,
+                "tensor '{tensor}': shape and dtype need {expected} bytes but data_offsets span {actual}"
+            ),
+            Error::OffsetsPastEof { tensor, end, data_len } => write!(
+                f,
+                "tensor '{tensor}': data ends at byte {end} but the data section has {data_len} bytes (truncated file?)"
+            ),
+            Error::DuplicateName { tensor } => write!(f, "tensor '{tensor}' is listed twice"),
+            Error::Overlap { tensor, other } => {
+                write!(f, "tensor '{tensor}' overlaps tensor '{other}'")
+            }
+            Error::Gap { tensor, expected, begin } => write!(
+                f,
+                "tensor '{tensor}': data begins at byte {begin}, expected {expected} (a hole in the data section)"
+            ),
+            Error::TrailingBytes { covered, data_len } => write!(
+                f,
+                "tensors cover {covered} bytes but the data section has {data_len} (trailing bytes)"
+            ),
+            Error::InvalidMetadata { detail } => write!(f, "__metadata__: {detail}"),
+            Error::UnknownTensor { tensor } => write!(f, "no tensor named '{tensor}' in the file"),
+            Error::DestinationSize { tensor, expected, actual } => write!(
+                f,
+                "tensor '{tensor}': destination has {actual} bytes, expected {expected}"
+            ),
+            Error::NullDestination { tensor } => {
+                write!(f, "tensor '{tensor}': destination pointer is null")
+            }
+            Error::UnsupportedConversion { tensor, from, to } => write!(
+                f,
+                "tensor '{tensor}': cannot convert {from} to {to} (conversion supports F32, F16, BF16, F64)"
+            ),
+            Error::InvalidSelection { tensor, detail } => {
+                write!(f, "tensor '{tensor}': invalid selection: {detail}")
+            }
+            Error::FileShrunk { expected, actual } => write!(
+                f,
+                "file changed on disk while loading: expected {expected} bytes, found {actual}"
+            ),
+            Error::Io { detail } => write!(f, "I/O error: {detail}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io { detail: e.to_string() }
+    }
+}
+
+/// Result alias of the core.
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,28 @@
+//! fastload's Rust core: strict safetensors header validation and a parallel, dtype-converting
+//! copy engine that fills destination buffers owned by the caller (torch tensors, in the Python
+//! package).
+//!
+//! One module per concern:
+//! * [`dtype`]: the element types of the format.
+//! * [`header`]: parsing and validating the header.
+//! * [`file`]: opening a file and reading its bytes (pread or mmap).
+//! * [`convert`]: F32 / F16 / BF16 / F64 conversion.
+//! * [`copy`]: planning and running the parallel copy.
+//! * [`write`]: writing safetensors files.
+//! * `bindings` (feature `python`): the `fastload._core` extension module.
+
+pub mod convert;
+pub mod copy;
+pub mod dtype;
+pub mod error;
+pub mod file;
+pub mod header;
+pub mod write;
+
+#[cfg(feature = "python")]
+mod bindings;
+
+pub use dtype::Dtype;
+pub use error::{Error, Result};
+pub use file::{ReadMode, SafetensorsFile};
+pub use header::{Header, TensorInfo};
