@@ -33,14 +33,22 @@ fn to_py(py: Python<'_>, path: &std::path::Path, err: Error) -> PyErr {
 }
 
 fn parse_dtype(name: &str) -> PyResult<Dtype> {
-    Dtype::parse(name).ok_or_else(|| PyValueError::new_err(format!("unknown safetensors dtype '{name}'")))
+    Dtype::parse(name)
+        .ok_or_else(|| PyValueError::new_err(format!("unknown safetensors dtype '{name}'")))
 }
 
 fn parse_selection(name: &str, sel: Option<Vec<u64>>) -> PyResult<Selection> {
     match sel.as_deref() {
         None => Ok(Selection::All),
-        Some([start, stop]) => Ok(Selection::Elements { start: *start, stop: *stop }),
-        Some([dim, start, stop]) => Ok(Selection::Slice { dim: *dim as usize, start: *start, stop: *stop }),
+        Some([start, stop]) => Ok(Selection::Elements {
+            start: *start,
+            stop: *stop,
+        }),
+        Some([dim, start, stop]) => Ok(Selection::Slice {
+            dim: *dim as usize,
+            start: *start,
+            stop: *stop,
+        }),
         Some(other) => Err(PyValueError::new_err(format!(
             "tensor '{name}': selection must be [start, stop] or [dim, start, stop], got {other:?}"
         ))),
@@ -61,11 +69,14 @@ impl PySafetensorsFile {
     #[new]
     #[pyo3(signature = (path, mode = "pread"))]
     fn new(py: Python<'_>, path: PathBuf, mode: &str) -> PyResult<Self> {
-        let read_mode = ReadMode::parse(mode)
-            .ok_or_else(|| PyValueError::new_err(format!("mode must be 'pread' or 'mmap', got '{mode}'")))?;
+        let read_mode = ReadMode::parse(mode).ok_or_else(|| {
+            PyValueError::new_err(format!("mode must be 'pread' or 'mmap', got '{mode}'"))
+        })?;
         let opened = py.detach(|| SafetensorsFile::open(&path, read_mode));
         let inner = opened.map_err(|e| to_py(py, &path, e))?;
-        Ok(PySafetensorsFile { inner: Arc::new(inner) })
+        Ok(PySafetensorsFile {
+            inner: Arc::new(inner),
+        })
     }
 
     /// The path the file was opened with.
@@ -94,12 +105,20 @@ impl PySafetensorsFile {
 
     /// Tensor names, sorted.
     fn keys(&self) -> Vec<String> {
-        self.inner.header().sorted_names().into_iter().map(String::from).collect()
+        self.inner
+            .header()
+            .sorted_names()
+            .into_iter()
+            .map(String::from)
+            .collect()
     }
 
     /// The `__metadata__` dict, or None.
     fn metadata(&self) -> Option<HashMap<String, String>> {
-        self.inner.header().metadata().map(|m| m.iter().cloned().collect())
+        self.inner
+            .header()
+            .metadata()
+            .map(|m| m.iter().cloned().collect())
     }
 
     /// `(name, dtype, shape, begin, end)` for every tensor in header order; offsets are relative
@@ -109,14 +128,28 @@ impl PySafetensorsFile {
             .header()
             .tensors()
             .iter()
-            .map(|t| (t.name.clone(), t.dtype.name(), t.shape.clone(), t.begin, t.end))
+            .map(|t| {
+                (
+                    t.name.clone(),
+                    t.dtype.name(),
+                    t.shape.clone(),
+                    t.begin,
+                    t.end,
+                )
+            })
             .collect()
     }
 
     /// `(dtype, shape, begin, end)` of one tensor.
     fn info(&self, py: Python<'_>, name: &str) -> PyResult<(&'static str, Vec<u64>, u64, u64)> {
         let t = self.inner.header().get(name).ok_or_else(|| {
-            to_py(py, self.inner.path(), Error::UnknownTensor { tensor: name.to_string() })
+            to_py(
+                py,
+                self.inner.path(),
+                Error::UnknownTensor {
+                    tensor: name.to_string(),
+                },
+            )
         })?;
         Ok((t.dtype.name(), t.shape.clone(), t.begin, t.end))
     }
@@ -139,7 +172,13 @@ impl PySafetensorsFile {
         for (name, ptr, len, dtype, sel) in jobs {
             let selection = parse_selection(&name, sel)?;
             let dtype = parse_dtype(&dtype)?;
-            requests.push(Request { name, ptr: ptr as *mut u8, len, dtype, selection });
+            requests.push(Request {
+                name,
+                ptr: ptr as *mut u8,
+                len,
+                dtype,
+                selection,
+            });
         }
         let file = &*self.inner;
         let plan = copy::plan(file, &requests).map_err(|e| to_py(py, file.path(), e))?;
@@ -184,7 +223,13 @@ fn write_file(
     let mut sources = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, ptr, len) in tensors {
         let dtype = parse_dtype(&dtype)?;
-        sources.push(Source { name, dtype, shape, ptr: ptr as *const u8, len });
+        sources.push(Source {
+            name,
+            dtype,
+            shape,
+            ptr: ptr as *const u8,
+            len,
+        });
     }
     let mut meta: Option<Vec<(String, String)>> = metadata.map(|m| m.into_iter().collect());
     if let Some(m) = meta.as_mut() {
@@ -208,7 +253,9 @@ unsafe impl Send for SendSources {}
 #[pyfunction]
 fn validate(py: Python<'_>, path: PathBuf) -> PyResult<usize> {
     let opened = py.detach(|| SafetensorsFile::open(&path, ReadMode::Pread));
-    opened.map(|f| f.header().tensors().len()).map_err(|e| to_py(py, &path, e))
+    opened
+        .map(|f| f.header().tensors().len())
+        .map_err(|e| to_py(py, &path, e))
 }
 
 /// `{dtype name: bits}` for every safetensors dtype.

@@ -32,7 +32,9 @@ trait Wide: Copy + Default {
 }
 
 fn u16s(bytes: &[u8]) -> impl Iterator<Item = u16> + '_ {
-    bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]))
+    bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
 }
 
 fn put<const N: usize>(out: &mut [u8], vals: impl Iterator<Item = [u8; N]>) {
@@ -67,8 +69,16 @@ impl Wide for f32 {
     fn encode(vals: &[f32], dtype: Dtype, out: &mut [u8]) {
         match dtype {
             Dtype::F32 => put(out, vals.iter().map(|v| v.to_le_bytes())),
-            Dtype::F16 => put(out, vals.iter().map(|&v| f16::from_f32(v).to_bits().to_le_bytes())),
-            Dtype::BF16 => put(out, vals.iter().map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())),
+            Dtype::F16 => put(
+                out,
+                vals.iter()
+                    .map(|&v| f16::from_f32(v).to_bits().to_le_bytes()),
+            ),
+            Dtype::BF16 => put(
+                out,
+                vals.iter()
+                    .map(|&v| bf16::from_f32(v).to_bits().to_le_bytes()),
+            ),
             _ => unreachable!("f32 path is only used for F32/F16/BF16"),
         }
     }
@@ -97,8 +107,16 @@ impl Wide for f64 {
         match dtype {
             Dtype::F64 => put(out, vals.iter().map(|v| v.to_le_bytes())),
             Dtype::F32 => put(out, vals.iter().map(|&v| (v as f32).to_le_bytes())),
-            Dtype::F16 => put(out, vals.iter().map(|&v| f16::from_f64(v).to_bits().to_le_bytes())),
-            Dtype::BF16 => put(out, vals.iter().map(|&v| bf16::from_f64(v).to_bits().to_le_bytes())),
+            Dtype::F16 => put(
+                out,
+                vals.iter()
+                    .map(|&v| f16::from_f64(v).to_bits().to_le_bytes()),
+            ),
+            Dtype::BF16 => put(
+                out,
+                vals.iter()
+                    .map(|&v| bf16::from_f64(v).to_bits().to_le_bytes()),
+            ),
             _ => unreachable!("conversion is only defined between float types"),
         }
     }
@@ -141,7 +159,9 @@ mod tests {
 
     #[test]
     fn f16_to_bf16_rounds_like_a_two_step_conversion() {
-        let vals: Vec<u16> = (0..4096u16).map(|i| f16::from_f32(i as f32 * 0.01 - 20.0).to_bits()).collect();
+        let vals: Vec<u16> = (0..4096u16)
+            .map(|i| f16::from_f32(i as f32 * 0.01 - 20.0).to_bits())
+            .collect();
         let src: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         let mut out = vec![0u8; src.len()];
         convert(&src, Dtype::F16, &mut out, Dtype::BF16);
@@ -157,11 +177,17 @@ mod tests {
         let src: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
         let mut out = vec![0u8; 8];
         convert(&src, Dtype::F64, &mut out, Dtype::F16);
-        let got: Vec<u16> = out.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+        let got: Vec<u16> = out
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
         let want: Vec<u16> = v.iter().map(|&x| f16::from_f64(x).to_bits()).collect();
         assert_eq!(got, want);
         let mut back = vec![0u8; 32];
         convert(&out, Dtype::F16, &mut back, Dtype::F64);
-        assert_eq!(f64::from_le_bytes(back[16..24].try_into().unwrap()), 65504.0);
+        assert_eq!(
+            f64::from_le_bytes(back[16..24].try_into().unwrap()),
+            65504.0
+        );
     }
 }

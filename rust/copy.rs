@@ -88,33 +88,48 @@ impl Plan {
 /// Runs of `(first element, element count)` that a selection takes from a tensor, merged where
 /// they touch.
 fn runs(t: &TensorInfo, sel: Selection) -> Result<Vec<(u64, u64)>> {
-    let bad = |detail: String| Error::InvalidSelection { tensor: t.name.clone(), detail };
+    let bad = |detail: String| Error::InvalidSelection {
+        tensor: t.name.clone(),
+        detail,
+    };
     let numel = t.numel();
     match sel {
         Selection::All => Ok(vec![(0, numel)]),
         Selection::Elements { start, stop } => {
             if start > stop || stop > numel {
-                return Err(bad(format!("elements [{start}, {stop}) of a tensor with {numel}")));
+                return Err(bad(format!(
+                    "elements [{start}, {stop}) of a tensor with {numel}"
+                )));
             }
             Ok(vec![(start, stop - start)])
         }
         Selection::Slice { dim, start, stop } => {
             let Some(&size) = t.shape.get(dim) else {
-                return Err(bad(format!("dimension {dim} of a {}-d tensor", t.shape.len())));
+                return Err(bad(format!(
+                    "dimension {dim} of a {}-d tensor",
+                    t.shape.len()
+                )));
             };
             if start > stop || stop > size {
-                return Err(bad(format!("[{start}, {stop}) along dimension {dim} of size {size}")));
+                return Err(bad(format!(
+                    "[{start}, {stop}) along dimension {dim} of size {size}"
+                )));
             }
+            // An empty tensor or an empty range reads nothing. Checked first: with a 0 elsewhere
+            // in the shape, the products below could overflow (found by the copy_plan fuzzer).
+            if numel == 0 || start == stop {
+                return Ok(vec![]);
+            }
+            // numel > 0, so every dimension is >= 1 and these products are at most numel.
             let outer: u64 = t.shape[..dim].iter().product();
             let inner: u64 = t.shape[dim + 1..].iter().product();
             let count = (stop - start) * inner;
-            if count == 0 {
-                return Ok(vec![]);
-            }
             if count == size * inner {
                 return Ok(vec![(0, numel)]);
             }
-            Ok((0..outer).map(|o| ((o * size + start) * inner, count)).collect())
+            Ok((0..outer)
+                .map(|o| ((o * size + start) * inner, count))
+                .collect())
         }
     }
 }
@@ -127,7 +142,9 @@ pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
     let mut current: Vec<Piece> = Vec::new();
     let mut current_bytes = 0u64;
     for r in requests {
-        let t = header.get(&r.name).ok_or_else(|| Error::UnknownTensor { tensor: r.name.clone() })?;
+        let t = header.get(&r.name).ok_or_else(|| Error::UnknownTensor {
+            tensor: r.name.clone(),
+        })?;
         let (from, to) = (t.dtype, r.dtype);
         let converting = from != to;
         if converting && !(from.is_convertible_float() && to.is_convertible_float()) {
@@ -147,17 +164,27 @@ pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
         let total: u64 = runs.iter().map(|r| r.1).sum();
         let expected = to.bytes_for(total).unwrap_or(u64::MAX);
         if expected != r.len as u64 {
-            return Err(Error::DestinationSize { tensor: t.name.clone(), expected, actual: r.len as u64 });
+            return Err(Error::DestinationSize {
+                tensor: t.name.clone(),
+                expected,
+                actual: r.len as u64,
+            });
         }
         if r.len > 0 && r.ptr.is_null() {
-            return Err(Error::NullDestination { tensor: t.name.clone() });
+            return Err(Error::NullDestination {
+                tensor: t.name.clone(),
+            });
         }
         // For packed types (whole tensor, same dtype) count bytes; otherwise elements.
         let (src_unit, dst_unit) = match (from.itemsize(), to.itemsize()) {
             (Some(s), Some(d)) => (s as u64, d as u64),
             _ => (1, 1),
         };
-        let runs = if src_unit == 1 && from.itemsize().is_none() { vec![(0, t.nbytes())] } else { runs };
+        let runs = if src_unit == 1 && from.itemsize().is_none() {
+            vec![(0, t.nbytes())]
+        } else {
+            runs
+        };
         let per_task = (CHUNK / src_unit.max(dst_unit)).max(1);
         let mut dst_off = 0u64;
         for (first, count) in runs {
@@ -225,7 +252,10 @@ fn run_piece(file: &SafetensorsFile, p: &Piece) -> Result<()> {
 /// A pool with `threads` workers, built once per size and reused.
 pub fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
     static POOLS: OnceLock<Mutex<HashMap<usize, Arc<ThreadPool>>>> = OnceLock::new();
-    let mut pools = POOLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut pools = POOLS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if let Some(p) = pools.get(&threads) {
         return Ok(p.clone());
     }
@@ -233,7 +263,9 @@ pub fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
         .num_threads(threads)
         .thread_name(|i| format!("fastload-copy-{i}"))
         .build()
-        .map_err(|e| Error::Io { detail: format!("cannot start {threads} copy threads: {e}") })?;
+        .map_err(|e| Error::Io {
+            detail: format!("cannot start {threads} copy threads: {e}"),
+        })?;
     let p = Arc::new(p);
     pools.insert(threads, p.clone());
     Ok(p)
@@ -241,7 +273,9 @@ pub fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
 
 /// The default thread count: the CPUs this process may use.
 pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }
 
 /// Runs a plan with `threads` workers (`None`: [`default_threads`]).
@@ -257,7 +291,11 @@ pub unsafe fn execute(file: &SafetensorsFile, plan: &Plan, threads: Option<usize
             run_piece(file, p)?;
         }
     } else {
-        pool(threads)?.install(|| plan.tasks.par_iter().try_for_each(|task| task.iter().try_for_each(|p| run_piece(file, p))))?;
+        pool(threads)?.install(|| {
+            plan.tasks
+                .par_iter()
+                .try_for_each(|task| task.iter().try_for_each(|p| run_piece(file, p)))
+        })?;
     }
     Ok(plan.dst_bytes)
 }
@@ -266,7 +304,11 @@ pub unsafe fn execute(file: &SafetensorsFile, plan: &Plan, threads: Option<usize
 ///
 /// # Safety
 /// As [`execute`].
-pub unsafe fn copy(file: &SafetensorsFile, requests: &[Request], threads: Option<usize>) -> Result<u64> {
+pub unsafe fn copy(
+    file: &SafetensorsFile,
+    requests: &[Request],
+    threads: Option<usize>,
+) -> Result<u64> {
     let plan = plan(file, requests)?;
     // SAFETY: forwarded contract.
     unsafe { execute(file, &plan, threads) }
@@ -283,32 +325,59 @@ mod tests {
     fn write(tensors: &[(&str, Dtype, Vec<u64>, Vec<u8>)]) -> std::path::PathBuf {
         use std::sync::atomic::{AtomicU64, Ordering};
         static N: AtomicU64 = AtomicU64::new(0);
-        let spec: Vec<(String, Dtype, Vec<u64>)> = tensors.iter().map(|t| (t.0.to_string(), t.1, t.2.clone())).collect();
+        let spec: Vec<(String, Dtype, Vec<u64>)> = tensors
+            .iter()
+            .map(|t| (t.0.to_string(), t.1, t.2.clone()))
+            .collect();
         let (mut buf, _) = build_header(&spec, None).unwrap();
         for t in tensors {
             buf.extend_from_slice(&t.3);
         }
-        let path = std::env::temp_dir().join(format!("fastload-copy-{}-{}.st", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-        std::fs::File::create(&path).unwrap().write_all(&buf).unwrap();
+        let path = std::env::temp_dir().join(format!(
+            "fastload-copy-{}-{}.st",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(&buf)
+            .unwrap();
         path
     }
 
     fn req(name: &str, dst: &mut [u8], dtype: Dtype, selection: Selection) -> Request {
-        Request { name: name.into(), ptr: dst.as_mut_ptr(), len: dst.len(), dtype, selection }
+        Request {
+            name: name.into(),
+            ptr: dst.as_mut_ptr(),
+            len: dst.len(),
+            dtype,
+            selection,
+        }
     }
 
     #[test]
     fn copies_whole_tensors_in_both_modes_and_with_many_threads() {
-        let big: Vec<u8> = (0..(3 * CHUNK as usize + 123)).map(|i| (i % 251) as u8).collect();
-        let path = write(&[("small", Dtype::U8, vec![3], vec![1, 2, 3]), ("big", Dtype::U8, vec![big.len() as u64], big.clone())]);
+        let big: Vec<u8> = (0..(3 * CHUNK as usize + 123))
+            .map(|i| (i % 251) as u8)
+            .collect();
+        let path = write(&[
+            ("small", Dtype::U8, vec![3], vec![1, 2, 3]),
+            ("big", Dtype::U8, vec![big.len() as u64], big.clone()),
+        ]);
         for mode in [ReadMode::Pread, ReadMode::Mmap] {
             let f = SafetensorsFile::open(&path, mode).unwrap();
             for threads in [1, 4] {
                 let (mut a, mut b) = (vec![0u8; 3], vec![0u8; big.len()]);
-                let reqs = [req("small", &mut a, Dtype::U8, Selection::All), req("big", &mut b, Dtype::U8, Selection::All)];
+                let reqs = [
+                    req("small", &mut a, Dtype::U8, Selection::All),
+                    req("big", &mut b, Dtype::U8, Selection::All),
+                ];
                 let p = plan(&f, &reqs).unwrap();
                 assert!(p.tasks() >= 4);
-                assert_eq!(unsafe { execute(&f, &p, Some(threads)) }.unwrap(), big.len() as u64 + 3);
+                assert_eq!(
+                    unsafe { execute(&f, &p, Some(threads)) }.unwrap(),
+                    big.len() as u64 + 3
+                );
                 assert_eq!(a, [1, 2, 3]);
                 assert!(b == big);
             }
@@ -319,13 +388,19 @@ mod tests {
     #[test]
     fn converts_bf16_to_f32_on_the_way() {
         let vals = [1.5f32, -2.25, 1024.0];
-        let raw: Vec<u8> = vals.iter().flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes()).collect();
+        let raw: Vec<u8> = vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect();
         let path = write(&[("w", Dtype::BF16, vec![3], raw)]);
         for mode in [ReadMode::Pread, ReadMode::Mmap] {
             let f = SafetensorsFile::open(&path, mode).unwrap();
             let mut out = vec![0u8; 12];
             unsafe { copy(&f, &[req("w", &mut out, Dtype::F32, Selection::All)], None) }.unwrap();
-            let got: Vec<f32> = out.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+            let got: Vec<f32> = out
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
             assert_eq!(got, vals);
         }
         std::fs::remove_file(path).unwrap();
@@ -340,33 +415,114 @@ mod tests {
         let read = |sel: Selection, n: usize| {
             let mut out = vec![0u8; n * 2];
             unsafe { copy(&f, &[req("m", &mut out, Dtype::U16, sel)], Some(2)) }.unwrap();
-            out.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect::<Vec<_>>()
+            out.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect::<Vec<_>>()
         };
-        assert_eq!(read(Selection::Slice { dim: 0, start: 1, stop: 3 }, 8), (4..12).collect::<Vec<_>>());
-        assert_eq!(read(Selection::Slice { dim: 1, start: 2, stop: 4 }, 6), vec![2, 3, 6, 7, 10, 11]);
-        assert_eq!(read(Selection::Elements { start: 5, stop: 7 }, 2), vec![5, 6]);
+        assert_eq!(
+            read(
+                Selection::Slice {
+                    dim: 0,
+                    start: 1,
+                    stop: 3
+                },
+                8
+            ),
+            (4..12).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            read(
+                Selection::Slice {
+                    dim: 1,
+                    start: 2,
+                    stop: 4
+                },
+                6
+            ),
+            vec![2, 3, 6, 7, 10, 11]
+        );
+        assert_eq!(
+            read(Selection::Elements { start: 5, stop: 7 }, 2),
+            vec![5, 6]
+        );
         std::fs::remove_file(path).unwrap();
     }
 
     #[test]
     fn rejects_bad_requests_before_writing_anything() {
-        let path = write(&[("a", Dtype::I32, vec![2], vec![1, 0, 0, 0, 2, 0, 0, 0]), ("b", Dtype::F4, vec![4], vec![0x12, 0x34])]);
+        let path = write(&[
+            ("a", Dtype::I32, vec![2], vec![1, 0, 0, 0, 2, 0, 0, 0]),
+            ("b", Dtype::F4, vec![4], vec![0x12, 0x34]),
+        ]);
         let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
         let mut ok = vec![0u8; 8];
         let mut short = vec![7u8; 4];
         let rule = |reqs: &[Request]| unsafe { copy(&f, reqs, None) }.unwrap_err().rule();
         // The valid first request must not have been written when the second fails.
-        assert_eq!(rule(&[req("a", &mut ok, Dtype::I32, Selection::All), req("a", &mut short, Dtype::I32, Selection::All)]), "destination-size");
+        assert_eq!(
+            rule(&[
+                req("a", &mut ok, Dtype::I32, Selection::All),
+                req("a", &mut short, Dtype::I32, Selection::All)
+            ]),
+            "destination-size"
+        );
         assert_eq!(ok, vec![0u8; 8]);
-        assert_eq!(rule(&[req("zz", &mut ok, Dtype::I32, Selection::All)]), "unknown-tensor");
-        assert_eq!(rule(&[req("a", &mut ok, Dtype::F64, Selection::All)]), "unsupported-conversion");
-        assert_eq!(rule(&[req("a", &mut short, Dtype::I32, Selection::Elements { start: 1, stop: 3 })]), "invalid-selection");
-        assert_eq!(rule(&[req("a", &mut short, Dtype::I32, Selection::Slice { dim: 1, start: 0, stop: 1 })]), "invalid-selection");
-        assert_eq!(rule(&[req("b", &mut short, Dtype::F4, Selection::Elements { start: 0, stop: 2 })]), "invalid-selection");
-        let null = Request { name: "a".into(), ptr: std::ptr::null_mut(), len: 8, dtype: Dtype::I32, selection: Selection::All };
+        assert_eq!(
+            rule(&[req("zz", &mut ok, Dtype::I32, Selection::All)]),
+            "unknown-tensor"
+        );
+        assert_eq!(
+            rule(&[req("a", &mut ok, Dtype::F64, Selection::All)]),
+            "unsupported-conversion"
+        );
+        assert_eq!(
+            rule(&[req(
+                "a",
+                &mut short,
+                Dtype::I32,
+                Selection::Elements { start: 1, stop: 3 }
+            )]),
+            "invalid-selection"
+        );
+        assert_eq!(
+            rule(&[req(
+                "a",
+                &mut short,
+                Dtype::I32,
+                Selection::Slice {
+                    dim: 1,
+                    start: 0,
+                    stop: 1
+                }
+            )]),
+            "invalid-selection"
+        );
+        assert_eq!(
+            rule(&[req(
+                "b",
+                &mut short,
+                Dtype::F4,
+                Selection::Elements { start: 0, stop: 2 }
+            )]),
+            "invalid-selection"
+        );
+        let null = Request {
+            name: "a".into(),
+            ptr: std::ptr::null_mut(),
+            len: 8,
+            dtype: Dtype::I32,
+            selection: Selection::All,
+        };
         assert_eq!(rule(&[null]), "null-destination");
         let mut packed = vec![0u8; 2];
-        unsafe { copy(&f, &[req("b", &mut packed, Dtype::F4, Selection::All)], None) }.unwrap();
+        unsafe {
+            copy(
+                &f,
+                &[req("b", &mut packed, Dtype::F4, Selection::All)],
+                None,
+            )
+        }
+        .unwrap();
         assert_eq!(packed, [0x12, 0x34]);
         std::fs::remove_file(path).unwrap();
     }

@@ -28,17 +28,33 @@ pub enum Error {
     /// A shape whose element count overflows, or a packed type that does not end on a byte.
     InvalidShape { tensor: String, detail: String },
     /// `data_offsets` with begin > end.
-    InvalidOffsets { tensor: String, begin: u64, end: u64 },
+    InvalidOffsets {
+        tensor: String,
+        begin: u64,
+        end: u64,
+    },
     /// shape × itemsize differs from the `data_offsets` span.
-    SpanMismatch { tensor: String, expected: u64, actual: u64 },
+    SpanMismatch {
+        tensor: String,
+        expected: u64,
+        actual: u64,
+    },
     /// `data_offsets` end beyond the data section.
-    OffsetsPastEof { tensor: String, end: u64, data_len: u64 },
+    OffsetsPastEof {
+        tensor: String,
+        end: u64,
+        data_len: u64,
+    },
     /// The same tensor name appears twice.
     DuplicateName { tensor: String },
     /// Two tensors share bytes.
     Overlap { tensor: String, other: String },
     /// Bytes that no tensor covers before a tensor (a hole, or data not starting at 0).
-    Gap { tensor: String, expected: u64, begin: u64 },
+    Gap {
+        tensor: String,
+        expected: u64,
+        begin: u64,
+    },
     /// Bytes that no tensor covers at the end of the data section.
     TrailingBytes { covered: u64, data_len: u64 },
     /// `__metadata__` is not an object of string to string.
@@ -46,11 +62,19 @@ pub enum Error {
     /// A name the file does not contain.
     UnknownTensor { tensor: String },
     /// A destination of the wrong byte size.
-    DestinationSize { tensor: String, expected: u64, actual: u64 },
+    DestinationSize {
+        tensor: String,
+        expected: u64,
+        actual: u64,
+    },
     /// A destination pointer that is null while bytes are to be written.
     NullDestination { tensor: String },
     /// A dtype conversion the engine does not do.
-    UnsupportedConversion { tensor: String, from: String, to: String },
+    UnsupportedConversion {
+        tensor: String,
+        from: String,
+        to: String,
+    },
     /// A selection (element range or slice) outside the tensor.
     InvalidSelection { tensor: String, detail: String },
     /// The file got shorter after its header was read.
@@ -186,7 +210,9 @@ impl std::error::Error for Error {}
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
-        Error::Io { detail: e.to_string() }
+        Error::Io {
+            detail: e.to_string(),
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use memmap2::{Advice, Mmap};
 
 use crate::error::{Error, Result};
-use crate::header::{parse_header, read_header_len, Header, LEN_PREFIX};
+use crate::header::{parse_buffer, parse_header, read_header_len, Header, LEN_PREFIX};
 
 /// How tensor bytes are read from the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,14 +42,24 @@ impl ReadMode {
     }
 }
 
+/// Where the bytes of a [`SafetensorsFile`] come from.
+#[derive(Debug)]
+enum Backing {
+    /// Positioned reads from the open file.
+    Pread(File),
+    /// A read-only map of the open file (the file is kept to notice truncation).
+    Mapped(File, Mmap),
+    /// Bytes owned in memory (tests, fuzzing, callers that already hold the file).
+    Memory(Box<[u8]>),
+}
+
 /// An open, validated safetensors file.
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
-    file: File,
     len: u64,
     header: Header,
-    mmap: Option<Mmap>,
+    backing: Backing,
 }
 
 impl SafetensorsFile {
@@ -65,18 +75,38 @@ impl SafetensorsFile {
         let mut json = vec![0u8; n as usize];
         read_exact_at(&file, &mut json, LEN_PREFIX, len)?;
         let header = parse_header(&json, len)?;
-        let mmap = match mode {
-            ReadMode::Pread => None,
+        let backing = match mode {
+            ReadMode::Pread => Backing::Pread(file),
             ReadMode::Mmap => {
                 // SAFETY: the map is read-only; a concurrent truncation is checked for before each
                 // copy (see `check_unchanged`), which narrows but cannot close the SIGBUS window:
                 // that is why pread is the default.
                 let m = unsafe { Mmap::map(&file)? };
+                // A file that shrank between the header read and the map gives a shorter map;
+                // reads past its end would be refused later, but say what happened now.
+                if (m.len() as u64) < len {
+                    return Err(Error::FileShrunk { expected: len, actual: m.len() as u64 });
+                }
                 let _ = m.advise(Advice::Sequential);
-                Some(m)
+                Backing::Mapped(file, m)
             }
         };
-        Ok(SafetensorsFile { path: path.to_path_buf(), file, len, header, mmap })
+        Ok(SafetensorsFile { path: path.to_path_buf(), len, header, backing })
+    }
+
+    /// Validates a whole file held in memory; `label` stands for the path in messages.
+    ///
+    /// Reads copy out of `bytes` ([`SafetensorsFile::mode`] reports [`ReadMode::Mmap`], the
+    /// in-place read path); planning and copying are the same as for a file on disk, which is
+    /// what lets tests and the fuzzers drive the copy engine without touching the disk.
+    pub fn from_bytes(label: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
+        let header = parse_buffer(&bytes)?;
+        Ok(SafetensorsFile {
+            path: label.into(),
+            len: bytes.len() as u64,
+            header,
+            backing: Backing::Memory(bytes.into_boxed_slice()),
+        })
     }
 
     /// The path the file was opened with.
@@ -101,45 +131,56 @@ impl SafetensorsFile {
 
     /// The read path in use.
     pub fn mode(&self) -> ReadMode {
-        if self.mmap.is_some() {
-            ReadMode::Mmap
-        } else {
-            ReadMode::Pread
+        match self.backing {
+            Backing::Pread(_) => ReadMode::Pread,
+            Backing::Mapped(..) | Backing::Memory(_) => ReadMode::Mmap,
         }
     }
 
     /// Fails with [`Error::FileShrunk`] if the file is now shorter than when it was opened.
     pub fn check_unchanged(&self) -> Result<()> {
-        let now = self.file.metadata()?.len();
+        let file = match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => f,
+            Backing::Memory(_) => return Ok(()),
+        };
+        let now = file.metadata()?.len();
         if now < self.len {
             return Err(Error::FileShrunk { expected: self.len, actual: now });
         }
         Ok(())
     }
 
-    /// The mapped bytes at absolute `offset`, in mmap mode.
+    /// The bytes at absolute `offset` in mmap mode (and for in-memory files); `None` in pread
+    /// mode or when the range is not inside the file.
     pub fn mapped(&self, offset: u64, len: usize) -> Option<&[u8]> {
-        let m = self.mmap.as_ref()?;
+        let bytes: &[u8] = match &self.backing {
+            Backing::Mapped(_, m) => m,
+            Backing::Memory(b) => b,
+            Backing::Pread(_) => return None,
+        };
         let start = usize::try_from(offset).ok()?;
-        m.get(start..start.checked_add(len)?)
+        bytes.get(start..start.checked_add(len)?)
     }
 
     /// Fills `dst` with the bytes at absolute file `offset`.
     pub fn read_at(&self, dst: &mut [u8], offset: u64) -> Result<()> {
-        match self.mapped(offset, dst.len()) {
-            Some(src) => {
+        match (&self.backing, self.mapped(offset, dst.len())) {
+            (_, Some(src)) => {
                 dst.copy_from_slice(src);
                 Ok(())
             }
-            None if self.mmap.is_some() => Err(Error::FileShrunk { expected: offset + dst.len() as u64, actual: self.len }),
-            None => read_exact_at(&self.file, dst, offset, self.len),
+            (Backing::Pread(file), None) => read_exact_at(file, dst, offset, self.len),
+            (_, None) => Err(Error::FileShrunk {
+                expected: offset.saturating_add(dst.len() as u64),
+                actual: self.len,
+            }),
         }
     }
 
     /// Advises the kernel that `[offset, offset+len)` will be read soon (mmap mode only).
     pub fn will_need(&self, offset: u64, len: usize) {
-        if let (Some(m), Ok(start)) = (self.mmap.as_ref(), usize::try_from(offset)) {
-            if start.checked_add(len).is_some_and(|e| e <= m.len()) && len > 0 {
+        if let (Backing::Mapped(_, m), Ok(start)) = (&self.backing, usize::try_from(offset)) {
+            if len > 0 && start.checked_add(len).is_some_and(|e| e <= m.len()) {
                 let _ = m.advise_range(Advice::WillNeed, start, len);
             }
         }
@@ -147,12 +188,20 @@ impl SafetensorsFile {
 }
 
 /// `pread` until `dst` is full; a short file is [`Error::FileShrunk`], not a partial result.
-fn read_exact_at(file: &File, mut dst: &mut [u8], mut offset: u64, expected_len: u64) -> Result<()> {
+fn read_exact_at(
+    file: &File,
+    mut dst: &mut [u8],
+    mut offset: u64,
+    expected_len: u64,
+) -> Result<()> {
     while !dst.is_empty() {
         match file.read_at(dst, offset) {
             Ok(0) => {
                 let actual = file.metadata().map(|m| m.len()).unwrap_or(offset);
-                return Err(Error::FileShrunk { expected: expected_len, actual });
+                return Err(Error::FileShrunk {
+                    expected: expected_len,
+                    actual,
+                });
             }
             Ok(n) => {
                 dst = &mut dst[n..];
@@ -174,7 +223,11 @@ mod tests {
 
     pub(crate) fn temp_file(bytes: &[u8]) -> (PathBuf, File) {
         let dir = std::env::temp_dir();
-        let path = dir.join(format!("fastload-test-{}-{}.safetensors", std::process::id(), rand_suffix()));
+        let path = dir.join(format!(
+            "fastload-test-{}-{}.safetensors",
+            std::process::id(),
+            rand_suffix()
+        ));
         let mut f = File::create(&path).unwrap();
         f.write_all(bytes).unwrap();
         (path, f)
@@ -200,7 +253,8 @@ mod tests {
             assert_eq!(f.mode(), mode);
             let x = f.header().get("x").unwrap();
             let mut out = [0u8; 4];
-            f.read_at(&mut out, f.header().data_start() + x.begin + 4).unwrap();
+            f.read_at(&mut out, f.header().data_start() + x.begin + 4)
+                .unwrap();
             assert_eq!(out, [4, 5, 6, 7]);
         }
         std::fs::remove_file(path).unwrap();
@@ -213,14 +267,17 @@ mod tests {
         f.set_len(20).unwrap();
         assert_eq!(opened.check_unchanged().unwrap_err().rule(), "file-shrunk");
         let mut out = [0u8; 16];
-        let err = opened.read_at(&mut out, opened.header().data_start()).unwrap_err();
+        let err = opened
+            .read_at(&mut out, opened.header().data_start())
+            .unwrap_err();
         assert_eq!(err.rule(), "file-shrunk");
         std::fs::remove_file(path).unwrap();
     }
 
     #[test]
     fn a_missing_file_is_an_io_error() {
-        let err = SafetensorsFile::open(Path::new("/nonexistent/x.safetensors"), ReadMode::Pread).unwrap_err();
+        let err = SafetensorsFile::open(Path::new("/nonexistent/x.safetensors"), ReadMode::Pread)
+            .unwrap_err();
         assert_eq!(err.rule(), "io");
     }
 }

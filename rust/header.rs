@@ -92,7 +92,10 @@ pub fn read_header_len(prefix: &[u8], file_len: u64) -> Result<u64> {
     bytes.copy_from_slice(&prefix[..8]);
     let len = u64::from_le_bytes(bytes);
     if len > MAX_HEADER_LEN {
-        return Err(Error::HeaderTooLarge { len, cap: MAX_HEADER_LEN });
+        return Err(Error::HeaderTooLarge {
+            len,
+            cap: MAX_HEADER_LEN,
+        });
     }
     if len > file_len - LEN_PREFIX {
         return Err(Error::HeaderPastEof { len, file_len });
@@ -105,9 +108,13 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     let json_len = json.len() as u64;
     let data_len = file_len
         .checked_sub(LEN_PREFIX + json_len)
-        .ok_or(Error::HeaderPastEof { len: json_len, file_len })?;
-    let text = std::str::from_utf8(json)
-        .map_err(|e| Error::HeaderNotUtf8 { position: e.valid_up_to() })?;
+        .ok_or(Error::HeaderPastEof {
+            len: json_len,
+            file_len,
+        })?;
+    let text = std::str::from_utf8(json).map_err(|e| Error::HeaderNotUtf8 {
+        position: e.valid_up_to(),
+    })?;
     let entries = parse_entries(text)?;
 
     let mut tensors = Vec::with_capacity(entries.len());
@@ -131,7 +138,12 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
         tensors.push(info);
     }
     check_layout(&tensors, data_len)?;
-    Ok(Header { tensors, by_name, metadata, json_len })
+    Ok(Header {
+        tensors,
+        by_name,
+        metadata,
+        json_len,
+    })
 }
 
 /// Validates a whole file held in memory (tests, fuzzing, and callers with a buffer).
@@ -152,7 +164,10 @@ impl<'de> serde::Deserialize<'de> for Entries {
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Entries, A::Error> {
                 let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
                 while let Some((k, v)) = map.next_entry::<String, Value>()? {
                     out.push((k, v));
@@ -169,23 +184,32 @@ fn parse_entries(text: &str) -> Result<Vec<(String, Value)>> {
         // Tell "valid JSON, wrong shape" from "not JSON at all".
         return Err(match serde_json::from_str::<de::IgnoredAny>(text) {
             Ok(_) => Error::HeaderNotObject,
-            Err(e) => Error::InvalidJson { detail: e.to_string() },
+            Err(e) => Error::InvalidJson {
+                detail: e.to_string(),
+            },
         });
     }
     serde_json::from_str::<Entries>(text)
         .map(|e| e.0)
-        .map_err(|e| Error::InvalidJson { detail: e.to_string() })
+        .map_err(|e| Error::InvalidJson {
+            detail: e.to_string(),
+        })
 }
 
 fn parse_metadata(value: Value) -> Result<Vec<(String, String)>> {
     let Value::Object(map) = value else {
-        return Err(Error::InvalidMetadata { detail: "must be an object of string to string".into() });
+        return Err(Error::InvalidMetadata {
+            detail: "must be an object of string to string".into(),
+        });
     };
     map.into_iter()
         .map(|(k, v)| match v {
             Value::String(s) => Ok((k, s)),
             other => Err(Error::InvalidMetadata {
-                detail: format!("value of '{k}' must be a string, found {}", json_kind(&other)),
+                detail: format!(
+                    "value of '{k}' must be a string, found {}",
+                    json_kind(&other)
+                ),
             }),
         })
         .collect()
@@ -203,18 +227,33 @@ fn json_kind(v: &Value) -> &'static str {
 }
 
 fn parse_tensor(name: String, value: Value, data_len: u64) -> Result<TensorInfo> {
-    let entry_err = |detail: String| Error::InvalidTensorEntry { tensor: name.clone(), detail };
-    let Value::Object(mut obj) = value else {
-        return Err(entry_err(format!("expected an object, found {}", json_kind(&value))));
+    let entry_err = |detail: String| Error::InvalidTensorEntry {
+        tensor: name.clone(),
+        detail,
     };
-    if let Some(extra) = obj.keys().find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets")) {
+    let Value::Object(mut obj) = value else {
+        return Err(entry_err(format!(
+            "expected an object, found {}",
+            json_kind(&value)
+        )));
+    };
+    if let Some(extra) = obj
+        .keys()
+        .find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
+    {
         return Err(entry_err(format!("unknown field '{extra}'")));
     }
     let dtype = match obj.remove("dtype") {
-        Some(Value::String(s)) => {
-            Dtype::parse(&s).ok_or_else(|| Error::UnknownDtype { tensor: name.clone(), dtype: s })?
+        Some(Value::String(s)) => Dtype::parse(&s).ok_or_else(|| Error::UnknownDtype {
+            tensor: name.clone(),
+            dtype: s,
+        })?,
+        Some(other) => {
+            return Err(entry_err(format!(
+                "'dtype' must be a string, found {}",
+                json_kind(&other)
+            )))
         }
-        Some(other) => return Err(entry_err(format!("'dtype' must be a string, found {}", json_kind(&other)))),
         None => return Err(entry_err("missing field 'dtype'".into())),
     };
     let shape = match obj.remove("shape") {
@@ -227,35 +266,65 @@ fn parse_tensor(name: String, value: Value, data_len: u64) -> Result<TensorInfo>
                 })
             })
             .collect::<Result<Vec<u64>>>()?,
-        Some(other) => return Err(entry_err(format!("'shape' must be an array, found {}", json_kind(&other)))),
+        Some(other) => {
+            return Err(entry_err(format!(
+                "'shape' must be an array, found {}",
+                json_kind(&other)
+            )))
+        }
         None => return Err(entry_err("missing field 'shape'".into())),
     };
     let (begin, end) = match obj.remove("data_offsets") {
         Some(Value::Array(o)) if o.len() == 2 => match (o[0].as_u64(), o[1].as_u64()) {
             (Some(b), Some(e)) => (b, e),
-            _ => return Err(entry_err("'data_offsets' must be two non-negative integers".into())),
+            _ => {
+                return Err(entry_err(
+                    "'data_offsets' must be two non-negative integers".into(),
+                ))
+            }
         },
         Some(_) => return Err(entry_err("'data_offsets' must be [begin, end]".into())),
         None => return Err(entry_err("missing field 'data_offsets'".into())),
     };
     if begin > end {
-        return Err(Error::InvalidOffsets { tensor: name, begin, end });
+        return Err(Error::InvalidOffsets {
+            tensor: name,
+            begin,
+            end,
+        });
     }
     let numel = shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::InvalidShape { tensor: name.clone(), detail: format!("{shape:?} overflows") })?;
+        .ok_or_else(|| Error::InvalidShape {
+            tensor: name.clone(),
+            detail: format!("{shape:?} overflows"),
+        })?;
     let expected = dtype.bytes_for(numel).ok_or_else(|| Error::InvalidShape {
         tensor: name.clone(),
         detail: format!("{numel} elements of {dtype} do not fill whole bytes or overflow"),
     })?;
     if expected != end - begin {
-        return Err(Error::SpanMismatch { tensor: name, expected, actual: end - begin });
+        return Err(Error::SpanMismatch {
+            tensor: name,
+            expected,
+            actual: end - begin,
+        });
     }
     if end > data_len {
-        return Err(Error::OffsetsPastEof { tensor: name, end, data_len });
+        return Err(Error::OffsetsPastEof {
+            tensor: name,
+            end,
+            data_len,
+        });
     }
-    Ok(TensorInfo { name, dtype, shape, begin, end })
+    Ok(TensorInfo {
+        name,
+        dtype,
+        shape,
+        begin,
+        end,
+    })
 }
 
 /// The data section must be covered exactly: from byte 0, no overlaps, no holes, nothing after.
@@ -267,10 +336,17 @@ fn check_layout(tensors: &[TensorInfo], data_len: u64) -> Result<()> {
     for t in order {
         if t.begin < expected {
             let other = prev.map(|p| p.name.clone()).unwrap_or_default();
-            return Err(Error::Overlap { tensor: t.name.clone(), other });
+            return Err(Error::Overlap {
+                tensor: t.name.clone(),
+                other,
+            });
         }
         if t.begin > expected {
-            return Err(Error::Gap { tensor: t.name.clone(), expected, begin: t.begin });
+            return Err(Error::Gap {
+                tensor: t.name.clone(),
+                expected,
+                begin: t.begin,
+            });
         }
         expected = t.end;
         if t.end > t.begin {
@@ -278,10 +354,16 @@ fn check_layout(tensors: &[TensorInfo], data_len: u64) -> Result<()> {
         }
     }
     if expected != data_len {
-        return Err(Error::TrailingBytes { covered: expected, data_len });
+        return Err(Error::TrailingBytes {
+            covered: expected,
+            data_len,
+        });
     }
     Ok(())
 }
+
+/// What [`build_header`] returns: the file prefix (length + JSON) and each tensor's data offsets.
+pub type BuiltHeader = (Vec<u8>, Vec<(u64, u64)>);
 
 /// Serializes a header for the given tensors (name, dtype, shape) laid out back to back, padded
 /// with spaces to a multiple of 8 bytes so the data section is aligned. Returns the full prefix
@@ -289,24 +371,30 @@ fn check_layout(tensors: &[TensorInfo], data_len: u64) -> Result<()> {
 pub fn build_header(
     tensors: &[(String, Dtype, Vec<u64>)],
     metadata: Option<&[(String, String)]>,
-) -> Result<(Vec<u8>, Vec<(u64, u64)>)> {
+) -> Result<BuiltHeader> {
     let mut obj = serde_json::Map::new();
     if let Some(meta) = metadata {
-        let m: serde_json::Map<String, Value> =
-            meta.iter().map(|(k, v)| (k.clone(), Value::String(v.clone()))).collect();
+        let m: serde_json::Map<String, Value> = meta
+            .iter()
+            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .collect();
         obj.insert("__metadata__".into(), Value::Object(m));
     }
     let mut offsets = Vec::with_capacity(tensors.len());
     let mut pos = 0u64;
     for (name, dtype, shape) in tensors {
         if name == "__metadata__" || obj.contains_key(name) {
-            return Err(Error::DuplicateName { tensor: name.clone() });
+            return Err(Error::DuplicateName {
+                tensor: name.clone(),
+            });
         }
         let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-        let nbytes = numel.and_then(|n| dtype.bytes_for(n)).ok_or_else(|| Error::InvalidShape {
-            tensor: name.clone(),
-            detail: format!("{shape:?} of {dtype} overflows or is not whole bytes"),
-        })?;
+        let nbytes = numel
+            .and_then(|n| dtype.bytes_for(n))
+            .ok_or_else(|| Error::InvalidShape {
+                tensor: name.clone(),
+                detail: format!("{shape:?} of {dtype} overflows or is not whole bytes"),
+            })?;
         let end = pos + nbytes;
         obj.insert(
             name.clone(),
@@ -315,7 +403,9 @@ pub fn build_header(
         offsets.push((pos, end));
         pos = end;
     }
-    let mut json = serde_json::to_vec(&Value::Object(obj)).map_err(|e| Error::InvalidJson { detail: e.to_string() })?;
+    let mut json = serde_json::to_vec(&Value::Object(obj)).map_err(|e| Error::InvalidJson {
+        detail: e.to_string(),
+    })?;
     while json.len() % 8 != 0 {
         json.push(b' ');
     }
@@ -348,7 +438,10 @@ mod tests {
         assert_eq!(h.tensors().len(), 3);
         assert_eq!(h.get("s").unwrap().numel(), 1);
         assert_eq!(h.get("e").unwrap().nbytes(), 0);
-        assert_eq!(h.metadata().unwrap(), &[("format".to_string(), "pt".to_string())]);
+        assert_eq!(
+            h.metadata().unwrap(),
+            &[("format".to_string(), "pt".to_string())]
+        );
         assert_eq!(h.sorted_names(), vec!["a", "e", "s"]);
     }
 
@@ -399,43 +492,103 @@ mod tests {
 
     #[test]
     fn rejects_entries_with_missing_unknown_or_mistyped_fields() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[1]}}"#, 4)), "invalid-tensor-entry");
         assert_eq!(
-            rule(&file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#, 4)),
+            rule(&file(r#"{"a":{"dtype":"F32","shape":[1]}}"#, 4)),
+            "invalid-tensor-entry"
+        );
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#,
+                4
+            )),
             "invalid-tensor-entry"
         );
         assert_eq!(rule(&file(r#"{"a":3}"#, 0)), "invalid-tensor-entry");
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}}"#, 4)), "invalid-tensor-entry");
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,-4]}}"#, 4)), "invalid-tensor-entry");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}}"#,
+                4
+            )),
+            "invalid-tensor-entry"
+        );
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,-4]}}"#,
+                4
+            )),
+            "invalid-tensor-entry"
+        );
     }
 
     #[test]
     fn rejects_an_unknown_dtype() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}}"#, 16)), "unknown-dtype");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F128","shape":[1],"data_offsets":[0,16]}}"#,
+                16
+            )),
+            "unknown-dtype"
+        );
     }
 
     #[test]
     fn rejects_negative_non_integer_and_overflowing_shapes() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#, 4)), "invalid-shape");
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}}"#, 4)), "invalid-shape");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}}"#,
+                4
+            )),
+            "invalid-shape"
+        );
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}}"#,
+                4
+            )),
+            "invalid-shape"
+        );
         let big = r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4],"data_offsets":[0,4]}}"#;
         assert_eq!(rule(&file(big, 4)), "invalid-shape");
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#, 2)), "invalid-shape");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}}"#,
+                2
+            )),
+            "invalid-shape"
+        );
     }
 
     #[test]
     fn rejects_begin_after_end() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#, 4)), "invalid-offsets");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"U8","shape":[0],"data_offsets":[4,0]}}"#,
+                4
+            )),
+            "invalid-offsets"
+        );
     }
 
     #[test]
     fn rejects_a_span_that_disagrees_with_the_shape() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#, 4)), "span-mismatch");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#,
+                4
+            )),
+            "span-mismatch"
+        );
     }
 
     #[test]
     fn rejects_offsets_past_the_end_of_the_data() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#, 4)), "offsets-past-eof");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#,
+                4
+            )),
+            "offsets-past-eof"
+        );
     }
 
     #[test]
@@ -454,17 +607,32 @@ mod tests {
     fn rejects_a_hole_between_tensors_or_before_the_first() {
         let json = r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]}}"#;
         assert_eq!(rule(&file(json, 6)), "gap");
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#, 4)), "gap");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[2,4]}}"#,
+                4
+            )),
+            "gap"
+        );
     }
 
     #[test]
     fn rejects_trailing_bytes_after_the_last_tensor() {
-        assert_eq!(rule(&file(r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#, 5)), "trailing-bytes");
+        assert_eq!(
+            rule(&file(
+                r#"{"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]}}"#,
+                5
+            )),
+            "trailing-bytes"
+        );
     }
 
     #[test]
     fn rejects_metadata_that_is_not_string_to_string() {
-        assert_eq!(rule(&file(r#"{"__metadata__":{"a":1}}"#, 0)), "invalid-metadata");
+        assert_eq!(
+            rule(&file(r#"{"__metadata__":{"a":1}}"#, 0)),
+            "invalid-metadata"
+        );
         assert_eq!(rule(&file(r#"{"__metadata__":[]}"#, 0)), "invalid-metadata");
     }
 

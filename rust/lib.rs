@@ -21,6 +21,8 @@ pub mod write;
 
 #[cfg(feature = "python")]
 mod bindings;
+#[cfg(test)]
+mod corpus_replay;
 
 pub use dtype::Dtype;
 pub use error::{Error, Result};

@@ -36,21 +36,39 @@ unsafe impl Sync for SrcPtr {}
 ///
 /// # Safety
 /// Every source must be valid for reads of `len` bytes until this returns.
-pub unsafe fn write_file(path: &Path, sources: &[Source], metadata: Option<&[(String, String)]>, threads: Option<usize>) -> Result<u64> {
-    let spec: Vec<(String, Dtype, Vec<u64>)> = sources.iter().map(|s| (s.name.clone(), s.dtype, s.shape.clone())).collect();
+pub unsafe fn write_file(
+    path: &Path,
+    sources: &[Source],
+    metadata: Option<&[(String, String)]>,
+    threads: Option<usize>,
+) -> Result<u64> {
+    let spec: Vec<(String, Dtype, Vec<u64>)> = sources
+        .iter()
+        .map(|s| (s.name.clone(), s.dtype, s.shape.clone()))
+        .collect();
     let (prefix, offsets) = build_header(&spec, metadata)?;
     let mut pieces = Vec::new();
     for (s, &(begin, end)) in sources.iter().zip(&offsets) {
         if end - begin != s.len as u64 {
-            return Err(Error::DestinationSize { tensor: s.name.clone(), expected: end - begin, actual: s.len as u64 });
+            return Err(Error::DestinationSize {
+                tensor: s.name.clone(),
+                expected: end - begin,
+                actual: s.len as u64,
+            });
         }
         if s.len > 0 && s.ptr.is_null() {
-            return Err(Error::NullDestination { tensor: s.name.clone() });
+            return Err(Error::NullDestination {
+                tensor: s.name.clone(),
+            });
         }
         let mut done = 0u64;
         while done < s.len as u64 {
             let k = CHUNK.min(s.len as u64 - done);
-            pieces.push((SrcPtr(s.ptr.wrapping_add(done as usize)), k as usize, prefix.len() as u64 + begin + done));
+            pieces.push((
+                SrcPtr(s.ptr.wrapping_add(done as usize)),
+                k as usize,
+                prefix.len() as u64 + begin + done,
+            ));
             done += k;
         }
     }
@@ -81,34 +99,80 @@ mod tests {
 
     #[test]
     fn written_files_read_back_identically() {
-        let path = std::env::temp_dir().join(format!("fastload-write-{}.safetensors", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("fastload-write-{}.safetensors", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        let a: Vec<u8> = (0..(2 * CHUNK as usize + 5)).map(|i| (i % 13) as u8).collect();
+        let a: Vec<u8> = (0..(2 * CHUNK as usize + 5))
+            .map(|i| (i % 13) as u8)
+            .collect();
         let b = [7u8, 0, 0, 0];
         let sources = [
-            Source { name: "a".into(), dtype: Dtype::U8, shape: vec![a.len() as u64], ptr: a.as_ptr(), len: a.len() },
-            Source { name: "b".into(), dtype: Dtype::I32, shape: vec![], ptr: b.as_ptr(), len: 4 },
-            Source { name: "e".into(), dtype: Dtype::F32, shape: vec![0], ptr: std::ptr::null(), len: 0 },
+            Source {
+                name: "a".into(),
+                dtype: Dtype::U8,
+                shape: vec![a.len() as u64],
+                ptr: a.as_ptr(),
+                len: a.len(),
+            },
+            Source {
+                name: "b".into(),
+                dtype: Dtype::I32,
+                shape: vec![],
+                ptr: b.as_ptr(),
+                len: 4,
+            },
+            Source {
+                name: "e".into(),
+                dtype: Dtype::F32,
+                shape: vec![0],
+                ptr: std::ptr::null(),
+                len: 0,
+            },
         ];
         let meta = [("format".to_string(), "pt".to_string())];
         unsafe { write_file(&path, &sources, Some(&meta), Some(2)) }.unwrap();
         let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
         let mut out = vec![0u8; a.len()];
-        let r = Request { name: "a".into(), ptr: out.as_mut_ptr(), len: out.len(), dtype: Dtype::U8, selection: Selection::All };
+        let r = Request {
+            name: "a".into(),
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+            dtype: Dtype::U8,
+            selection: Selection::All,
+        };
         unsafe { copy(&f, &[r], None) }.unwrap();
         assert!(out == a);
         assert_eq!(f.header().metadata().unwrap()[0].1, "pt");
         // create_new: never overwrites in place.
-        assert_eq!(unsafe { write_file(&path, &sources, None, None) }.unwrap_err().rule(), "io");
+        assert_eq!(
+            unsafe { write_file(&path, &sources, None, None) }
+                .unwrap_err()
+                .rule(),
+            "io"
+        );
         std::fs::remove_file(path).unwrap();
     }
 
     #[test]
     fn a_source_of_the_wrong_size_is_refused() {
-        let path = std::env::temp_dir().join(format!("fastload-write-bad-{}.safetensors", std::process::id()));
+        let path = std::env::temp_dir().join(format!(
+            "fastload-write-bad-{}.safetensors",
+            std::process::id()
+        ));
         let b = [0u8; 3];
-        let s = [Source { name: "b".into(), dtype: Dtype::I32, shape: vec![1], ptr: b.as_ptr(), len: 3 }];
-        assert_eq!(unsafe { write_file(&path, &s, None, None) }.unwrap_err().rule(), "destination-size");
+        let s = [Source {
+            name: "b".into(),
+            dtype: Dtype::I32,
+            shape: vec![1],
+            ptr: b.as_ptr(),
+            len: 3,
+        }];
+        assert_eq!(
+            unsafe { write_file(&path, &s, None, None) }
+                .unwrap_err()
+                .rule(),
+            "destination-size"
+        );
         assert!(!path.exists());
     }
 }
