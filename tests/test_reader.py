@@ -17,10 +17,13 @@ def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) ->
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=gen).bool()
     if dtype.is_floating_point or dtype.is_complex:
-        base = torch.randn(shape, generator=gen, dtype=torch.float64 if dtype == torch.float64 else
-                           torch.float32)
+        base = torch.randn(
+            shape, generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32
+        )
         if dtype.is_complex:
-            return torch.complex(base.float(), base.float().flip(-1) if base.dim() else base.float())
+            return torch.complex(
+                base.float(), base.float().flip(-1) if base.dim() else base.float()
+            )
         return base.to(dtype)
     info = torch.iinfo(dtype)
     lo, hi = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
@@ -85,12 +88,17 @@ def test_large_tensors_split_across_threads_load_exactly(tmp_path):
 @pytest.mark.parametrize("read_mode", READ_MODES)
 @pytest.mark.parametrize(
     ("stored", "wanted"),
-    [(s, w) for s in ("float32", "float16", "bfloat16", "float64")
-     for w in ("float32", "float16", "bfloat16", "float64") if s != w],
+    [
+        (s, w)
+        for s in ("float32", "float16", "bfloat16", "float64")
+        for w in ("float32", "float16", "bfloat16", "float64")
+        if s != w
+    ],
 )
 def test_dtype_conversion_during_copy_matches_torch(tmp_path, read_mode, stored, wanted):
     src = (torch.randn(3000, generator=torch.Generator().manual_seed(3)) * 100).to(
-        getattr(torch, stored))
+        getattr(torch, stored)
+    )
     path = tmp_path / "conv.safetensors"
     st_save_file({"x": src, "i": torch.arange(4)}, str(path))
     got = fastload.load_file(path, dtype=getattr(torch, wanted), read_mode=read_mode)
@@ -154,8 +162,12 @@ def test_the_staging_pipeline_with_small_buffers_fills_cpu_destinations(every_dt
 
     want = st_load_file(every_dtype_file)
     dest = {k: torch.empty_like(v) for k, v in want.items() if v.dtype != torch.bool}
-    written = stream_into(open_file(every_dtype_file), [(k, t, None) for k, t in dest.items()],
-                          buffer_bytes=64, num_buffers=2)
+    written = stream_into(
+        open_file(every_dtype_file),
+        [(k, t, None) for k, t in dest.items()],
+        buffer_bytes=64,
+        num_buffers=2,
+    )
     assert written == sum(t.numel() * t.element_size() for t in dest.values())
     _assert_bitwise_equal(dest, {k: want[k] for k in dest})
 
@@ -177,5 +189,6 @@ def test_slices_along_a_dimension_read_only_the_selected_rows_or_columns(tmp_pat
 def test_load_file_to_cuda_equals_safetensors(every_dtype_file):
     got = fastload.load_file(every_dtype_file, device="cuda")
     want = st_load_file(every_dtype_file, device="cuda")
-    _assert_bitwise_equal({k: v.cpu() for k, v in got.items()},
-                          {k: v.cpu() for k, v in want.items()})
+    _assert_bitwise_equal(
+        {k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}
+    )

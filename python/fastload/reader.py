@@ -30,9 +30,7 @@ def open_file(path: str | os.PathLike[str], read_mode: str = "pread") -> _core.S
     return _core.SafetensorsFile(os.fspath(path), read_mode)
 
 
-def fill(
-    file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | None = None
-) -> int:
+def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | None = None) -> int:
     """Fills destination tensors from ``file``; returns bytes written.
 
     CPU destinations are written in place (a non-contiguous one through a contiguous temporary);
@@ -52,8 +50,13 @@ def fill(
             after.append((dest, target))
         keep.append(target)
         jobs.append(
-            (name, target.data_ptr(), target.numel() * target.element_size(), to_st(target.dtype),
-             selection)
+            (
+                name,
+                target.data_ptr(),
+                target.numel() * target.element_size(),
+                to_st(target.dtype),
+                selection,
+            )
         )
     written = file.copy_into(jobs, threads) if jobs else 0
     for dest, target in after:

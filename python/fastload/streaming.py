@@ -42,7 +42,9 @@ class _Buffer:
             self.event = None
 
 
-def _pieces(items: list[tuple[str, torch.Tensor, list[int] | None]], buffer_bytes: int) -> list[_Piece]:
+def _pieces(
+    items: list[tuple[str, torch.Tensor, list[int] | None]], buffer_bytes: int
+) -> list[_Piece]:
     out: list[_Piece] = []
     for name, dest, selection in items:
         if not dest.is_contiguous():

@@ -1,0 +1,56 @@
+"""Zero-copy shared mode: CPU tensors that are views of a private mapping of the checkpoint.
+
+With ``from_pretrained(..., mmap="shared")`` each parameter whose stored dtype is the wanted dtype
+and whose file offset is aligned for it becomes a view of a ``MAP_PRIVATE`` mapping of the file.
+Until a page is written it *is* the page-cache page, so N worker processes that load the same
+checkpoint share one physical copy (their private memory stays small); a write copies just that
+page (copy-on-write) and never reaches the file. Tensors that need a dtype conversion or are
+misaligned are copied as usual.
+
+Hazard: a file truncated or rewritten in place while mapped makes access to the lost pages raise
+SIGBUS and kill the process. Replace checkpoints by writing a new file and renaming it (as
+``fastload.save_pretrained`` does), never in place. The default mode copies and has no such hazard.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fastload import _core
+from fastload.dtypes import to_torch
+
+
+class SharedMapping:
+    """A private (copy-on-write) mapping of one safetensors file, handing out tensor views."""
+
+    def __init__(self, file: _core.SafetensorsFile) -> None:
+        self.file = file
+        self.path = file.path
+        size = os.path.getsize(self.path)
+        if size != file.file_size:
+            from fastload.errors import CheckpointError
+
+            raise CheckpointError(
+                f"{self.path}: [file-shrunk] file changed on disk while loading: "
+                f"expected {file.file_size} bytes, found {size}"
+            )
+        # shared=False maps the file MAP_PRIVATE: reads share the page cache, writes stay private.
+        self.storage = torch.UntypedStorage.from_file(self.path, False, size)
+        self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
+
+    def view(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+        """A view of tensor ``name`` if it can be shared as ``dtype``; ``None`` if it must be copied
+        (different dtype, or an offset not aligned for the element size)."""
+        st_dtype, shape, begin = self._info[name]
+        stored = to_torch(st_dtype, where=f"{self.path}: tensor {name!r}")
+        if stored != dtype:
+            return None
+        offset = self.file.data_start + begin
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize:
+            return None
+        out = torch.empty(0, dtype=dtype)
+        out.set_(self.storage, offset // itemsize, tuple(shape))
+        return out
