@@ -1,0 +1,219 @@
+"""Mapping checkpoint tensor names onto model tensor names, and the key policies.
+
+A checkpoint name goes through, in order: the caller's ``key_map``; the model's own renamings (for
+transformers models, the renamings transformers registers for the architecture); the legacy
+``gamma``/``beta`` -> ``weight``/``bias`` rename; and the base-model prefix, added or stripped so
+that a ``BertModel`` checkpoint loads into ``BertForMaskedLM`` and back. Legacy renames and prefix
+changes are only applied when they turn a name the model lacks into one it has.
+
+The policies decide what happens to names left over: *missing* model tensors (``"error"``,
+``"warn"``, ``"init"``) and *unexpected* checkpoint tensors (``"error"``, ``"warn"``,
+``"ignore"``). Names the model class declares as expected (transformers'
+``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``), and checkpoint
+tensors of a layer the model deliberately does not build (an attribute set to ``None``, like the
+pooler of ``BertForMaskedLM``, transformers #7272), are *authorized*: handled silently.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fastload.errors import CheckpointError, RequestError
+
+MISSING_POLICIES = ("error", "warn", "init")
+UNEXPECTED_POLICIES = ("error", "warn", "ignore")
+
+KeyMap = Callable[[str], str] | Mapping[str, str]
+Rename = Callable[[str], str]
+
+_LEGACY = {"gamma": "weight", "beta": "bias"}
+
+
+def resolve_policies(strict: bool, missing: str, unexpected: str) -> tuple[str, str]:
+    """Validates the policy values; ``strict=True`` turns both into ``"error"``."""
+    if missing not in MISSING_POLICIES:
+        raise RequestError(f"missing must be one of {MISSING_POLICIES}, got {missing!r}")
+    if unexpected not in UNEXPECTED_POLICIES:
+        raise RequestError(f"unexpected must be one of {UNEXPECTED_POLICIES}, got {unexpected!r}")
+    if strict:
+        return "error", "error"
+    return missing, unexpected
+
+
+def compile_key_map(key_map: KeyMap | None) -> Rename | None:
+    """A rename function from a user ``key_map``.
+
+    A callable is used as is (it must return a ``str``). A mapping is ``{regex: replacement}``;
+    each pattern is applied in order with :func:`re.sub`, so one name can be changed by several.
+    """
+    if key_map is None:
+        return None
+    if callable(key_map):
+        fn = key_map
+
+        def checked(name: str) -> str:
+            out = fn(name)
+            if not isinstance(out, str):
+                raise RequestError(f"key_map returned {out!r} for {name!r}; it must return a str")
+            return out
+
+        return checked
+    if isinstance(key_map, Mapping):
+        try:
+            rules = [(re.compile(p), r) for p, r in key_map.items()]
+        except re.error as e:
+            raise RequestError(f"key_map has an invalid regular expression: {e}") from e
+
+        def apply(name: str) -> str:
+            for pattern, replacement in rules:
+                name = pattern.sub(replacement, name)
+            return name
+
+        return apply
+    raise RequestError(
+        f"key_map must be a callable or a dict of regex -> replacement, got {key_map!r}"
+    )
+
+
+@dataclass
+class KeyMapping:
+    """The outcome of mapping checkpoint names onto the model's names."""
+
+    # checkpoint name -> model name, for every checkpoint tensor that lands in the model
+    to_model: dict[str, str] = field(default_factory=dict)
+    # checkpoint names that land nowhere, and the model-side name they were mapped to
+    unmatched: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def renamed(self) -> dict[str, str]:
+        """Checkpoint names whose model name differs."""
+        return {k: v for k, v in self.to_model.items() if k != v}
+
+
+def _legacy(name: str) -> str | None:
+    head, _, last = name.rpartition(".")
+    if last in _LEGACY:
+        return f"{head}.{_LEGACY[last]}" if head else _LEGACY[last]
+    return None
+
+
+def _with_prefix(name: str, prefix: str | None, model_keys: set[str]) -> str | None:
+    """``name`` with the base-model prefix stripped or added, if that makes it a model name."""
+    if not prefix:
+        return None
+    dotted = prefix + "."
+    if name.startswith(dotted) and name[len(dotted) :] in model_keys:
+        return name[len(dotted) :]
+    if dotted + name in model_keys:
+        return dotted + name
+    return None
+
+
+def _adjust(name: str, prefix: str | None, model_keys: set[str]) -> str:
+    """The base-model prefix change, then the legacy rename, that makes ``name`` a model name."""
+    for candidate in (name, _legacy(name)):
+        if candidate is None:
+            continue
+        if candidate in model_keys:
+            return candidate
+        prefixed = _with_prefix(candidate, prefix, model_keys)
+        if prefixed is not None:
+            return prefixed
+    return name
+
+
+def map_keys(
+    checkpoint_keys: Iterable[str],
+    model_keys: set[str],
+    *,
+    base_model_prefix: str | None = None,
+    key_map: Rename | None = None,
+    renames: Sequence[Rename] = (),
+    source: str = "checkpoint",
+) -> KeyMapping:
+    """Maps every checkpoint name onto a model name (see the module docstring for the order).
+
+    Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both.
+    """
+    out = KeyMapping()
+    owner: dict[str, str] = {}
+    for original in checkpoint_keys:
+        name = key_map(original) if key_map is not None else original
+        for rename in renames:
+            name = rename(name)
+        if name not in model_keys:
+            name = _adjust(name, base_model_prefix, model_keys)
+        if name not in model_keys:
+            out.unmatched[original] = name
+            continue
+        if name in owner:
+            raise CheckpointError(
+                f"{source}: tensors {owner[name]!r} and {original!r} both map to model tensor "
+                f"{name!r}"
+            )
+        owner[name] = original
+        out.to_model[original] = name
+    return out
+
+
+def compile_patterns(patterns: Iterable[str] | None) -> re.Pattern[str] | None:
+    """One regex searching for any of ``patterns`` (transformers' convention), or ``None``."""
+    patterns = [p for p in (patterns or ()) if p]
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
+def declined_layer(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` lies under an attribute the model set to ``None``.
+
+    Such a layer is one the model chose not to build (``BertModel(add_pooling_layer=False)`` sets
+    ``pooler = None``), so a checkpoint that still carries its weights is expected.
+    """
+    module: nn.Module = model
+    for part in name.split(".")[:-1]:
+        if part in module._modules:
+            child = module._modules[part]
+            if child is None:
+                return True
+            module = child
+            continue
+        if part in module._parameters or part in module._buffers:
+            return False
+        if part in module.__dict__ and module.__dict__[part] is None:
+            return True
+        return False
+    return False
+
+
+@dataclass
+class Authorization:
+    """The names a model class declares as expected to be missing or unexpected."""
+
+    missing: re.Pattern[str] | None = None
+    unexpected: re.Pattern[str] | None = None
+
+    def missing_ok(self, name: str) -> bool:
+        return self.missing is not None and self.missing.search(name) is not None
+
+    def unexpected_ok(self, model: nn.Module, name: str, mapped: str, prefix: str | None) -> bool:
+        """Whether checkpoint tensor ``name`` (model-side ``mapped``) is expected to be unused."""
+        if self.unexpected is not None and (
+            self.unexpected.search(name) is not None or self.unexpected.search(mapped) is not None
+        ):
+            return True
+        candidates = [mapped]
+        if prefix:
+            candidates.append(f"{prefix}.{mapped}")
+        return any(declined_layer(model, c) for c in candidates)
+
+
+def format_names(names: Sequence[str], limit: int = 20) -> str:
+    """A short, readable list of names for messages."""
+    shown = ", ".join(names[:limit])
+    more = len(names) - limit
+    return shown + (f", ... ({more} more)" if more > 0 else "")

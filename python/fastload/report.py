@@ -1,0 +1,104 @@
+"""The report of one ``from_pretrained`` load: what matched, what did not, and what it cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _size(nbytes: int) -> str:
+    value, unit = float(nbytes), "B"
+    for larger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _names(title: str, names: list[str], limit: int) -> list[str]:
+    if not names:
+        return []
+    lines = [f"  {title} ({len(names)}):"]
+    lines += [f"    {n}" for n in names[:limit]]
+    if len(names) > limit:
+        lines.append(f"    ... and {len(names) - limit} more")
+    return lines
+
+
+@dataclass
+class LoadReport:
+    """What :func:`fastload.from_pretrained` did.
+
+    Names in ``missing`` are model names; names in ``unexpected`` are checkpoint names. The
+    ``authorized_*`` lists hold the names the model class declares as expected (transformers'
+    ``_keys_to_ignore_on_load_*``, layers the model does not build, buffers it computes itself):
+    they are handled silently and never trigger a policy.
+    """
+
+    #: model tensors the checkpoint does not provide (initialized, or kept for a built module)
+    missing: list[str] = field(default_factory=list)
+    #: checkpoint tensors the model has no place for
+    unexpected: list[str] = field(default_factory=list)
+    #: (model name, checkpoint shape, model shape) re-initialized under ignore_mismatched_sizes
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    #: groups of model names that share one Parameter after loading
+    tied: list[list[str]] = field(default_factory=list)
+    authorized_missing: list[str] = field(default_factory=list)
+    authorized_unexpected: list[str] = field(default_factory=list)
+    #: checkpoint name -> model name, where they differ (prefix, legacy names, key_map)
+    renamed: dict[str, str] = field(default_factory=dict)
+    #: model tensors initialized the model's own way
+    initialized: list[str] = field(default_factory=list)
+    #: bytes read from the checkpoint files, and written into the model's tensors
+    bytes_read: int = 0
+    bytes_written: int = 0
+    tensors_loaded: int = 0
+    #: wall-clock seconds per phase, in order
+    seconds: dict[str, float] = field(default_factory=dict)
+    read_mode: str = "pread"
+    files: list[str] = field(default_factory=list)
+    device: str = "cpu"
+    dtype: str = "auto"
+    model_class: str = ""
+
+    @property
+    def total_seconds(self) -> float:
+        """Seconds of the whole load."""
+        return sum(self.seconds.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys transformers' ``output_loading_info`` dict has, for code written against it."""
+        return {
+            "missing_keys": list(self.missing),
+            "unexpected_keys": list(self.unexpected),
+            "mismatched_keys": list(self.mismatched),
+            "error_msgs": [],
+        }
+
+    def summary(self, limit: int = 10) -> str:
+        """A readable multi-line summary; at most ``limit`` names per list."""
+        rate = self.bytes_read / self.total_seconds / 2**20 if self.total_seconds > 0 else 0.0
+        files = ", ".join(self.files) if len(self.files) <= 3 else f"{len(self.files)} files"
+        lines = [
+            f"fastload: loaded {self.tensors_loaded} tensors ({_size(self.bytes_read)}) into "
+            f"{self.model_class or 'the model'} in {self.total_seconds:.3f} s ({rate:.0f} MiB/s)",
+            f"  from: {files}",
+            f"  read mode: {self.read_mode}, device: {self.device}, dtype: {self.dtype}",
+            "  phases: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items()),
+        ]
+        lines += _names("missing", self.missing, limit)
+        lines += _names("unexpected", self.unexpected, limit)
+        lines += _names(
+            "mismatched (re-initialized)",
+            [f"{n}: checkpoint {list(c)} vs model {list(m)}" for n, c, m in self.mismatched],
+            limit,
+        )
+        lines += _names("initialized", self.initialized, limit)
+        lines += _names("expected missing (authorized)", self.authorized_missing, limit)
+        lines += _names("expected unused (authorized)", self.authorized_unexpected, limit)
+        lines += _names("tied", [" = ".join(g) for g in self.tied], limit)
+        lines += _names("renamed", [f"{k} -> {v}" for k, v in self.renamed.items()], limit)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()

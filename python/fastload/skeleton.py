@@ -1,0 +1,235 @@
+"""Building a model on the meta device, and initialising the parameters a checkpoint lacks.
+
+The skeleton has its parameters on ``meta`` and its buffers real: like accelerate's
+``init_empty_weights(include_buffers=False)``, only ``nn.Module.register_parameter`` is patched, so
+the values ``__init__`` computes for buffers (``position_ids``, ``inv_freq``...) are kept, while no
+parameter memory is written before the loader knows where each parameter goes. (A parameter's
+``torch.empty`` storage exists for an instant before it moves to ``meta``; it is never written, so
+the operating system does not back it with memory.)
+
+Missing parameters are initialised the model's own way: transformers' ``initialize_weights`` for
+transformers models (loaded tensors are flagged ``_is_hf_initialized`` so its guarded init
+functions skip them, as transformers' own ``from_pretrained`` does), ``reset_parameters()`` for
+other modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.errors import CheckpointError, RequestError
+
+_HF_FLAG = "_is_hf_initialized"
+
+
+def is_transformers_model(obj: Any) -> bool:
+    """Whether ``obj`` (a class or an instance) is a transformers ``PreTrainedModel``.
+
+    Never imports transformers: a transformers class can only exist if it is already imported.
+    """
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return False
+    base = modeling.PreTrainedModel
+    return isinstance(obj, base) or (isinstance(obj, type) and issubclass(obj, base))
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered inside the block is moved to ``meta``; buffers stay real."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is None or param.device.type == "meta":
+            return
+        registered = module._parameters[name]
+        cls = type(registered)
+        if cls is nn.Parameter:
+            moved = nn.Parameter(registered.to("meta"), requires_grad=registered.requires_grad)
+            moved.__dict__.update(registered.__dict__)
+        else:  # Parameter subclasses take their attributes as constructor arguments (accelerate)
+            kwargs = dict(registered.__dict__)
+            kwargs["requires_grad"] = registered.requires_grad
+            moved = cls(registered.to("meta"), **kwargs)
+        module._parameters[name] = moved
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` (a floating type) inside the block."""
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_skeleton(
+    factory: Callable[[], nn.Module],
+    *,
+    dtype: torch.dtype | None,
+    transformers_model: bool = False,
+) -> nn.Module:
+    """Calls ``factory`` with parameters going to ``meta`` and the default dtype set to ``dtype``.
+
+    With ``transformers_model=True``, transformers' weight initialisation is switched off during
+    ``__init__`` (pointless on meta, as in transformers' own loading). For any transformers model,
+    ``tie_weights()`` is called afterwards, so ties declared through its ``_tied_weights_keys``
+    are visible by Parameter identity. Not thread-safe: ``nn.Module.register_parameter`` is
+    patched while ``factory`` runs.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(parameters_on_meta())
+        stack.enter_context(default_dtype(dtype))
+        if transformers_model:
+            no_init = _transformers_attr("initialization", "no_init_weights")
+            if no_init is not None:
+                stack.enter_context(no_init())
+            patches = _transformers_attr("monkey_patching", "apply_patches")
+            if patches is not None:
+                # Classes users registered with transformers.monkey_patching are swapped in
+                # during __init__, as transformers' own from_pretrained does.
+                stack.enter_context(patches())
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise RequestError(f"the model factory returned {type(model).__name__}, not an nn.Module")
+    if is_transformers_model(model):
+        recorders = _transformers_attr("monkey_patching", "patch_output_recorders")
+        if recorders is not None:
+            recorders(model)
+        model.tie_weights()
+    return model
+
+
+def _transformers_attr(module: str, name: str) -> Any:
+    """``transformers.<module>.<name>``, or ``None`` in a transformers version without it."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"transformers.{module}"), name, None)
+    except ImportError:
+        return None
+
+
+def _transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models inside ``model`` (``model`` itself if it is one)."""
+    roots: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not is_transformers_model(module):
+            continue
+        if any(name == r or name.startswith(r + ".") or r == "" for r, _ in roots):
+            continue
+        roots.append((name, module))
+    return roots
+
+
+def _under(name: str, root: str) -> bool:
+    return root == "" or name == root or name.startswith(root + ".")
+
+
+def initialize(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
+    """Initialises the tensors in ``targets`` (model name -> tensor already in the model).
+
+    Every other tensor of the model is left untouched. Floating-point targets must arrive filled
+    with NaN: one that is still all NaN afterwards was not initialised by anything, which is a
+    ``CheckpointError`` naming it.
+    """
+    if not targets:
+        return
+    ids = {id(t) for t in targets.values()}
+    roots = _transformers_roots(model)
+    done: set[str] = set()
+    for root_name, root in roots:
+        names = [n for n in targets if _under(n, root_name)]
+        if names:
+            _initialize_transformers(root, ids)
+            done.update(names)
+    rest = {n: t for n, t in targets.items() if n not in done}
+    if rest:
+        _initialize_torch(model, rest, ids)
+    for name, tensor in targets.items():
+        if tensor.is_floating_point() and tensor.numel() and bool(torch.isnan(tensor).all()):
+            owner = _owner_name(model, name)
+            raise CheckpointError(
+                f"{name}: not in the checkpoint, and {owner} does not initialize it; put it in the "
+                "checkpoint or pass missing='error' to find such tensors up front"
+            )
+
+
+def _owner_name(model: nn.Module, name: str) -> str:
+    module_name = name.rpartition(".")[0]
+    module = model.get_submodule(module_name) if module_name else model
+    return type(module).__name__
+
+
+def _initialize_transformers(root: nn.Module, ids: set[int]) -> None:
+    # Flag everything that must keep its value, unflag the targets, and let the model's own
+    # initialize_weights run: its init functions skip flagged tensors.
+    for tensor in list(root.parameters()) + list(root.buffers()):
+        if id(tensor) in ids:
+            if _HF_FLAG in tensor.__dict__:
+                delattr(tensor, _HF_FLAG)
+        else:
+            setattr(tensor, _HF_FLAG, True)
+    for module in root.modules():
+        module.__dict__.pop(_HF_FLAG, None)
+    root.initialize_weights()
+
+
+def _initialize_torch(model: nn.Module, targets: dict[str, torch.Tensor], ids: set[int]) -> None:
+    owners: dict[int, tuple[str, nn.Module]] = {}
+    for name in targets:
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name) if module_name else model
+        owners.setdefault(id(module), (name, module))
+    for name, module in owners.values():
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            raise CheckpointError(
+                f"{name}: not in the checkpoint, and its module ({type(module).__name__}) has no "
+                "reset_parameters() to initialize it"
+            )
+        # reset_parameters() resets all of the module's tensors; keep the loaded ones.
+        keep = {
+            attr: t.detach().clone()
+            for attr, t in [*module._parameters.items(), *module._buffers.items()]
+            if t is not None and id(t) not in ids and t.device.type != "meta"
+        }
+        with torch.no_grad():
+            reset()
+            for attr, saved in keep.items():
+                current = module._parameters.get(attr)
+                if current is None:
+                    current = module._buffers[attr]
+                current.copy_(saved)
+
+
+def mark_initialized(model: nn.Module) -> None:
+    """Flags every tensor and module of the transformers models in ``model`` as initialised.
+
+    This is the state transformers' own ``from_pretrained`` leaves, so a later
+    ``initialize_weights()`` (e.g. from ``resize_token_embeddings``) does not overwrite loaded
+    weights.
+    """
+    for _, root in _transformers_roots(model):
+        for tensor in list(root.parameters()) + list(root.buffers()):
+            setattr(tensor, _HF_FLAG, True)
+        for module in root.modules():
+            module._is_hf_initialized = True
