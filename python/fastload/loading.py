@@ -222,6 +222,7 @@ def from_pretrained(
     progress: bool = True,
     gradient_checkpointing: bool = False,
     read_mode: str = "pread",
+    mmap: str = "copy",
     threads: int | None = None,
     config: Any = None,
     **model_kwargs: Any,
@@ -255,6 +256,10 @@ def from_pretrained(
         gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
             train mode (otherwise it is in eval mode).
         read_mode: ``"pread"`` (default, no page faults) or ``"mmap"``.
+        mmap: ``"copy"`` (default): every tensor is a private copy. ``"shared"``: CPU tensors whose
+            stored dtype is the wanted one become views of a copy-on-write mapping of the file, so
+            processes loading the same checkpoint share one physical copy through the page cache
+            (see :mod:`fastload.sharing` for the SIGBUS hazard of files changed in place).
         threads: copy threads (default: the engine's choice).
         config: a transformers config (or a path to one) to build the model from.
         **model_kwargs: config overrides and ``__init__`` arguments, as in transformers.
@@ -266,6 +271,8 @@ def from_pretrained(
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
     target_device = torch.device(device)
     want = _requested_dtype(dtype)
+    if mmap not in ("copy", "shared"):
+        raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
 
     with clock.phase("resolve"):
         location = resolve(path)
@@ -295,7 +302,7 @@ def from_pretrained(
         )
 
     with clock.phase("allocate"):
-        by_file = _allocate(groups, placement)
+        by_file = _allocate(groups, placement, ckpt if mmap == "shared" else None, report)
 
     with clock.phase("read"):
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress)
@@ -314,7 +321,7 @@ def from_pretrained(
             module.eval()
 
     report.seconds = dict(clock.seconds)
-    report.read_mode = read_mode
+    report.read_mode = read_mode if mmap == "copy" else f"{read_mode}+shared-mmap"
     report.files = [str(f) for f in location.files]
     report.device = str(target_device)
     report.dtype = "auto" if want is None else str(want).removeprefix("torch.")
@@ -666,24 +673,41 @@ def _apply_policies(report: LoadReport, missing: str, unexpected: str, source: s
 
 
 def _allocate(
-    groups: list[_Group], placement: Placement
+    groups: list[_Group],
+    placement: Placement,
+    shared: OpenCheckpoint | None = None,
+    report: LoadReport | None = None,
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
-    (tensor name, destination, selection, source bytes)."""
+    (tensor name, destination, selection, source bytes).
+
+    With ``shared`` (``mmap="shared"``), a whole CPU tensor stored in its wanted dtype is a view
+    of a copy-on-write mapping of its file instead, and needs no copy."""
+    from fastload.sharing import SharedMapping
+
+    mappings: dict[int, SharedMapping] = {}
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]] = {}
     for group in groups:
         first = group.slots[0]
         if group.action == "load":
             for i, (slot, stored, dest) in enumerate(group.sources):
-                shape = selected_shape(stored.shape, dest.selection)
-                tensor = torch.empty(shape, dtype=dest.dtype, device=dest.device)
+                tensor = None
+                if shared is not None and dest.device.type == "cpu" and dest.selection is None:
+                    if stored.file not in mappings:
+                        mappings[stored.file] = SharedMapping(shared.files[stored.file])
+                    tensor = mappings[stored.file].view(stored.name, dest.dtype)
+                if tensor is None:
+                    shape = selected_shape(stored.shape, dest.selection)
+                    tensor = torch.empty(shape, dtype=dest.dtype, device=dest.device)
+                    by_file.setdefault(stored.file, []).append(
+                        (stored.name, tensor, dest.selection, _source_bytes(stored, dest))
+                    )
+                elif report is not None:
+                    report.bytes_shared += tensor.numel() * tensor.element_size()
                 if i == 0:
                     group.dest, group.new = dest, tensor
                 else:
                     group.extra.append((slot, tensor))
-                by_file.setdefault(stored.file, []).append(
-                    (stored.name, tensor, dest.selection, _source_bytes(stored, dest))
-                )
             continue
         dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
         group.dest = dest

@@ -52,6 +52,8 @@ class LoadReport:
     #: bytes read from the checkpoint files, and written into the model's tensors
     bytes_read: int = 0
     bytes_written: int = 0
+    #: bytes served as views of a shared copy-on-write mapping (``mmap="shared"``), not copied
+    bytes_shared: int = 0
     tensors_loaded: int = 0
     #: wall-clock seconds per phase, in order
     seconds: dict[str, float] = field(default_factory=dict)
@@ -84,6 +86,14 @@ class LoadReport:
             f"{self.model_class or 'the model'} in {self.total_seconds:.3f} s ({rate:.0f} MiB/s)",
             f"  from: {files}",
             f"  read mode: {self.read_mode}, device: {self.device}, dtype: {self.dtype}",
+            *(
+                [
+                    f"  shared (copy-on-write views of the file, not copied): "
+                    f"{_size(self.bytes_shared)}"
+                ]
+                if self.bytes_shared
+                else []
+            ),
             "  phases: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items()),
         ]
         lines += _names("missing", self.missing, limit)

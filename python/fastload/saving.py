@@ -1,0 +1,451 @@
+"""Writing safetensors files and transformers-layout checkpoints: save_file, save_pretrained.
+
+Tensor bytes are written by the Rust writer (:func:`fastload._core.write_file`): positioned writes
+from several threads straight from tensor memory, then fsync. It only ever creates a new file; this
+module gives every file a temporary name in its final directory (never ending in
+``.safetensors``, so no loader picks up a half-written one), fsyncs it, renames it into place and
+fsyncs the directory. An interrupted save leaves the previous files, not a torn one.
+
+``save_pretrained`` is the mirror of loading: each tie group is stored once under its canonical
+name (the one transformers keeps), the other names recorded under the ``fastload.tied`` metadata
+key so a plain load can re-tie them; shards and ``model.safetensors.index.json`` follow the
+transformers layout; transformers models get their config written by the config's own save, minus
+the runtime-only ``gradient_checkpointing`` key (transformers #13657).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload import _core
+from fastload.dtypes import to_st
+from fastload.errors import FastloadIOError, RequestError, UnsupportedError
+from fastload.tying import find_tie_groups
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+TIED_KEY = "fastload.tied"
+_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+# safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
+# every tensor's data stays aligned to its element size.
+_DTYPE_ORDER = [
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
+    "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+]  # fmt: skip
+_DTYPE_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
+
+# (name, safetensors dtype, shape, CPU contiguous tensor that owns the bytes)
+_Prepared = tuple[str, str, list[int], torch.Tensor]
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"`` (powers of 1000, as in
+    transformers) or ``"2GiB"`` (powers of 1024)."""
+    if isinstance(size, bool):
+        raise RequestError(f"max_shard_size must be bytes or a size like '5GB', got {size!r}")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        raise RequestError(
+            f"max_shard_size must be bytes or a size like '5GB', '500MB' or '2GiB', got {size!r}"
+        )
+    if value <= 0:
+        raise RequestError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+# --- single files -------------------------------------------------------------------------------
+
+
+def _check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise RequestError(f"{where}: metadata must be a dict of str to str, got {type(metadata)}")
+    bad = [k for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
+    if bad:
+        raise RequestError(f"{where}: metadata keys and values must be str; not so for {bad!r}")
+    return dict(metadata)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [start, end) that ``t`` touches in its storage."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _refuse_shared(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """Tensors whose memory overlaps would be written twice and load as two independent tensors,
+    silently breaking a tie; refuse them like safetensors does."""
+    by_storage: dict[tuple[str, int], list[tuple[int, int, str]]] = {}
+    for name, t in tensors.items():
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        start, end = _span(t)
+        key = (str(t.device), t.untyped_storage().data_ptr())
+        by_storage.setdefault(key, []).append((start, end, name))
+    for spans in by_storage.values():
+        spans.sort()
+        for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:], strict=False):
+            if start < prev_end:
+                raise RequestError(
+                    f"{where}: tensors {prev!r} and {name!r} share memory; a file stores each "
+                    "tensor's bytes separately, so the tie would be lost. Save one of them (or "
+                    "use fastload.save_pretrained, which records ties), or .clone() the other"
+                )
+
+
+def _prepare(tensors: Mapping[str, torch.Tensor], where: str) -> list[_Prepared]:
+    """Validates the tensors and returns CPU contiguous versions, in the file's layout order."""
+    if not isinstance(tensors, Mapping):
+        raise RequestError(f"{where}: expected a dict of str to torch.Tensor, got {type(tensors)}")
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise RequestError(f"{where}: tensor names must be str, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise RequestError(f"{where}: {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise UnsupportedError(
+                f"{where}: tensor {name!r} has layout {t.layout}; only dense tensors can be "
+                "saved (call .to_dense() first)"
+            )
+        if t.device.type == "meta":
+            raise RequestError(f"{where}: tensor {name!r} is on the meta device: it has no data")
+    _refuse_shared(tensors, where)
+    out: list[_Prepared] = []
+    for name, t in tensors.items():
+        st = to_st(t.dtype)
+        # resolve_conj/neg: lazy conjugate/negative views hold un-applied bytes.
+        data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        out.append((name, st, list(t.shape), data))
+    out.sort(key=lambda p: (-_DTYPE_RANK.get(p[1], -1), p[0]))
+    return out
+
+
+def _temp_path(directory: Path, final_name: str) -> Path:
+    # Hidden, and ending in .tmp: a loader globbing *.safetensors never sees it.
+    return directory / f".{final_name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes the renames in ``directory`` durable (a rename is a directory write)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms that cannot open directories have nothing to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _write_new(
+    path: Path, prepared: list[_Prepared], metadata: dict[str, str] | None, threads: int | None
+) -> int:
+    """Writes ``prepared`` to a new file at ``path`` (fsynced), removing it again on failure."""
+    specs = [
+        (name, st, shape, t.data_ptr(), t.numel() * t.element_size())
+        for name, st, shape, t in prepared
+    ]
+    try:
+        # `prepared` holds the tensors, so every pointer stays valid during the call.
+        return _core.write_file(os.fspath(path), specs, metadata, threads)
+    except BaseException:
+        _remove_quietly(path)
+        raise
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    try:
+        os.replace(tmp, final)
+    except OSError as exc:
+        _remove_quietly(tmp)
+        raise FastloadIOError(f"{final}: cannot move the written file into place: {exc}") from exc
+
+
+def save_file(
+    tensors: Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    threads: int | None = None,
+) -> None:
+    """Saves ``tensors`` to a safetensors file, like ``safetensors.torch.save_file``.
+
+    Differences: the bytes are written from Rust with several threads (``threads``, default: the
+    copy engine's), the file is written under a temporary name, fsynced and renamed over ``path``
+    (an interrupted save leaves the old file), and non-contiguous or non-CPU tensors are packed
+    instead of refused. Tensors that share memory are refused as safetensors does.
+
+    Raises:
+        RequestError: a non-tensor value, non-str metadata, a meta tensor, or shared tensors.
+        UnsupportedError: a dtype or layout safetensors cannot store.
+        FastloadIOError: the file cannot be written.
+    """
+    path = Path(os.fspath(path))
+    where = os.fspath(path)
+    meta = _check_metadata(metadata, where)
+    prepared = _prepare(tensors, where)
+    directory = path.parent if str(path.parent) else Path(".")
+    tmp = _temp_path(directory, path.name)
+    _write_new(tmp, prepared, meta, threads)
+    _replace(tmp, path)
+    _fsync_dir(directory)
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+
+def _transformers_model(model: nn.Module) -> bool:
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    return pretrained is not None and isinstance(model, pretrained)
+
+
+def _unwrap_parallel(model: nn.Module) -> nn.Module:
+    # DistributedDataParallel/DataParallel would prefix every name with "module.".
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def _tie_target_patterns(model: nn.Module) -> list[str]:
+    """The names transformers derives from another one (``_tied_weights_keys``; dict keys in
+    transformers 5, a list in 4); transformers drops these on save and keeps the source."""
+    patterns: list[str] = []
+    for prefix, module in model.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or ()
+        keys = tied.keys() if isinstance(tied, Mapping) else tied
+        patterns.extend(f"{prefix}.{k}" if prefix else k for k in keys)
+    return patterns
+
+
+def tied_aliases(model: nn.Module, names: set[str] | None = None) -> dict[str, str]:
+    """``{alias: canonical}`` for every tie group of ``model``: the canonical name is the one a
+    checkpoint stores (for transformers models the one transformers keeps, otherwise the first
+    in ``named_parameters`` order); each alias is the same Parameter under another name.
+
+    ``names``, if given, restricts the groups to those names (a state dict's keys).
+    """
+    targets = _tie_target_patterns(model) if _transformers_model(model) else []
+    aliases: dict[str, str] = {}
+    for group in find_tie_groups(model):
+        present = [n for n in group if names is None or n in names]
+        if len(present) < 2:
+            continue
+        sources = [n for n in present if not any(re.search(p, n) for p in targets)]
+        canonical = sources[0] if sources else present[0]
+        aliases.update({n: canonical for n in present if n != canonical})
+    return aliases
+
+
+def _split(state: Mapping[str, torch.Tensor], limit: int) -> tuple[list[list[str]], int]:
+    """Shards in state-dict order, the way huggingface_hub splits: a tensor over the limit gets a
+    shard of its own, otherwise a new shard starts when the next tensor would tip it over."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = total = 0
+    for name, t in state.items():
+        size = t.numel() * t.element_size()
+        total += size
+        if size > limit:
+            shards.append([name])
+            continue
+        if current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current or not shards:
+        shards.append(current)
+    return shards, total
+
+
+def _stage_config(model: nn.Module, staging: Path) -> list[str]:
+    """Writes the model's config (and generation config) with their own save into ``staging``;
+    returns the file names written."""
+    config = copy.deepcopy(model.config)
+    # Runtime state only (transformers #13657): a legacy key must not be written back.
+    if "gradient_checkpointing" in vars(config):
+        delattr(config, "gradient_checkpointing")
+    config.architectures = [type(model).__name__]
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        config.dtype = str(dtype).removeprefix("torch.")
+    config.save_pretrained(staging)
+    config_file = staging / "config.json"
+    if config_file.is_file():
+        # Belt and braces for configs whose to_dict re-adds the key from elsewhere.
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+        if data.pop("gradient_checkpointing", None) is not None:
+            config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", "utf-8")
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is not None and callable(can_generate) and can_generate():
+        generation.save_pretrained(staging)
+    return sorted(p.name for p in staging.iterdir() if p.is_file())
+
+
+def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    threads: int | None = None,
+) -> None:
+    """Saves ``model`` to ``directory`` in the transformers layout.
+
+    - ``model.safetensors``, or shards ``model-00001-of-0000N.safetensors`` of at most
+      ``max_shard_size`` (bytes, or ``"5GB"``/``"500MB"``/``"2GiB"``; a larger tensor gets a shard
+      of its own) with ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
+    - Every file's metadata is ``metadata`` plus ``{"format": "pt"}``; tied parameters are stored
+      once under the canonical name and, if there are any, ``"fastload.tied"`` holds the JSON
+      object ``{alias: canonical}`` (also in the index's metadata).
+    - For a transformers model, ``config.json`` (and ``generation_config.json`` for generative
+      models) through the config's own save, never with a ``gradient_checkpointing`` key.
+
+    Crash safety: every file is written under a temporary name and fsynced; only when all of them
+    are written are they renamed into place (config, shards, the index last) and the directory
+    fsynced; weight files of an earlier save that the new one does not overwrite are deleted after
+    that. An interruption while writing leaves the previous checkpoint untouched; only a crash
+    inside the few renames can leave a mix of old and new files, each of them complete.
+
+    A ``DistributedDataParallel``/``DataParallel`` wrapper is unwrapped first.
+    """
+    model = _unwrap_parallel(model)
+    limit = parse_size(max_shard_size)
+    directory = Path(os.fspath(directory))
+    if directory.exists() and not directory.is_dir():
+        raise RequestError(f"{directory}: save_pretrained needs a directory, this is a file")
+    user_meta = _check_metadata(metadata, os.fspath(directory)) or {}
+    directory.mkdir(parents=True, exist_ok=True)
+    is_transformers = _transformers_model(model)
+
+    state = model.state_dict()
+    for key in (getattr(model, "_keys_to_ignore_on_save", None) or ()) if is_transformers else ():
+        state.pop(key, None)
+    aliases = tied_aliases(model, set(state))
+    for alias in aliases:
+        del state[alias]
+
+    file_meta = {**user_meta, "format": "pt"}
+    if aliases:
+        file_meta[TIED_KEY] = json.dumps(aliases, sort_keys=True)
+    shards, total_size = _split(state, limit)
+    sharded = len(shards) > 1
+    if sharded:
+        count = len(shards)
+        names = [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+    else:
+        names = [WEIGHTS_NAME]
+
+    staged: list[tuple[Path, Path]] = []  # (temporary, final), published in this order
+    staging_dir: Path | None = None
+    try:
+        if is_transformers:
+            staging_dir = Path(
+                tempfile.mkdtemp(prefix=".fastload-config-", suffix=".tmp", dir=directory)
+            )
+            for name in _stage_config(model, staging_dir):
+                _fsync_file(staging_dir / name)
+                staged.append((staging_dir / name, directory / name))
+        for name, keys in zip(names, shards, strict=True):
+            tmp = _temp_path(directory, name)
+            staged.append((tmp, directory / name))
+            # One shard at a time on the CPU: tensors on an accelerator are copied per shard.
+            prepared = _prepare({k: state[k] for k in keys}, os.fspath(directory / name))
+            _write_new(tmp, prepared, file_meta, threads)
+            del prepared
+        if sharded:
+            index_meta: dict[str, Any] = {
+                "total_parameters": sum(p.numel() for p in model.parameters()),
+                "total_size": total_size,
+            }
+            if aliases:
+                index_meta[TIED_KEY] = aliases
+            weight_map = {k: name for name, keys in zip(names, shards, strict=True) for k in keys}
+            index = {"metadata": index_meta, "weight_map": weight_map}
+            tmp = _temp_path(directory, INDEX_NAME)
+            staged.append((tmp, directory / INDEX_NAME))
+            with open(tmp, "x", encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, final in staged:
+            _replace(tmp, final)
+    except BaseException:
+        for tmp, _ in staged:
+            _remove_quietly(tmp)
+        raise
+    finally:
+        if staging_dir is not None:
+            shutil.rmtree(staging_dir, ignore_errors=True)
+    _fsync_dir(directory)
+    _remove_stale(directory, set(names), sharded)
+
+
+def _remove_stale(directory: Path, written: set[str], sharded: bool) -> None:
+    """Deletes the weight files of an earlier save that the new one did not overwrite; runs after
+    the new files (and index) are in place, so a crash in between leaves a loadable checkpoint."""
+    stale = [
+        entry
+        for entry in directory.iterdir()
+        if entry.name not in written
+        and entry.is_file()
+        and (
+            _SHARD_RE.match(entry.name)
+            or (sharded and entry.name == WEIGHTS_NAME)
+            or (not sharded and entry.name == INDEX_NAME)
+        )
+    ]
+    # The index goes first: shards without an index are never read, an index without shards is.
+    for entry in sorted(stale, key=lambda e: e.name != INDEX_NAME):
+        entry.unlink()
+    if stale:
+        _fsync_dir(directory)
+
+
+__all__ = ["save_file", "save_pretrained", "parse_size", "tied_aliases", "TIED_KEY"]

@@ -1,0 +1,133 @@
+"""mmap="shared": parameters are copy-on-write views of the file, shared across processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fastload
+from fastload.saving import save_file
+
+MIB = 1 << 20
+
+
+class Wide(nn.Module):
+    """Four 8 MiB float32 layers: big enough that page-level sharing is measurable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1448, 1448, bias=True) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("shared") / "wide.safetensors"
+    save_file(Wide().state_dict(), path)
+    return path
+
+
+def test_shared_parameters_equal_copied_ones_and_view_the_file(checkpoint):
+    copied = fastload.from_pretrained(Wide, checkpoint, progress=False)
+    shared, report = fastload.from_pretrained(
+        Wide, checkpoint, mmap="shared", progress=False, output_loading_info=True
+    )
+    for (name, a), (_, b) in zip(copied.named_parameters(), shared.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert report.bytes_shared == sum(p.numel() * 4 for p in shared.parameters())
+    assert "shared" in report.read_mode
+    # A view of the file mapping, not a fresh allocation: every weight lives in one storage.
+    storages = {p.untyped_storage().data_ptr() for p in shared.parameters()}
+    assert len(storages) == 1
+
+
+def test_writing_a_shared_parameter_never_changes_the_file(checkpoint):
+    before = checkpoint.read_bytes()
+    model = fastload.from_pretrained(Wide, checkpoint, mmap="shared", progress=False)
+    with torch.no_grad():
+        model.layers[0].weight.add_(1.0)
+    assert checkpoint.read_bytes() == before
+    fresh = fastload.from_pretrained(Wide, checkpoint, progress=False)
+    assert torch.equal(fresh.layers[0].weight + 1.0, model.layers[0].weight)
+
+
+def test_a_dtype_conversion_falls_back_to_copying(checkpoint):
+    model, report = fastload.from_pretrained(
+        Wide,
+        checkpoint,
+        mmap="shared",
+        dtype=torch.bfloat16,
+        progress=False,
+        output_loading_info=True,
+    )
+    assert report.bytes_shared == 0
+    assert model.layers[0].weight.dtype == torch.bfloat16
+
+
+def test_an_unknown_mmap_mode_is_refused(checkpoint):
+    with pytest.raises(fastload.RequestError, match="mmap"):
+        fastload.from_pretrained(Wide, checkpoint, mmap="private")
+
+
+_WORKER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import torch
+    import fastload
+    from test_shared_mmap import Wide
+
+    def anonymous_kib():
+        # Anonymous memory is what a process owns privately; page-cache pages of a file mapping
+        # are not counted until written (copy-on-write).
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Anonymous:"))
+
+    before = anonymous_kib()
+    model = fastload.from_pretrained(Wide, {path!r}, mmap={mode!r}, progress=False)
+    total = sum(float(p.detach().sum()) for p in model.parameters())  # touch every page
+    print(anonymous_kib() - before, flush=True)
+    sys.stdin.readline()  # stay alive until every worker has measured
+    """
+)
+
+
+def _private_kib_of_workers(path: Path, mode: str, n: int = 4) -> list[int]:
+    """Private memory each of ``n`` concurrent workers gained by loading the checkpoint."""
+    code = _WORKER.format(tests=str(Path(__file__).parent), path=str(path), mode=mode)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(n)
+    ]
+    try:
+        lines = [p.stdout.readline().strip() for p in procs]
+    finally:
+        for p in procs:
+            p.communicate(input="\n", timeout=60)
+    assert all(line.lstrip("-").isdigit() for line in lines), lines
+    return [int(line) for line in lines]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux smaps")
+def test_four_processes_sharing_a_checkpoint_use_far_less_private_memory(checkpoint):
+    model_kib = checkpoint.stat().st_size // 1024
+    shared = _private_kib_of_workers(checkpoint, "shared")
+    copied = _private_kib_of_workers(checkpoint, "copy")
+    print(f"model {model_kib} KiB; private KiB gained, shared: {shared}; copied: {copied}")
+    # Copying: every worker privately holds the whole model. Sharing: the weights stay page-cache
+    # pages common to all workers, so the sum of private memory stays far below 4 x model size.
+    assert sum(copied) > 3.5 * model_kib
+    assert sum(shared) < 0.5 * model_kib
