@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "LoadReport": "fastload.report",
     "gradient_checkpointing_enable": "fastload.checkpointing",
     "gradient_checkpointing_disable": "fastload.checkpointing",
+    "is_gradient_checkpointing": "fastload.checkpointing",
     "unused_parameters": "fastload.training",
     "save_pretrained": "fastload.saving",
     "save_file": "fastload.saving",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from fastload.checkpointing import (
         gradient_checkpointing_disable,
         gradient_checkpointing_enable,
+        is_gradient_checkpointing,
     )
     from fastload.loading import from_pretrained
     from fastload.reader import SafeOpen, load_file, safe_open
