@@ -35,10 +35,12 @@ from torch import nn
 
 from fastload import keys as keymod
 from fastload.checkpoint import OpenCheckpoint, StoredTensor, open_checkpoint, resolve
+from fastload.device_map import DeviceMap, DeviceMapArg, dispatch, resolve_device_map
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import CheckpointError, FastloadError, RequestError, UnsupportedError
 from fastload.report import LoadReport
 from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
+from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import Slot, group_slots, tensor_slots
 
 logger = logging.getLogger("fastload")
@@ -86,7 +88,11 @@ class Placement:
     chosen; per-tensor placement (a device map), tensor-parallel slicing and zero-copy modes belong
     here. Rules:
 
-    * device: ``device`` for every tensor;
+    * device: ``device`` for every tensor, or with a ``device_map`` the device of the longest
+      module prefix containing its name (:mod:`fastload.device_map`);
+    * selection: with a tensor-parallel layout ``tp``, the rows or columns this rank owns of a
+      parameter the plan shards, taken from the model's full shape
+      (:mod:`fastload.tensor_parallel`);
     * dtype ``"auto"`` (``dtype=None`` here): the stored dtype for loaded tensors, the model's for
       the others;
     * an explicit floating ``dtype``: loaded floating tensors are converted to it during the copy,
@@ -104,11 +110,15 @@ class Placement:
         dtype: torch.dtype | None,
         keep_fp32: Any | None = None,
         skeleton_dtypes: bool = False,
+        device_map: DeviceMap | None = None,
+        tp: TPLayout | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
         self.keep_fp32 = keep_fp32  # compiled regex (search) or None
         self.skeleton_dtypes = skeleton_dtypes
+        self.device_map = device_map
+        self.tp = tp
 
     def destination(
         self,
@@ -120,7 +130,11 @@ class Placement:
     ) -> Destination:
         """The destination of model tensor ``name`` (``template`` is the tensor the model holds
         now, possibly on meta; ``stored`` is the checkpoint tensor that fills it, if any)."""
-        return Destination(self.device, self._dtype(name, template, stored, is_buffer), None)
+        device = self.device if self.device_map is None else self.device_map.device_of(name)
+        selection = None
+        if self.tp is not None and not is_buffer:
+            selection = self.tp.selection(name, tuple(template.shape))
+        return Destination(device, self._dtype(name, template, stored, is_buffer), selection)
 
     def _dtype(
         self, name: str, template: torch.Tensor, stored: StoredTensor | None, is_buffer: bool
@@ -225,6 +239,10 @@ def from_pretrained(
     mmap: str = "copy",
     threads: int | None = None,
     config: Any = None,
+    device_map: DeviceMapArg | None = None,
+    max_memory: dict[Any, int | str] | None = None,
+    tp_plan: str | dict[str, str] | None = None,
+    process_group: Any = None,
     **model_kwargs: Any,
 ) -> nn.Module | tuple[nn.Module, LoadReport]:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
@@ -262,6 +280,20 @@ def from_pretrained(
             (see :mod:`fastload.sharing` for the SIGBUS hazard of files changed in place).
         threads: copy threads (default: the engine's choice).
         config: a transformers config (or a path to one) to build the model from.
+        device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
+            CPU; transformer blocks kept whole), a device, or ``{module prefix: device}``. Each
+            tensor is allocated on its device and read there directly; tied parameters share one
+            tensor, on the device of the name the checkpoint stores. When several devices are
+            used, each mapped module moves its inputs to its weights' device before it runs. See
+            :mod:`fastload.device_map`.
+        max_memory: ``{device: bytes or "10GiB"}`` budgets for ``device_map="auto"``.
+        tp_plan: tensor-parallel loading over ``torch.distributed``: ``{name pattern: style}``
+            with styles ``"colwise"``, ``"rowwise"``, ``"replicate"``; ``"llama"``
+            (:data:`~fastload.tensor_parallel.LLAMA_TP_PLAN`); or ``"auto"`` (the config's
+            ``base_model_tp_plan``). Each rank reads only its rows or columns of the sharded
+            weights; row-parallel ``nn.Linear`` layers all-reduce their output. The report's
+            ``bytes_read`` is this rank's. See :mod:`fastload.tensor_parallel`.
+        process_group: the group to shard over with ``tp_plan`` (default: the world group).
         **model_kwargs: config overrides and ``__init__`` arguments, as in transformers.
 
     Returns:
@@ -273,6 +305,7 @@ def from_pretrained(
     want = _requested_dtype(dtype)
     if mmap not in ("copy", "shared"):
         raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
+    _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
 
     with clock.phase("resolve"):
         location = resolve(path)
@@ -284,11 +317,17 @@ def from_pretrained(
     hf = is_transformers_model(module)
 
     with clock.phase("plan"):
+        dmap = None
+        if device_map is not None:
+            dmap = resolve_device_map(device_map, module, max_memory=max_memory)
+        tp = layout_for(tp_plan, module, process_group) if tp_plan is not None else None
         placement = Placement(
             device=target_device,
             dtype=want,
             keep_fp32=_keep_fp32_pattern(module, want) if hf else None,
             skeleton_dtypes=built_here,
+            device_map=dmap,
+            tp=tp,
         )
         groups, report = _plan(
             module,
@@ -310,6 +349,10 @@ def from_pretrained(
 
     with clock.phase("finish"):
         _finish(module, groups, report)
+        if dmap is not None:
+            dispatch(module, dmap)
+        if tp is not None:
+            _finish_tensor_parallel(module, tp, process_group, report)
         if hf:
             _finish_transformers(module, location.directory, load_generation_config=built_here)
         if gradient_checkpointing:
@@ -323,11 +366,41 @@ def from_pretrained(
     report.seconds = dict(clock.seconds)
     report.read_mode = read_mode if mmap == "copy" else f"{read_mode}+shared-mmap"
     report.files = [str(f) for f in location.files]
-    report.device = str(target_device)
+    report.device = str(target_device) if dmap is None else ", ".join(map(str, dmap.devices))
+    report.device_map = None if dmap is None else dmap.as_strings()
     report.dtype = "auto" if want is None else str(want).removeprefix("torch.")
     report.model_class = type(module).__name__
     logger.info("%s", report.summary())
     return (module, report) if output_loading_info else module
+
+
+def _check_parallel_options(
+    device: torch.device,
+    device_map: Any,
+    max_memory: Any,
+    tp_plan: Any,
+    process_group: Any,
+) -> None:
+    if device_map is not None and device != torch.device("cpu"):
+        raise RequestError(f"pass either device ({device}) or device_map, not both")
+    if device_map is not None and tp_plan is not None:
+        raise UnsupportedError(
+            "device_map and tp_plan cannot be combined; use device= with tp_plan"
+        )
+    if max_memory is not None and device_map is None:
+        raise RequestError("max_memory only applies with device_map='auto'")
+    if process_group is not None and tp_plan is None:
+        raise RequestError("process_group only applies with tp_plan")
+
+
+def _finish_tensor_parallel(
+    module: nn.Module, tp: TPLayout, process_group: Any, report: LoadReport
+) -> None:
+    parallelize(module, tp, process_group)
+    unused = tp.unused_patterns(s.name for s in tensor_slots(module))
+    if unused:
+        logger.warning("tp_plan: patterns %s match no parameter of the model", unused)
+    report.rank, report.world_size = tp.rank, tp.world_size
 
 
 def _requested_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
@@ -560,8 +633,9 @@ def _plan(
         stored = ckpt.tensors[ckpt_name]
         group, slot = group_of[model_name], slot_of[model_name]
         dest = placement.destination(model_name, group.template, stored, is_buffer=slot.is_buffer)
-        got = selected_shape(stored.shape, dest.selection)
-        want = tuple(group.template.shape)
+        # A selection (a tensor-parallel shard) is taken from the model's full shape: the stored
+        # tensor must have that full shape.
+        got, want = tuple(stored.shape), tuple(group.template.shape)
         if got != want:
             report.mismatched.append((model_name, got, want))
             wrong.append(
@@ -711,7 +785,7 @@ def _allocate(
             continue
         dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
         group.dest = dest
-        shape = tuple(group.template.shape)
+        shape = selected_shape(tuple(group.template.shape), dest.selection)
         if group.action == "init":
             if dest.dtype.is_floating_point or dest.dtype.is_complex:
                 # NaN marks "not initialized yet": skeleton.initialize checks none is left.
@@ -722,7 +796,10 @@ def _allocate(
         if group.template.device.type == "meta":
             continue  # caught by the final no-meta check with its name
         t = group.template
-        if t.device != dest.device or t.dtype != dest.dtype:
+        if dest.selection is not None:  # a kept parameter of a module passed in: its shard
+            dim, start, stop = dest.selection
+            t = t.narrow(dim, start, stop - start)
+        if t is not group.template or t.device != dest.device or t.dtype != dest.dtype:
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
     return by_file
 

@@ -49,7 +49,8 @@ class LoadReport:
     renamed: dict[str, str] = field(default_factory=dict)
     #: model tensors initialized the model's own way
     initialized: list[str] = field(default_factory=list)
-    #: bytes read from the checkpoint files, and written into the model's tensors
+    #: bytes read from the checkpoint files (by this rank: with a tp_plan, its shards and the
+    #: replicated tensors), and written into the model's tensors
     bytes_read: int = 0
     bytes_written: int = 0
     #: bytes served as views of a shared copy-on-write mapping (``mmap="shared"``), not copied
@@ -62,6 +63,11 @@ class LoadReport:
     device: str = "cpu"
     dtype: str = "auto"
     model_class: str = ""
+    #: with tp_plan: this process's rank and the number of ranks sharing the model
+    rank: int = 0
+    world_size: int = 1
+    #: with device_map: {module prefix: device} as resolved ("auto" planned)
+    device_map: dict[str, str] | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -92,6 +98,11 @@ class LoadReport:
                     f"{_size(self.bytes_shared)}"
                 ]
                 if self.bytes_shared
+                else []
+            ),
+            *(
+                [f"  tensor parallel: rank {self.rank} of {self.world_size} (bytes read: its own)"]
+                if self.world_size > 1
                 else []
             ),
             "  phases: " + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in self.seconds.items()),

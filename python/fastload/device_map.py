@@ -1,0 +1,391 @@
+"""``device_map``: which device each model tensor is loaded onto.
+
+A device map is a dict of module-name prefix -> device. A tensor goes to the device of the longest
+prefix that contains it (``"model.layers.1"`` contains ``model.layers.1.mlp.up_proj.weight`` but not
+``model.layers.10...``; the prefix ``""`` contains everything). :func:`resolve_device_map` turns
+what a user passes to ``from_pretrained(device_map=...)`` into a checked :class:`DeviceMap`:
+
+* ``"cpu"``, ``"cuda:1"``, an int or a ``torch.device``: everything on that device;
+* a dict ``{prefix: device}``: every prefix must name a module or tensor of the model, and every
+  tensor must be covered by one;
+* ``"auto"``: :func:`plan_auto` fills the devices in order, GPUs first (most free memory first),
+  then the CPU, keeping each no-split block (transformers' ``_no_split_modules``, e.g. a decoder
+  layer) whole on one device.
+
+The planner is a pure function of module sizes, block boundaries and per-device budgets, so it is
+tested without any GPU. :func:`dispatch` lets a model split over devices run: it moves each mapped
+module's inputs to the device its weights are on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.errors import RequestError, UnsupportedError
+from fastload.tying import group_slots, tensor_slots
+
+logger = logging.getLogger("fastload")
+
+#: the share of a GPU's free memory "auto" plans to use by default; the rest is left for the CUDA
+#: context, allocator fragmentation and activations
+GPU_HEADROOM = 0.9
+
+DeviceLike = str | int | torch.device
+DeviceMapArg = DeviceLike | Mapping[str, DeviceLike]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _size(nbytes: int) -> str:
+    value, unit = float(nbytes), "B"
+    for larger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def parse_device(device: DeviceLike, *, where: str = "device_map") -> torch.device:
+    """A ``torch.device`` from ``"cpu"``, ``"cuda:0"``, ``0`` (CUDA device 0) or a device.
+
+    CUDA devices are checked to exist, so a typo fails before anything is allocated.
+    """
+    if isinstance(device, bool):
+        raise RequestError(f"{where}: {device!r} is not a device")
+    if isinstance(device, str) and device.strip().lower() == "disk":
+        raise UnsupportedError(f"{where}: offloading to disk is not supported; use 'cpu'")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise RequestError(f"{where}: {device!r} is not a device ({e})") from None
+    if dev.type == "meta":
+        raise RequestError(f"{where}: 'meta' is not a device tensors can be loaded onto")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = 0 if dev.index is None else dev.index
+        if index >= count:
+            raise RequestError(
+                f"{where}: device {str(dev)!r} does not exist ({count} CUDA devices available)"
+            )
+    return dev
+
+
+def parse_bytes(size: int | str, *, where: str) -> int:
+    """Bytes in ``size``: an int, ``"10GB"`` (powers of 1000) or ``"10GiB"`` (powers of 1024)."""
+    if isinstance(size, bool):
+        raise RequestError(f"{where}: {size!r} is not a size")
+    if isinstance(size, int):
+        value = size
+    elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        raise RequestError(f"{where}: {size!r} is not a size like 1000000, '10GB' or '10GiB'")
+    if value < 0:
+        raise RequestError(f"{where}: size must not be negative, got {size!r}")
+    return value
+
+
+def _contains(prefix: str, name: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+# --------------------------------------------------------------------------------------------
+# The "auto" planner: a pure function.
+# --------------------------------------------------------------------------------------------
+
+
+def plan_auto(
+    sizes: Mapping[str, int],
+    no_split: Iterable[str],
+    budgets: Sequence[tuple[str, int | None]],
+) -> dict[str, str]:
+    """Assigns every unit of a model to a device, filling the devices in the order given.
+
+    Args:
+        sizes: byte size of each tensor, by dotted name (``"layers.0.mlp.up_proj.weight"``), in
+            model order.
+        no_split: names of modules that must stay whole on one device (a transformer block).
+            A tensor inside one of them belongs to the outermost such module; any other tensor
+            forms a unit with the other tensors of its module (a Linear's weight and bias).
+        budgets: ``(device, bytes)`` in fill order; ``None`` bytes means no limit.
+
+    Returns:
+        ``{unit name: device}`` in model order, a device map for :func:`resolve_device_map`.
+
+    Units are placed in model order and the planner never goes back to an earlier device: once a
+    unit does not fit in what is left of a device, that device is closed and the next one is
+    tried. The layers on a device are thus consecutive, and activations cross each device
+    boundary once. A unit larger than every remaining budget is a ``RequestError``.
+    """
+    blocks = sorted(set(no_split), key=len)
+    units: dict[str, int] = {}
+    for name, nbytes in sizes.items():
+        if nbytes < 0:
+            raise RequestError(f"plan_auto: size of {name!r} is negative ({nbytes})")
+        block = next((b for b in blocks if _contains(b, name) and b != name), None)
+        if block is None:
+            block = name if name in blocks else name.rpartition(".")[0]
+        units[block] = units.get(block, 0) + nbytes
+
+    left = [(str(device), None if b is None else int(b)) for device, b in budgets]
+    if not left and units:
+        raise RequestError("plan_auto: no device to place the model on")
+    out: dict[str, str] = {}
+    current = 0
+    for unit, nbytes in units.items():
+        while current < len(left):
+            device, room = left[current]
+            if room is None or nbytes <= room:
+                out[unit] = device
+                if room is not None:
+                    left[current] = (device, room - nbytes)
+                break
+            current += 1
+        else:
+            budget = ", ".join(
+                f"{d} {'unlimited' if b is None else _size(int(b))}" for d, b in budgets
+            )
+            what = repr(unit) if unit else "the model's own tensors"
+            raise RequestError(
+                f"device_map='auto': {what} needs {_size(nbytes)} and no device has that much "
+                f"left (budgets: {budget}); give more memory with max_memory or map it yourself"
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving a user's device_map against a model.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """A checked device map: ``device_of(name)`` is the device of the longest containing prefix."""
+
+    prefixes: dict[str, torch.device]
+
+    def device_of(self, name: str) -> torch.device:
+        best: str | None = None
+        for prefix in self.prefixes:
+            if _contains(prefix, name) and (best is None or len(prefix) > len(best)):
+                best = prefix
+        if best is None:
+            raise RequestError(f"device_map: no entry covers tensor {name!r}")
+        return self.prefixes[best]
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The distinct devices used, in map order."""
+        out: list[torch.device] = []
+        for dev in self.prefixes.values():
+            if dev not in out:
+                out.append(dev)
+        return out
+
+    def as_strings(self) -> dict[str, str]:
+        """``{prefix: "cuda:0"}``, e.g. for a report or ``json.dumps``."""
+        return {k: str(v) for k, v in self.prefixes.items()}
+
+
+def no_split_names(model: nn.Module, classes: Iterable[str] | None = None) -> list[str]:
+    """Names of the modules of ``model`` whose class is in ``classes`` (default: the union of
+    ``_no_split_modules`` of the model and its submodules, as transformers declares them)."""
+    if classes is None:
+        found: set[str] = set()
+        for module in model.modules():
+            found.update(getattr(module, "_no_split_modules", None) or ())
+        classes = found
+    wanted = set(classes)
+    return [name for name, m in model.named_modules() if type(m).__name__ in wanted and name]
+
+
+def tensor_sizes(model: nn.Module, itemsize: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes of every tensor of ``model`` (meta tensors included), by name, in model order.
+
+    A tensor held under several names (tied weights) is counted once, under its first name.
+    ``itemsize`` overrides the element size of some tensors (the dtype they will be loaded in).
+    """
+    out: dict[str, int] = {}
+    for group in group_slots(tensor_slots(model)):
+        name, tensor = group[0].name, group[0].tensor
+        size = (itemsize or {}).get(name, tensor.element_size())
+        out[name] = tensor.numel() * size
+    return out
+
+
+def default_budgets(
+    max_memory: Mapping[DeviceLike, int | str] | None = None,
+) -> list[tuple[str, int | None]]:
+    """``(device, bytes)`` in the order "auto" fills them.
+
+    With ``max_memory``: those devices and budgets, GPUs first (in the given order), then the
+    CPU if listed. Without: every CUDA device, most free memory first, with
+    ``GPU_HEADROOM`` of its free memory, then the CPU with the memory the system reports
+    available (no limit where it cannot tell).
+    """
+    if max_memory is not None:
+        if not isinstance(max_memory, Mapping):
+            raise RequestError(f"max_memory must be a dict of device -> size, got {max_memory!r}")
+        parsed = [
+            (parse_device(d, where="max_memory"), parse_bytes(b, where=f"max_memory[{d!r}]"))
+            for d, b in max_memory.items()
+        ]
+        parsed.sort(key=lambda p: p[0].type == "cpu")  # stable: GPUs keep the user's order
+        return [(str(d), b) for d, b in parsed]
+    budgets: list[tuple[str, int | None]] = []
+    if torch.cuda.is_available():
+        free = [(torch.cuda.mem_get_info(i)[0], i) for i in range(torch.cuda.device_count())]
+        free.sort(key=lambda f: -f[0])
+        budgets += [(f"cuda:{i}", int(b * GPU_HEADROOM)) for b, i in free]
+    budgets.append(("cpu", _available_ram()))
+    return budgets
+
+
+def _available_ram() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def resolve_device_map(
+    device_map: DeviceMapArg,
+    model: nn.Module,
+    *,
+    max_memory: Mapping[DeviceLike, int | str] | None = None,
+    itemsize: Mapping[str, int] | None = None,
+) -> DeviceMap:
+    """Checks ``device_map`` against ``model`` (whose tensors may be on meta).
+
+    Raises ``RequestError`` for an unknown device, a prefix that names nothing in the model, a
+    tensor no prefix covers, or an "auto" plan that does not fit; ``UnsupportedError`` for
+    ``"disk"``.
+    """
+    if max_memory is not None and not (isinstance(device_map, str) and device_map == "auto"):
+        raise RequestError("max_memory only applies to device_map='auto'")
+    if isinstance(device_map, str) and device_map == "auto":
+        sizes = tensor_sizes(model, itemsize)
+        plan = plan_auto(sizes, no_split_names(model), default_budgets(max_memory))
+        resolved = DeviceMap({k: torch.device(v) for k, v in plan.items()})
+        logger.info("device_map='auto': %s", resolved.as_strings())
+        return resolved
+    if isinstance(device_map, Mapping):
+        if not device_map:
+            raise RequestError("device_map is an empty dict")
+        prefixes: dict[str, torch.device] = {}
+        for prefix, device in device_map.items():
+            if not isinstance(prefix, str):
+                raise RequestError(f"device_map keys must be module names, got {prefix!r}")
+            prefixes[prefix] = parse_device(device, where=f"device_map[{prefix!r}]")
+        resolved = DeviceMap(prefixes)
+        _check_covers(resolved, model)
+        return resolved
+    if isinstance(device_map, (str, int, torch.device)):
+        return DeviceMap({"": parse_device(device_map)})
+    raise RequestError(
+        f"device_map must be 'auto', a device or a dict of module name -> device; "
+        f"got {device_map!r}"
+    )
+
+
+def _check_covers(device_map: DeviceMap, model: nn.Module) -> None:
+    names = [s.name for s in tensor_slots(model)]
+    known = set(names) | {name for name, _ in model.named_modules(remove_duplicate=False)}
+    unknown = [p for p in device_map.prefixes if p not in known]
+    if unknown:
+        raise RequestError(
+            f"device_map names {unknown!r}, which are neither modules nor tensors of "
+            f"{type(model).__name__}"
+        )
+    uncovered = [n for n in names if not any(_contains(p, n) for p in device_map.prefixes)]
+    if uncovered:
+        shown = ", ".join(uncovered[:5]) + (" ..." if len(uncovered) > 5 else "")
+        raise RequestError(
+            f"device_map covers no device for {len(uncovered)} tensors of "
+            f"{type(model).__name__}: {shown}; add them or a '' entry for the rest"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Running a model split over devices.
+# --------------------------------------------------------------------------------------------
+
+
+def _move(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True) if value.device != device else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(_move(v, device) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_move(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _move(v, device) for k, v in value.items()}
+    return value
+
+
+def _weights_device(module: nn.Module) -> torch.device | None:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return None
+
+
+def dispatch(model: nn.Module, device_map: DeviceMap) -> list[Any]:
+    """Lets a model whose modules live on several devices run: before each mapped module runs,
+    its tensor inputs are moved to the device its weights are on (tied weights decide for
+    themselves, wherever the map put the canonical copy). Returns the hook handles.
+
+    Nothing is registered when the map uses a single device.
+    """
+    if len(device_map.devices) <= 1:
+        return []
+    handles = []
+    for prefix in device_map.prefixes:
+        try:
+            module = model.get_submodule(prefix) if prefix else model
+        except AttributeError:
+            continue  # a prefix naming a tensor: its module's own prefix decides
+        device = _weights_device(module)
+        if device is None:
+            continue
+
+        def move_inputs(
+            _module: nn.Module,
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+            device: torch.device = device,
+        ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return _move(args, device), _move(kwargs, device)
+
+        handles.append(module.register_forward_pre_hook(move_inputs, with_kwargs=True))
+    return handles
+
+
+__all__ = [
+    "DeviceMap",
+    "default_budgets",
+    "dispatch",
+    "no_split_names",
+    "parse_device",
+    "plan_auto",
+    "resolve_device_map",
+    "tensor_sizes",
+]
