@@ -422,3 +422,13 @@ def test_model_none_with_an_unknown_architecture_is_unsupported(saved):
     (saved / "config.json").write_text(json.dumps({"architectures": ["NoSuchModel"]}))
     with pytest.raises(fastload.UnsupportedError, match="NoSuchModel"):
         load(None, saved)
+
+
+def test_a_directory_naming_the_architecture_can_stand_for_the_model_class(tmp_path):
+    from tiny_models import assert_same_tensors, make_checkpoint
+
+    directory = make_checkpoint(tmp_path / "bert", "BertModel")
+    by_path = fastload.from_pretrained(str(directory), directory, progress=False)
+    by_config = fastload.from_pretrained(None, directory, progress=False)
+    assert type(by_path).__name__ == "BertModel"
+    assert_same_tensors(by_path, by_config)

@@ -39,6 +39,7 @@ from fastload.device_map import DeviceMap, DeviceMapArg, dispatch, resolve_devic
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import CheckpointError, FastloadError, RequestError, UnsupportedError
 from fastload.report import LoadReport
+from fastload.saving import TIED_KEY
 from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import Slot, group_slots, tensor_slots
@@ -451,7 +452,14 @@ def _target(
             )
         return model, False
     directory = ckpt.location.directory
-    if model is None:
+    if isinstance(model, (str, os.PathLike)):
+        # A directory (or its config.json) naming the architecture, as in the design.
+        arch_dir = Path(model)
+        arch_dir = arch_dir.parent if arch_dir.name == "config.json" else arch_dir
+        if config is None and arch_dir.resolve() != directory.resolve():
+            config = str(arch_dir)
+        model = _architecture_class(arch_dir)
+    elif model is None:
         model = _architecture_class(directory)
     main = _main_dtype(ckpt, want)
     if is_transformers_model(model):
@@ -472,7 +480,8 @@ def _target(
             return build_skeleton(lambda: model(config, **model_kwargs), dtype=main), True
         return build_skeleton(lambda: model(**model_kwargs), dtype=main), True
     raise RequestError(
-        f"model must be an nn.Module class, a factory, a built module or None; got {model!r}"
+        "model must be an nn.Module class, a factory, a built module, a directory with a "
+        f"config.json, or None; got {model!r}"
     )
 
 
@@ -617,19 +626,20 @@ def _plan(
     computed = {s.name for s in slots if s.is_buffer and not s.persistent}
     prefix = getattr(model, "base_model_prefix", None) or None
 
-    mapping = keymod.map_keys(
-        ckpt.tensors,
-        model_keys,
-        base_model_prefix=prefix,
-        key_map=key_map,
-        renames=_transformers_renames(model, source) if hf else (),
-        source=source,
-    )
+    options: dict[str, Any] = {
+        "base_model_prefix": prefix,
+        "key_map": key_map,
+        "renames": _transformers_renames(model, source) if hf else (),
+        "source": source,
+    }
+    mapping = keymod.map_keys(ckpt.tensors, model_keys, **options)
     report = LoadReport(renamed=mapping.renamed)
+    pairs = list(mapping.to_model.items())
+    pairs += _alias_pairs(ckpt, mapping, model_keys, group_of, options)
 
     # Sources, with shapes checked against the model before anything is allocated.
     wrong: list[str] = []
-    for ckpt_name, model_name in mapping.to_model.items():
+    for ckpt_name, model_name in pairs:
         stored = ckpt.tensors[ckpt_name]
         group, slot = group_of[model_name], slot_of[model_name]
         dest = placement.destination(model_name, group.template, stored, is_buffer=slot.is_buffer)
@@ -685,6 +695,33 @@ def _plan(
         _source_bytes(stored, dest) for g in groups for _, stored, dest in g.sources
     )
     return groups, report
+
+
+def _alias_pairs(
+    ckpt: OpenCheckpoint,
+    mapping: keymod.KeyMapping,
+    model_keys: set[str],
+    group_of: dict[str, _Group],
+    options: dict[str, Any],
+) -> list[tuple[str, str]]:
+    """(stored name, model name) for model tensors the checkpoint holds only under their
+    canonical name, as fastload's saver records it (``fastload.tied``). A model that ties them
+    loads them with the canonical one already; a model that does not gets a copy for each."""
+    records = [(f.path, (f.metadata() or {}).get(TIED_KEY)) for f in ckpt.files]
+    index_meta = ckpt.location.index_metadata or {}
+    records.append((str(ckpt.location.index), index_meta.get(TIED_KEY)))
+    aliases = keymod.recorded_aliases(r for r in records if r[1] is not None)
+    stored_only = [a for a, canonical in aliases.items() if canonical in ckpt.tensors]
+    if not stored_only:
+        return []
+    loaded = {id(group_of[m]) for m in mapping.to_model.values()}
+    pairs = []
+    for alias, model_name in keymod.map_keys(stored_only, model_keys, **options).to_model.items():
+        group = group_of[model_name]
+        if id(group) not in loaded:  # one source per group: its other names share it
+            loaded.add(id(group))
+            pairs.append((aliases[alias], model_name))
+    return pairs
 
 
 def _check_dtype(
@@ -760,13 +797,20 @@ def _allocate(
     from fastload.sharing import SharedMapping
 
     mappings: dict[int, SharedMapping] = {}
+    viewed: set[str] = set()  # an untied alias of a stored tensor gets a copy, not a second view
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]] = {}
     for group in groups:
         first = group.slots[0]
         if group.action == "load":
             for i, (slot, stored, dest) in enumerate(group.sources):
                 tensor = None
-                if shared is not None and dest.device.type == "cpu" and dest.selection is None:
+                if (
+                    shared is not None
+                    and dest.device.type == "cpu"
+                    and dest.selection is None
+                    and stored.name not in viewed
+                ):
+                    viewed.add(stored.name)
                     if stored.file not in mappings:
                         mappings[stored.file] = SharedMapping(shared.files[stored.file])
                     tensor = mappings[stored.file].view(stored.name, dest.dtype)
