@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -434,6 +436,189 @@ def test_a_data_parallel_wrapper_is_saved_without_its_module_prefix(tmp_path: Pa
     _assert_state_equal(_stored(tmp_path), model.state_dict())
 
 
+# --- save_pretrained: replacing a directory in one step -------------------------------------------
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every regular file under ``directory`` (relative path -> bytes)."""
+    return {
+        p.relative_to(directory).as_posix(): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def _add_unrelated_files(directory: Path) -> None:
+    (directory / "tokenizer.json").write_text('{"vocab": {}}')
+    (directory / "README.md").write_text("# my model\n")
+    (directory / "runs").mkdir()
+    (directory / "runs" / "events.log").write_text("step 1\n")
+    (directory / "readme-link").symlink_to("README.md")
+
+
+def _dead_pid() -> int:
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    return int(child.stdout)
+
+
+def test_saving_over_a_checkpoint_keeps_the_other_files_of_the_directory(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
+    _add_unrelated_files(target)
+    others = {k: v for k, v in _files(target).items() if not k.startswith("model")}
+    new = TiedLM(tie=False)
+    fastload.save_pretrained(new, target)
+    assert {k: v for k, v in _files(target).items() if not k.startswith("model")} == others
+    assert os.readlink(target / "readme-link") == "README.md"
+    assert sorted(p.name for p in target.glob("model*")) == ["model.safetensors"]
+    _assert_state_equal(_stored(target), new.state_dict())
+
+
+def test_a_save_over_a_checkpoint_leaves_no_staging_directory_behind(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
+    fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert not [name for name in os.listdir(target) if name.startswith(".")]
+
+
+def test_the_next_save_removes_the_staging_directory_a_killed_save_left(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    leftover = tmp_path / f".fastload-ckpt.{_dead_pid()}-0123abcd.tmp"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half written")
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+def test_a_save_leaves_the_staging_directory_of_a_running_save_alone(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    running = tmp_path / f".fastload-ckpt.{os.getppid()}-0123abcd.tmp"  # pytest's parent: alive
+    running.mkdir()
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    assert sorted(os.listdir(tmp_path)) == sorted([running.name, "ckpt"])
+
+
+def test_a_failure_just_before_the_swap_leaves_the_old_checkpoint_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "ckpt"
+    old = TiedLM(tie=False)
+    fastload.save_pretrained(old, target, max_shard_size=4000)
+    _add_unrelated_files(target)
+    before = _files(target)
+    real_exchange = saving._exchange
+
+    def interrupted_at_the_swap(a: Path, b: Path) -> None:
+        if Path(b) == target:  # the publishing exchange, not the capability probe
+            raise KeyboardInterrupt
+        real_exchange(a, b)
+
+    monkeypatch.setattr(saving, "_exchange", interrupted_at_the_swap)
+    with pytest.raises(KeyboardInterrupt):
+        fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
+    assert _files(target) == before
+    assert os.listdir(tmp_path) == ["ckpt"]
+    _assert_state_equal(_stored(target), old.state_dict())
+
+
+def test_without_an_atomic_exchange_files_are_renamed_one_by_one_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
+    _add_unrelated_files(target)
+    monkeypatch.setattr(saving, "_renameat2", lambda: None)  # no renameat2 in this C library
+    new = TiedLM(tie=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        fastload.save_pretrained(new, target)
+    assert any("one by one" in r.getMessage() for r in caplog.records)
+    assert sorted(os.listdir(target)) == [
+        "README.md", "model.safetensors", "readme-link", "runs", "tokenizer.json",
+    ]  # fmt: skip
+    assert os.listdir(tmp_path) == ["ckpt"]
+    _assert_state_equal(_stored(target), new.state_dict())
+
+
+def test_with_no_room_beside_the_directory_files_are_staged_inside_it_and_renamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
+    real_mkdir = saving._mkdir_staging
+
+    def parent_not_writable(place: Path, target_name: str | None) -> Path:
+        if target_name is not None:
+            raise PermissionError(13, "Permission denied", str(place))
+        return real_mkdir(place, target_name)
+
+    monkeypatch.setattr(saving, "_mkdir_staging", parent_not_writable)
+    new = TiedLM(tie=False)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        fastload.save_pretrained(new, target)
+    assert any("cannot create a directory beside it" in r.getMessage() for r in caplog.records)
+    assert os.listdir(target) == ["model.safetensors"]
+    _assert_state_equal(_stored(target), new.state_dict())
+
+
+def test_files_that_cannot_be_hard_linked_are_copied_into_the_new_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    _add_unrelated_files(target)
+    others = {k: v for k, v in _files(target).items() if not k.startswith("model")}
+
+    def no_hard_links(*args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted")  # fs.protected_hardlinks
+
+    monkeypatch.setattr(saving.os, "link", no_hard_links)
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        fastload.save_pretrained(TiedLM(tie=False), target)
+    assert not caplog.records  # still one atomic swap, not the file-by-file fallback
+    assert {k: v for k, v in _files(target).items() if not k.startswith("model")} == others
+
+
+def test_the_directory_keeps_its_permission_bits(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    target.chmod(0o750)
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    assert target.stat().st_mode & 0o7777 == 0o750
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to chown")
+def test_the_directory_keeps_its_owner(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    os.chown(target, 65534, 65534)
+    fastload.save_pretrained(TiedLM(tie=False), target)
+    assert (target.stat().st_uid, target.stat().st_gid) == (65534, 65534)
+
+
+def test_saving_through_a_symlink_replaces_the_directory_it_points_to(tmp_path: Path) -> None:
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    model = TiedLM(tie=False)
+    fastload.save_pretrained(model, link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    _assert_state_equal(_stored(real), model.state_dict())
+
+
+def test_saving_into_the_working_directory_leaves_it_usable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    monkeypatch.chdir(target)
+    fastload.save_pretrained(TiedLM(tie=False), ".")
+    assert os.path.samefile(os.getcwd(), target)
+    assert sorted(os.listdir(".")) == ["model.safetensors"]
+
+
 # --- save_pretrained: config ----------------------------------------------------------------------
 
 
@@ -498,3 +683,43 @@ def test_fastload_from_pretrained_loads_a_plain_module_saved_by_fastload_with_it
     assert loaded.out.weight is loaded.embed.weight
     assert not report.missing and not report.unexpected
     _assert_state_equal(loaded.state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize("shard_size", ["5GB", 4000], ids=["single-file", "sharded"])
+def test_a_model_that_does_not_tie_gets_the_saved_alias_from_its_canonical_tensor(
+    tmp_path: Path, shard_size: int | str
+) -> None:
+    torch.manual_seed(0)
+    model = TiedLM()  # out.weight is stored once, as embed.weight
+    fastload.save_pretrained(model, tmp_path, max_shard_size=shard_size)
+    loaded, report = fastload.from_pretrained(
+        lambda: TiedLM(tie=False), tmp_path, strict=True, output_loading_info=True
+    )
+    assert loaded.out.weight is not loaded.embed.weight
+    assert not report.missing and not report.initialized
+    _assert_state_equal(loaded.state_dict(), model.state_dict())
+
+
+def test_with_a_shared_mapping_an_untied_alias_gets_its_own_memory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TiedLM()
+    fastload.save_pretrained(model, tmp_path)
+    loaded = fastload.from_pretrained(lambda: TiedLM(tie=False), tmp_path, mmap="shared")
+    assert torch.equal(loaded.out.weight, model.embed.weight)
+    with torch.no_grad():
+        loaded.embed.weight.add_(1.0)
+    assert torch.equal(loaded.out.weight, model.embed.weight)
+
+
+def test_a_malformed_tied_record_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = TiedLM(tie=False).state_dict()
+    del state["out.weight"]
+    fastload.save_file(state, tmp_path / "model.safetensors", metadata={"fastload.tied": "[1]"})
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        _, report = fastload.from_pretrained(
+            lambda: TiedLM(tie=False), tmp_path, output_loading_info=True
+        )
+    assert any("'fastload.tied' is not a JSON object" in r.getMessage() for r in caplog.records)
+    assert report.missing == ["out.weight"]

@@ -16,6 +16,8 @@ pooler of ``BertForMaskedLM``, transformers #7272), are *authorized*: handled si
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from fastload.errors import CheckpointError, RequestError
+from fastload.saving import TIED_KEY
+
+logger = logging.getLogger("fastload")
 
 MISSING_POLICIES = ("error", "warn", "init")
 UNEXPECTED_POLICIES = ("error", "warn", "ignore")
@@ -158,6 +163,31 @@ def map_keys(
         owner[name] = original
         out.to_model[original] = name
     return out
+
+
+def recorded_aliases(records: Iterable[tuple[str, object]]) -> dict[str, str]:
+    """The ``{alias: canonical}`` tables fastload's saver records under the ``fastload.tied``
+    metadata key, merged. Each record is ``(where, value)``: the JSON text of a file's metadata
+    entry, or the object in an index's metadata. The key is only a hint for tensors the checkpoint
+    lacks, so a malformed record is ignored with a warning rather than failing the load."""
+    aliases: dict[str, str] = {}
+    for where, value in records:
+        try:
+            table = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            table = None
+        valid = isinstance(table, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in table.items()
+        )
+        if not valid:
+            logger.warning(
+                "%s: metadata %r is not a JSON object of alias -> canonical tensor names; ignored",
+                where,
+                TIED_KEY,
+            )
+            continue
+        aliases.update(table)  # type: ignore[arg-type]
+    return aliases
 
 
 def compile_patterns(patterns: Iterable[str] | None) -> re.Pattern[str] | None:

@@ -1,10 +1,13 @@
 """Writing safetensors files and transformers-layout checkpoints: save_file, save_pretrained.
 
 Tensor bytes are written by the Rust writer (:func:`fastload._core.write_file`): positioned writes
-from several threads straight from tensor memory, then fsync. It only ever creates a new file; this
-module gives every file a temporary name in its final directory (never ending in
+from several threads straight from tensor memory, then fsync. It only ever creates a new file.
+``save_file`` gives the file a temporary name in its final directory (never ending in
 ``.safetensors``, so no loader picks up a half-written one), fsyncs it, renames it into place and
-fsyncs the directory. An interrupted save leaves the previous files, not a torn one.
+fsyncs the directory. ``save_pretrained`` builds the whole checkpoint in a hidden sibling directory
+and exchanges it with the old one in a single ``renameat2(RENAME_EXCHANGE)``, so that several
+shards are replaced together. An interrupted save leaves the previous files, not a torn or mixed
+checkpoint.
 
 ``save_pretrained`` is the mirror of loading: each tie group is stored once under its canonical
 name (the one transformers keeps), the other names recorded under the ``fastload.tied`` metadata
@@ -17,14 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import errno
+import functools
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
 import sys
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,8 @@ from fastload import _core
 from fastload.dtypes import to_st
 from fastload.errors import FastloadIOError, RequestError, UnsupportedError
 from fastload.tying import find_tie_groups
+
+logger = logging.getLogger("fastload")
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -347,11 +355,22 @@ def save_pretrained(
     - For a transformers model, ``config.json`` (and ``generation_config.json`` for generative
       models) through the config's own save, never with a ``gradient_checkpointing`` key.
 
-    Crash safety: every file is written under a temporary name and fsynced; only when all of them
-    are written are they renamed into place (config, shards, the index last) and the directory
-    fsynced; weight files of an earlier save that the new one does not overwrite are deleted after
-    that. An interruption while writing leaves the previous checkpoint untouched; only a crash
-    inside the few renames can leave a mix of old and new files, each of them complete.
+    Crash safety: the whole new checkpoint is written and fsynced in a hidden sibling directory
+    (``.fastload-<name>.<pid>-<random>.tmp``), the other files of ``directory`` (tokenizer,
+    README, sub-directories) are hard-linked into it (copied where linking fails), and the two
+    directories are exchanged in one atomic ``renameat2(RENAME_EXCHANGE)``; the old tree is then
+    deleted. Killed at any point, the directory holds either the complete old checkpoint or the
+    complete new one; a killed save's hidden directory is never read by a load and is removed by
+    the next save to the same directory. Weight files of an earlier save that the new one does
+    not write (stale shards, a single file replaced by shards) disappear in the same step.
+
+    Where the exchange is unavailable (not Linux, a C library or kernel without it, a filesystem
+    that refuses it, ``directory`` a mount point or in an unwritable parent), files are renamed
+    into ``directory`` one by one, the index last, and a warning says that a crash inside those
+    renames can leave a mix of old and new shards.
+
+    ``directory`` given as a symbolic link saves into the directory it points to. Files added to
+    ``directory`` by someone else while the save runs may be lost.
 
     A ``DistributedDataParallel``/``DataParallel`` wrapper is unwrapped first.
     """
@@ -361,7 +380,6 @@ def save_pretrained(
     if directory.exists() and not directory.is_dir():
         raise RequestError(f"{directory}: save_pretrained needs a directory, this is a file")
     user_meta = _check_metadata(metadata, os.fspath(directory)) or {}
-    directory.mkdir(parents=True, exist_ok=True)
     is_transformers = _transformers_model(model)
 
     state = model.state_dict()
@@ -382,22 +400,19 @@ def save_pretrained(
     else:
         names = [WEIGHTS_NAME]
 
-    staged: list[tuple[Path, Path]] = []  # (temporary, final), published in this order
-    staging_dir: Path | None = None
+    target = Path(os.path.realpath(directory))  # a symlink's own directory, not the link
+    _remove_stale_staging(target)
+    staging, swap = _make_staging(target)
     try:
-        if is_transformers:
-            staging_dir = Path(
-                tempfile.mkdtemp(prefix=".fastload-config-", suffix=".tmp", dir=directory)
-            )
-            for name in _stage_config(model, staging_dir):
-                _fsync_file(staging_dir / name)
-                staged.append((staging_dir / name, directory / name))
+        # In publishing order: config files, shards, the index last.
+        written = _stage_config(model, staging) if is_transformers else []
+        for name in written:
+            _fsync_file(staging / name)
         for name, keys in zip(names, shards, strict=True):
-            tmp = _temp_path(directory, name)
-            staged.append((tmp, directory / name))
             # One shard at a time on the CPU: tensors on an accelerator are copied per shard.
             prepared = _prepare({k: state[k] for k in keys}, os.fspath(directory / name))
-            _write_new(tmp, prepared, file_meta, threads)
+            _write_new(staging / name, prepared, file_meta, threads)
+            written.append(name)
             del prepared
         if sharded:
             index_meta: dict[str, Any] = {
@@ -408,23 +423,277 @@ def save_pretrained(
                 index_meta[TIED_KEY] = aliases
             weight_map = {k: name for name, keys in zip(names, shards, strict=True) for k in keys}
             index = {"metadata": index_meta, "weight_map": weight_map}
-            tmp = _temp_path(directory, INDEX_NAME)
-            staged.append((tmp, directory / INDEX_NAME))
-            with open(tmp, "x", encoding="utf-8") as f:
+            with open(staging / INDEX_NAME, "x", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        for tmp, final in staged:
-            _replace(tmp, final)
-    except BaseException:
-        for tmp, _ in staged:
-            _remove_quietly(tmp)
-        raise
+            written.append(INDEX_NAME)
+        _fsync_dir(staging)
+        if not (swap and _swap_into_place(staging, target, set(written))):
+            _publish_file_by_file(staging, target, written, sharded)
     finally:
-        if staging_dir is not None:
-            shutil.rmtree(staging_dir, ignore_errors=True)
-    _fsync_dir(directory)
-    _remove_stale(directory, set(names), sharded)
+        # After a swap this is the previous checkpoint; otherwise what is left of the new one.
+        shutil.rmtree(staging, ignore_errors=True)
+        _ACTIVE_STAGING.discard(os.fspath(staging))
+
+
+# --- publishing a checkpoint directory ------------------------------------------------------------
+
+#: Linux ``renameat2`` flag: exchange the two paths atomically (both must exist).
+RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+# Staging directories this process is using now (a same-pid one outside this set is stale).
+_ACTIVE_STAGING: set[str] = set()
+# Temporary names of per-file writes (see _temp_path) left by a killed save.
+_TEMP_FILE_RE = re.compile(r"^\.(?P<final>.+)\.\d+-[0-9a-f]{8}\.tmp$")
+
+
+def _staging_pattern(target_name: str | None) -> re.Pattern[str]:
+    """Names of staging directories: ``.fastload-<target name>.<pid>-<hex>.tmp`` beside the
+    target, ``.fastload-<pid>-<hex>.tmp`` inside it (the fallback)."""
+    middle = re.escape(target_name) + r"\." if target_name is not None else ""
+    return re.compile(rf"^\.fastload-{middle}(?P<pid>\d+)-[0-9a-f]{{8}}\.tmp$")
+
+
+_INNER_STAGING_RE = _staging_pattern(None)
+
+
+def _is_weight_file(name: str) -> bool:
+    return name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(name) is not None
+
+
+def _pid_alive(pid: int) -> bool:
+    if os.name != "posix":
+        return True  # os.kill(pid, 0) would terminate the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _remove_stale_staging(target: Path) -> None:
+    """Deletes staging directories that killed saves to ``target`` left behind (their process is
+    gone); those of a save still running are left alone."""
+    places = [(target.parent, _staging_pattern(target.name)), (target, _INNER_STAGING_RE)]
+    for place, pattern in places:
+        try:
+            with os.scandir(place) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for entry in entries:
+            m = pattern.match(entry.name)
+            if m is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            pid = int(m.group("pid"))
+            # One of this process's own is stale unless a save (another thread) is using it.
+            if entry.path in _ACTIVE_STAGING or (pid != os.getpid() and _pid_alive(pid)):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _mkdir_staging(place: Path, target_name: str | None) -> Path:
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    name = f".fastload-{tag}.tmp" if target_name is None else f".fastload-{target_name}.{tag}.tmp"
+    path = place / name
+    os.mkdir(path, 0o777)  # the umask applies, as for any directory the user creates
+    _ACTIVE_STAGING.add(os.fspath(path))
+    return path
+
+
+def _make_staging(target: Path) -> tuple[Path, bool]:
+    """A new, empty, hidden directory to write the checkpoint into, and whether it can replace
+    ``target`` whole (a sibling on the same filesystem, where the exchange works)."""
+    parent = target.parent
+    exists = target.is_dir()
+    if not exists:
+        parent.mkdir(parents=True, exist_ok=True)
+    elif parent == target or os.stat(parent).st_dev != os.stat(target).st_dev:
+        # The root, or a mount point (a container volume): it cannot be renamed.
+        _warn_file_by_file(target, "it is a mount point")
+        return _mkdir_staging(target, None), False
+    try:
+        staging = _mkdir_staging(parent, target.name)
+    except OSError as exc:
+        if not exists:
+            raise
+        _warn_file_by_file(target, f"cannot create a directory beside it: {exc.strerror or exc}")
+        return _mkdir_staging(target, None), False
+    if not exists:
+        return staging, True
+    try:
+        problem = _exchange_problem(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _ACTIVE_STAGING.discard(os.fspath(staging))
+        raise
+    if problem is not None:
+        _warn_file_by_file(target, problem)
+    return staging, problem is None
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (glibc >= 2.28), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Atomically swaps the directory entries ``a`` and ``b`` (both must exist)."""
+    fn = _renameat2()
+    if fn is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available on this platform")
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
+
+
+def _exchange_problem(staging: Path) -> str | None:
+    """Why two directories of ``staging``'s filesystem cannot be exchanged, or ``None``: tried on
+    two empty directories inside it before anything is written."""
+    a, b = staging / "a", staging / "b"
+    try:
+        a.mkdir()
+        b.mkdir()
+        _exchange(a, b)
+    except OSError as exc:
+        return f"renameat2(RENAME_EXCHANGE) failed: {exc.strerror or exc}"
+    finally:
+        for d in (a, b):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+    return None
+
+
+def _warn_file_by_file(target: Path, reason: str) -> None:
+    logger.warning(
+        "%s: the checkpoint directory cannot be replaced in one step (%s); its files are renamed "
+        "into place one by one, the index last, so a crash during those renames can leave a mix "
+        "of old and new shards",
+        target,
+        reason,
+    )
+
+
+def _link_tree(source: str, dest: str, skip: Callable[[str], bool], device: int) -> None:
+    """Recreates the entries of directory ``source`` in ``dest`` (except names ``skip`` accepts):
+    files as hard links (copies where linking fails), symlinks as symlinks, directories anew.
+    Raises ``OSError`` for anything it cannot reproduce faithfully (a fifo, a socket, a mounted
+    filesystem inside), so the caller can publish another way instead of losing it."""
+    with os.scandir(source) as it:
+        entries = list(it)
+    for entry in entries:
+        if skip(entry.name):
+            continue
+        dst = os.path.join(dest, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), dst)
+        elif entry.is_dir(follow_symlinks=False):
+            if entry.stat(follow_symlinks=False).st_dev != device:
+                raise OSError(errno.EXDEV, "a filesystem is mounted there", entry.path)
+            os.mkdir(dst)
+            _link_tree(entry.path, dst, lambda _: False, device)
+            _copy_metadata(entry.path, dst)
+            _fsync_dir(Path(dst))
+        elif entry.is_file(follow_symlinks=False):
+            try:
+                os.link(entry.path, dst, follow_symlinks=False)
+            except OSError:  # no hard links here, a link limit, or protected_hardlinks
+                shutil.copy2(entry.path, dst, follow_symlinks=False)
+                _copy_metadata(entry.path, dst)
+                _fsync_file(Path(dst))
+        else:
+            raise OSError(errno.EOPNOTSUPP, "not a file, directory or symlink", entry.path)
+
+
+def _copy_metadata(source: str | Path, dest: str | Path) -> None:
+    """Mode, times, extended attributes (ACLs) and, where permitted, owner of ``source``."""
+    shutil.copystat(source, dest, follow_symlinks=False)
+    st = os.stat(source, follow_symlinks=False)
+    if hasattr(os, "chown"):
+        with contextlib.suppress(OSError):  # only root may give a file away
+            os.chown(dest, st.st_uid, st.st_gid, follow_symlinks=False)
+
+
+def _swap_into_place(staging: Path, target: Path, written: set[str]) -> bool:
+    """Makes ``staging`` the checkpoint directory in one atomic step; returns ``False`` (having
+    warned) when it cannot, with ``target`` untouched. Afterwards ``staging`` names the old
+    tree."""
+    if not target.exists():
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            # Created meanwhile: exchange with it like with any existing directory.
+        else:
+            _fsync_dir(target.parent)
+            return True
+
+    def owned(name: str) -> bool:
+        # What this save writes, every weight file of earlier saves, leftovers of killed saves.
+        temp = _TEMP_FILE_RE.match(name)
+        return (
+            name in written
+            or _is_weight_file(name)
+            or _INNER_STAGING_RE.match(name) is not None
+            or (temp is not None and (_is_weight_file(temp["final"]) or temp["final"] in written))
+        )
+
+    for name in os.listdir(target):
+        path = target / name
+        if (name in written or _is_weight_file(name)) and path.is_dir() and not path.is_symlink():
+            raise FastloadIOError(f"{path}: is a directory; the save would replace it")
+    try:
+        _link_tree(os.fspath(target), os.fspath(staging), owned, os.stat(target).st_dev)
+        _copy_metadata(target, staging)
+        os.utime(staging)  # the save is a change of the directory
+        _fsync_dir(staging)
+    except OSError as exc:
+        _warn_file_by_file(target, f"cannot carry over {exc.filename}: {exc.strerror or exc}")
+        return False
+    cwd = _cwd_within(target)
+    try:
+        _exchange(staging, target)
+    except OSError as exc:
+        _warn_file_by_file(target, f"renameat2(RENAME_EXCHANGE) failed: {exc.strerror or exc}")
+        return False
+    _fsync_dir(target.parent)
+    if cwd is not None:
+        # This process's working directory was in the old tree, which is about to be deleted.
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
+    return True
+
+
+def _cwd_within(target: Path) -> str | None:
+    try:
+        cwd = os.getcwd()
+    except OSError:
+        return None
+    real = os.path.realpath(cwd)
+    inside = real == os.fspath(target) or real.startswith(os.path.join(os.fspath(target), ""))
+    return cwd if inside else None
+
+
+def _publish_file_by_file(staging: Path, target: Path, written: list[str], sharded: bool) -> None:
+    """The fallback: each file renamed from ``staging`` into ``target`` in ``written`` order
+    (config, shards, the index last), then stale weight files of earlier saves removed."""
+    for name in written:
+        _replace(staging / name, target / name)
+    _fsync_dir(target)
+    _remove_stale(target, set(written), sharded)
 
 
 def _remove_stale(directory: Path, written: set[str], sharded: bool) -> None:
