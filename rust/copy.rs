@@ -449,6 +449,24 @@ mod tests {
     }
 
     #[test]
+    fn slices_of_an_empty_tensor_with_huge_dimensions_read_nothing() {
+        // Found by the copy_plan fuzzer: the products of the other dimensions overflowed.
+        let path = write(&[("e", Dtype::U8, vec![0, 1 << 33, 1 << 33], vec![])]);
+        let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+        for dim in 0..3 {
+            let stop = if dim == 0 { 0 } else { 2 };
+            let sel = Selection::Slice {
+                dim,
+                start: 0,
+                stop,
+            };
+            let p = plan(&f, &[req("e", &mut [], Dtype::U8, sel)]).unwrap();
+            assert_eq!((p.src_bytes(), p.dst_bytes()), (0, 0));
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
     fn rejects_bad_requests_before_writing_anything() {
         let path = write(&[
             ("a", Dtype::I32, vec![2], vec![1, 0, 0, 0, 2, 0, 0, 0]),

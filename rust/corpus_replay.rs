@@ -13,7 +13,9 @@ mod checks {
 
 /// The files of one target's corpus, sorted by name.
 fn corpus(target: &str) -> Vec<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("rust/fuzz/corpus").join(target);
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("rust/fuzz/corpus")
+        .join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("cannot read the corpus {}: {e}", dir.display()))
         .map(|entry| entry.expect("a directory entry").path())
@@ -35,7 +37,12 @@ fn replay(target: &str, check: fn(&[u8])) {
         })
         .map(|path| path.display().to_string())
         .collect();
-    assert!(failed.is_empty(), "{} of {} {target} inputs fail: {failed:#?}", failed.len(), files.len());
+    assert!(
+        failed.is_empty(),
+        "{} of {} {target} inputs fail: {failed:#?}",
+        failed.len(),
+        files.len()
+    );
 }
 
 #[test]

@@ -85,13 +85,21 @@ impl SafetensorsFile {
                 // A file that shrank between the header read and the map gives a shorter map;
                 // reads past its end would be refused later, but say what happened now.
                 if (m.len() as u64) < len {
-                    return Err(Error::FileShrunk { expected: len, actual: m.len() as u64 });
+                    return Err(Error::FileShrunk {
+                        expected: len,
+                        actual: m.len() as u64,
+                    });
                 }
                 let _ = m.advise(Advice::Sequential);
                 Backing::Mapped(file, m)
             }
         };
-        Ok(SafetensorsFile { path: path.to_path_buf(), len, header, backing })
+        Ok(SafetensorsFile {
+            path: path.to_path_buf(),
+            len,
+            header,
+            backing,
+        })
     }
 
     /// Validates a whole file held in memory; `label` stands for the path in messages.
@@ -145,7 +153,10 @@ impl SafetensorsFile {
         };
         let now = file.metadata()?.len();
         if now < self.len {
-            return Err(Error::FileShrunk { expected: self.len, actual: now });
+            return Err(Error::FileShrunk {
+                expected: self.len,
+                actual: now,
+            });
         }
         Ok(())
     }

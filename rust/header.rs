@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::fmt;
 
-use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::de::{self, Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
 
 use crate::dtype::Dtype;
@@ -154,7 +154,74 @@ pub fn parse_buffer(buf: &[u8]) -> Result<Header> {
 }
 
 /// The top-level object's entries in file order, duplicates kept (a map type would drop them).
-struct Entries(Vec<(String, Value)>);
+struct Entries(Vec<(String, Entry)>);
+
+/// A top-level value. An object keeps its fields in order with duplicates, so that
+/// `{"dtype": "F32", "dtype": "F16"}` is refused rather than one of the two silently winning:
+/// JSON readers disagree on which one wins, and a file must not mean different tensors to
+/// different loaders.
+enum Entry {
+    Object(Vec<(String, Value)>),
+    Other(Value),
+}
+
+impl<'de> serde::Deserialize<'de> for Entry {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct EntryVisitor;
+        impl<'de> Visitor<'de> for EntryVisitor {
+            type Value = Entry;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON value")
+            }
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Entry, A::Error> {
+                let mut fields = Vec::with_capacity(map.size_hint().unwrap_or(0).min(8));
+                while let Some(field) = map.next_entry::<String, Value>()? {
+                    fields.push(field);
+                }
+                Ok(Entry::Object(fields))
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> std::result::Result<Entry, A::Error> {
+                let value = Value::deserialize(de::value::SeqAccessDeserializer::new(seq))?;
+                Ok(Entry::Other(value))
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> std::result::Result<Entry, E> {
+                Ok(Entry::Other(Value::Bool(v)))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> std::result::Result<Entry, E> {
+                Ok(Entry::Other(Value::from(v)))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<Entry, E> {
+                Ok(Entry::Other(Value::from(v)))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> std::result::Result<Entry, E> {
+                Ok(Entry::Other(Value::from(v)))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> std::result::Result<Entry, E> {
+                Ok(Entry::Other(Value::String(v.to_owned())))
+            }
+            fn visit_unit<E: de::Error>(self) -> std::result::Result<Entry, E> {
+                Ok(Entry::Other(Value::Null))
+            }
+        }
+        d.deserialize_any(EntryVisitor)
+    }
+}
+
+impl Entry {
+    /// What the value is, for messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            Entry::Object(_) => "an object",
+            Entry::Other(v) => json_kind(v),
+        }
+    }
+}
 
 impl<'de> serde::Deserialize<'de> for Entries {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -169,7 +236,7 @@ impl<'de> serde::Deserialize<'de> for Entries {
                 mut map: A,
             ) -> std::result::Result<Entries, A::Error> {
                 let mut out = Vec::with_capacity(map.size_hint().unwrap_or(0));
-                while let Some((k, v)) = map.next_entry::<String, Value>()? {
+                while let Some((k, v)) = map.next_entry::<String, Entry>()? {
                     out.push((k, v));
                 }
                 Ok(Entries(out))
@@ -179,7 +246,7 @@ impl<'de> serde::Deserialize<'de> for Entries {
     }
 }
 
-fn parse_entries(text: &str) -> Result<Vec<(String, Value)>> {
+fn parse_entries(text: &str) -> Result<Vec<(String, Entry)>> {
     if !text.trim_start().starts_with('{') {
         // Tell "valid JSON, wrong shape" from "not JSON at all".
         return Err(match serde_json::from_str::<de::IgnoredAny>(text) {
@@ -196,23 +263,33 @@ fn parse_entries(text: &str) -> Result<Vec<(String, Value)>> {
         })
 }
 
-fn parse_metadata(value: Value) -> Result<Vec<(String, String)>> {
-    let Value::Object(map) = value else {
+fn parse_metadata(value: Entry) -> Result<Vec<(String, String)>> {
+    let Entry::Object(fields) = value else {
         return Err(Error::InvalidMetadata {
-            detail: "must be an object of string to string".into(),
+            detail: format!(
+                "must be an object of string to string, found {}",
+                value.kind()
+            ),
         });
     };
-    map.into_iter()
-        .map(|(k, v)| match v {
-            Value::String(s) => Ok((k, s)),
-            other => Err(Error::InvalidMetadata {
-                detail: format!(
-                    "value of '{k}' must be a string, found {}",
-                    json_kind(&other)
-                ),
-            }),
-        })
-        .collect()
+    let mut out = Vec::with_capacity(fields.len());
+    let mut seen = std::collections::HashSet::with_capacity(fields.len());
+    for (k, v) in fields {
+        let Value::String(s) = v else {
+            return Err(Error::InvalidMetadata {
+                detail: format!("value of '{k}' must be a string, found {}", json_kind(&v)),
+            });
+        };
+        if !seen.insert(k.clone()) {
+            return Err(Error::InvalidMetadata {
+                detail: format!("key '{k}' appears twice"),
+            });
+        }
+        out.push((k, s));
+    }
+    // Sorted, so that the order of keys in the file does not show (the header is a map).
+    out.sort_unstable();
+    Ok(out)
 }
 
 fn json_kind(v: &Value) -> &'static str {
@@ -226,22 +303,25 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-fn parse_tensor(name: String, value: Value, data_len: u64) -> Result<TensorInfo> {
+fn parse_tensor(name: String, value: Entry, data_len: u64) -> Result<TensorInfo> {
     let entry_err = |detail: String| Error::InvalidTensorEntry {
         tensor: name.clone(),
         detail,
     };
-    let Value::Object(mut obj) = value else {
+    let Entry::Object(fields) = value else {
         return Err(entry_err(format!(
             "expected an object, found {}",
-            json_kind(&value)
+            value.kind()
         )));
     };
-    if let Some(extra) = obj
-        .keys()
-        .find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
-    {
-        return Err(entry_err(format!("unknown field '{extra}'")));
+    let mut obj = serde_json::Map::new();
+    for (field, v) in fields {
+        if !matches!(field.as_str(), "dtype" | "shape" | "data_offsets") {
+            return Err(entry_err(format!("unknown field '{field}'")));
+        }
+        if obj.insert(field.clone(), v).is_some() {
+            return Err(entry_err(format!("field '{field}' appears twice")));
+        }
     }
     let dtype = match obj.remove("dtype") {
         Some(Value::String(s)) => Dtype::parse(&s).ok_or_else(|| Error::UnknownDtype {
@@ -634,6 +714,29 @@ mod tests {
             "invalid-metadata"
         );
         assert_eq!(rule(&file(r#"{"__metadata__":[]}"#, 0)), "invalid-metadata");
+    }
+
+    #[test]
+    fn rejects_a_field_or_metadata_key_given_twice() {
+        // Readers disagree on which duplicate wins, so neither may.
+        let twice = r#"{"a":{"dtype":"F32","dtype":"U8","shape":[4],"data_offsets":[0,4]}}"#;
+        let err = parse_buffer(&file(twice, 4)).unwrap_err();
+        assert_eq!(err.rule(), "invalid-tensor-entry");
+        assert!(err.to_string().contains("'dtype' appears twice"), "{err}");
+        let meta = r#"{"__metadata__":{"format":"pt","format":"np"}}"#;
+        assert_eq!(rule(&file(meta, 0)), "invalid-metadata");
+    }
+
+    #[test]
+    fn metadata_is_sorted_by_key_whatever_the_file_order() {
+        let h = parse_buffer(&file(r#"{"__metadata__":{"b":"2","a":"1"}}"#, 0)).unwrap();
+        let keys: Vec<&str> = h
+            .metadata()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .collect();
+        assert_eq!(keys, ["a", "b"]);
     }
 
     #[test]

@@ -172,7 +172,9 @@ def _resolve_index(index: Path) -> CheckpointFiles:
     for name in shards:
         f = directory / name
         if not f.is_file():
-            raise CheckpointError(f"{index}: shard {name!r} is missing (looked for {f})")
+            raise CheckpointError(
+                f"{index}: shard {name!r} is missing (looked for {f}) [missing-shard]"
+            )
         files.append(f)
     metadata = data.get("metadata")
     return CheckpointFiles(

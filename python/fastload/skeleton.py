@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,11 @@ from torch import nn
 from fastload.errors import CheckpointError, RequestError
 
 _HF_FLAG = "_is_hf_initialized"
+
+# A skeleton build patches process-wide state (nn.Module.register_parameter, torch's default dtype,
+# transformers' init switches), so builds run one at a time: unserialized, two threads restore each
+# other's patch and leave register_parameter patched for good.
+_BUILD_LOCK = threading.RLock()
 
 
 def is_transformers_model(obj: Any) -> bool:
@@ -44,10 +50,12 @@ def is_transformers_model(obj: Any) -> bool:
 def parameters_on_meta() -> Iterator[None]:
     """Every parameter registered inside the block is moved to ``meta``; buffers stay real."""
     original = nn.Module.register_parameter
+    owner = threading.get_ident()
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is None or param.device.type == "meta":
+        # Modules other threads build meanwhile keep real parameters.
+        if param is None or param.device.type == "meta" or threading.get_ident() != owner:
             return
         registered = module._parameters[name]
         cls = type(registered)
@@ -92,10 +100,11 @@ def build_skeleton(
     With ``transformers_model=True``, transformers' weight initialisation is switched off during
     ``__init__`` (pointless on meta, as in transformers' own loading). For any transformers model,
     ``tie_weights()`` is called afterwards, so ties declared through its ``_tied_weights_keys``
-    are visible by Parameter identity. Not thread-safe: ``nn.Module.register_parameter`` is
-    patched while ``factory`` runs.
+    are visible by Parameter identity. Builds are serialized by a lock, as they patch
+    process-wide state (``nn.Module.register_parameter``, the default dtype) while ``factory``
+    runs.
     """
-    with contextlib.ExitStack() as stack:
+    with _BUILD_LOCK, contextlib.ExitStack() as stack:
         stack.enter_context(parameters_on_meta())
         stack.enter_context(default_dtype(dtype))
         if transformers_model:

@@ -29,7 +29,10 @@ struct Guarded {
 
 impl Guarded {
     fn new(len: usize) -> Self {
-        Guarded { buf: vec![GUARD_BYTE; len + 2 * GUARD], len }
+        Guarded {
+            buf: vec![GUARD_BYTE; len + 2 * GUARD],
+            len,
+        }
     }
 
     fn ptr(&mut self) -> *mut u8 {
@@ -53,9 +56,15 @@ impl Guarded {
 
 /// A rejected file must be rejected for a rule about the file, with a message that names it.
 fn check_file_error(e: &Error) {
-    assert!(e.is_file_error(), "header validation returned a non-file error: {e:?}");
+    assert!(
+        e.is_file_error(),
+        "header validation returned a non-file error: {e:?}"
+    );
     let msg = e.to_string();
-    assert!(msg.starts_with(&format!("[{}] ", e.rule())), "message without its rule: {msg}");
+    assert!(
+        msg.starts_with(&format!("[{}] ", e.rule())),
+        "message without its rule: {msg}"
+    );
 }
 
 /// Runs a whole file through header validation and, when it is accepted, checks the layout
@@ -86,21 +95,46 @@ pub fn check_header_bytes(bytes: &[u8]) {
 fn check_layout(h: &Header, file_len: u64) {
     assert!(h.json_len <= MAX_HEADER_LEN);
     assert_eq!(h.data_start(), LEN_PREFIX + h.json_len);
-    assert!(h.data_start() <= file_len, "data section starts past the end of the file");
+    assert!(
+        h.data_start() <= file_len,
+        "data section starts past the end of the file"
+    );
     let data_len = file_len - h.data_start();
     let mut names = HashSet::new();
     for t in h.tensors() {
-        assert!(names.insert(t.name.as_str()), "tensor '{}' accepted twice", t.name);
+        assert!(
+            names.insert(t.name.as_str()),
+            "tensor '{}' accepted twice",
+            t.name
+        );
         assert_ne!(t.name, "__metadata__");
-        assert!(t.begin <= t.end && t.end <= data_len, "'{}' outside the data", t.name);
+        assert!(
+            t.begin <= t.end && t.end <= data_len,
+            "'{}' outside the data",
+            t.name
+        );
         // u128 cannot overflow here: the header accepts only shapes whose running product fits
         // in u64, and a running product that reaches 0 stays 0.
         let numel = t.shape.iter().fold(1u128, |a, &d| a * d as u128);
-        assert!(numel <= u64::MAX as u128, "'{}': element count overflows", t.name);
+        assert!(
+            numel <= u64::MAX as u128,
+            "'{}': element count overflows",
+            t.name
+        );
         assert_eq!(t.numel() as u128, numel);
         let bits = numel * t.dtype.bits() as u128;
-        assert_eq!(bits % 8, 0, "'{}': packed elements do not fill whole bytes", t.name);
-        assert_eq!(bits / 8, (t.end - t.begin) as u128, "'{}': span disagrees", t.name);
+        assert_eq!(
+            bits % 8,
+            0,
+            "'{}': packed elements do not fill whole bytes",
+            t.name
+        );
+        assert_eq!(
+            bits / 8,
+            (t.end - t.begin) as u128,
+            "'{}': span disagrees",
+            t.name
+        );
         assert_eq!(t.nbytes(), t.end - t.begin);
         assert_eq!(h.get(&t.name), Some(t));
     }
@@ -128,12 +162,19 @@ fn in_data_order(h: &Header) -> Vec<&TensorInfo> {
 /// An accepted header, written again by `build_header` in data order, parses to the same tensors.
 fn check_round_trip(h: &Header, bytes: &[u8]) {
     let order = in_data_order(h);
-    let spec: Vec<(String, Dtype, Vec<u64>)> =
-        order.iter().map(|t| (t.name.clone(), t.dtype, t.shape.clone())).collect();
+    let spec: Vec<(String, Dtype, Vec<u64>)> = order
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype, t.shape.clone()))
+        .collect();
     let (mut rebuilt, offsets) =
         header::build_header(&spec, h.metadata()).expect("an accepted header re-serializes");
     for (t, &span) in order.iter().zip(&offsets) {
-        assert_eq!((t.begin, t.end), span, "'{}' moved in the rebuilt header", t.name);
+        assert_eq!(
+            (t.begin, t.end),
+            span,
+            "'{}' moved in the rebuilt header",
+            t.name
+        );
     }
     rebuilt.extend_from_slice(&bytes[h.data_start() as usize..]);
     let back = header::parse_buffer(&rebuilt).expect("a rebuilt header parses");
@@ -148,8 +189,11 @@ fn check_round_trip(h: &Header, bytes: &[u8]) {
 fn check_whole_copies(h: &Header, bytes: &[u8]) {
     let file = SafetensorsFile::from_bytes("fuzz.safetensors", bytes.to_vec())
         .expect("from_bytes accepts what parse_buffer accepts");
-    let mut bufs: Vec<Guarded> =
-        h.tensors().iter().map(|t| Guarded::new(t.nbytes() as usize)).collect();
+    let mut bufs: Vec<Guarded> = h
+        .tensors()
+        .iter()
+        .map(|t| Guarded::new(t.nbytes() as usize))
+        .collect();
     let requests: Vec<Request> = h
         .tensors()
         .iter()
@@ -216,7 +260,16 @@ impl<'a> Stream<'a> {
 }
 
 /// Tensor names the structured headers pick from; few, so duplicates happen.
-const NAMES: [&str; 8] = ["a", "b", "w", "x.weight", "", "__metadata__", "é\"\\\n", "a "];
+const NAMES: [&str; 8] = [
+    "a",
+    "b",
+    "w",
+    "x.weight",
+    "",
+    "__metadata__",
+    "é\"\\\n",
+    "a ",
+];
 
 /// A dimension: mostly small, sometimes 0, sometimes large enough to overflow products.
 fn dim(s: &mut Stream) -> u64 {
@@ -256,12 +309,23 @@ fn structured_header(s: &mut Stream) -> (String, u64) {
         let ndim = s.u8() % 5;
         let shape: Vec<u64> = (0..ndim).map(|_| dim(s)).collect();
         let nbytes = Dtype::parse(dtype)
-            .and_then(|dt| shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).and_then(|n| dt.bytes_for(n)))
+            .and_then(|dt| {
+                shape
+                    .iter()
+                    .try_fold(1u64, |a, &d| a.checked_mul(d))
+                    .and_then(|n| dt.bytes_for(n))
+            })
             .unwrap_or(0);
         let (begin, end) = match s.u8() % 8 {
             0..=4 => (pos, pos.saturating_add(nbytes)),
-            5 => (pos, pos.saturating_add(nbytes).saturating_add(s.u8() as u64 % 3)),
-            6 => (pos.saturating_sub(s.u8() as u64 % 3), pos.saturating_add(nbytes)),
+            5 => (
+                pos,
+                pos.saturating_add(nbytes).saturating_add(s.u8() as u64 % 3),
+            ),
+            6 => (
+                pos.saturating_sub(s.u8() as u64 % 3),
+                pos.saturating_add(nbytes),
+            ),
             _ => (s.u16() as u64, s.u16() as u64),
         };
         pos = pos.max(end);
@@ -290,7 +354,11 @@ fn file_from_stream(s: &mut Stream) -> Vec<u8> {
         _ => s.u16() as u64,
     }
     .min(MAX_DATA);
-    let prefix = if mode & 0x80 != 0 && mode & 0x40 != 0 { s.u64() } else { json.len() as u64 };
+    let prefix = if mode & 0x80 != 0 && mode & 0x40 != 0 {
+        s.u64()
+    } else {
+        json.len() as u64
+    };
     let mut file = prefix.to_le_bytes().to_vec();
     file.extend_from_slice(&json);
     file.extend((0..data_len).map(|i| (i.wrapping_mul(31).wrapping_add(7) % 251) as u8));
@@ -337,13 +405,23 @@ fn expected_runs(h: &Header, name: &str, to: Dtype, sel: Selection) -> Option<Ve
             // numel > 0: every dimension is >= 1, so these products are at most numel.
             let outer: u128 = t.shape[..dim].iter().map(|&d| d as u128).product();
             let inner: u128 = t.shape[dim + 1..].iter().map(|&d| d as u128).product();
-            Some((0..outer).map(|o| ((o * size + start) * inner, (stop - start) * inner)).collect())
+            Some(
+                (0..outer)
+                    .map(|o| ((o * size + start) * inner, (stop - start) * inner))
+                    .collect(),
+            )
         }
     }
 }
 
 /// The bytes a request must produce, gathered and converted without the planner.
-fn expected_bytes(file_bytes: &[u8], h: &Header, t: &TensorInfo, runs: &[(u128, u128)], to: Dtype) -> Vec<u8> {
+fn expected_bytes(
+    file_bytes: &[u8],
+    h: &Header,
+    t: &TensorInfo,
+    runs: &[(u128, u128)],
+    to: Dtype,
+) -> Vec<u8> {
     let base = h.data_start() as usize + t.begin as usize;
     let src: Vec<u8> = match t.dtype.itemsize() {
         None => file_bytes[base..base + t.nbytes() as usize].to_vec(),
@@ -351,14 +429,19 @@ fn expected_bytes(file_bytes: &[u8], h: &Header, t: &TensorInfo, runs: &[(u128, 
             .iter()
             .flat_map(|&(first, count)| {
                 let from = base + first as usize * size;
-                file_bytes[from..from + count as usize * size].iter().copied()
+                file_bytes[from..from + count as usize * size]
+                    .iter()
+                    .copied()
             })
             .collect(),
     };
     if t.dtype == to {
         return src;
     }
-    let n = src.len() / t.dtype.itemsize().expect("converting types have an itemsize");
+    let n = src.len()
+        / t.dtype
+            .itemsize()
+            .expect("converting types have an itemsize");
     let mut out = vec![0u8; n * to.itemsize().expect("converting types have an itemsize")];
     convert(&src, t.dtype, &mut out, to);
     out
@@ -404,14 +487,24 @@ pub fn check_copy_plan(bytes: &[u8]) {
             _ => ALL_DTYPES[d as usize % ALL_DTYPES.len()],
         };
         let shape = h.get(&name).map(|t| t.shape.clone()).unwrap_or_default();
-        let numel = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).unwrap_or(u64::MAX);
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .unwrap_or(u64::MAX);
         let selection = match s.u8() % 4 {
             0 | 1 => Selection::All,
-            2 => Selection::Elements { start: index(&mut s, numel), stop: index(&mut s, numel) },
+            2 => Selection::Elements {
+                start: index(&mut s, numel),
+                stop: index(&mut s, numel),
+            },
             _ => {
                 let dim = (s.u8() % (shape.len() as u8 + 1)) as usize;
                 let size = shape.get(dim).copied().unwrap_or(8);
-                Selection::Slice { dim, start: index(&mut s, size), stop: index(&mut s, size) }
+                Selection::Slice {
+                    dim,
+                    start: index(&mut s, size),
+                    stop: index(&mut s, size),
+                }
             }
         };
         let runs = expected_runs(h, &name, to, selection);
@@ -430,22 +523,45 @@ pub fn check_copy_plan(bytes: &[u8]) {
         };
         let null = s.u8() == 255;
         let mut buf = Guarded::new(len);
-        let ptr = if null { std::ptr::null_mut() } else { buf.ptr() };
+        let ptr = if null {
+            std::ptr::null_mut()
+        } else {
+            buf.ptr()
+        };
         let valid = exact == Some(len) && !(null && len > 0);
-        let request = Request { name, ptr, len, dtype: to, selection };
-        cases.push(Case { request, buf, runs: if valid { runs } else { None } });
+        let request = Request {
+            name,
+            ptr,
+            len,
+            dtype: to,
+            selection,
+        };
+        cases.push(Case {
+            request,
+            buf,
+            runs: if valid { runs } else { None },
+        });
     }
     let requests: Vec<Request> = cases.iter().map(|c| c.request.clone()).collect();
     let all_valid = cases.iter().all(|c| c.runs.is_some());
     let plan = match copy::plan(&file, &requests) {
         Ok(p) => p,
         Err(e) => {
-            assert!(!all_valid, "planner refused valid requests: {e} ({requests:?})");
-            assert!(!e.is_file_error(), "a request error reported as a file error: {e:?}");
+            assert!(
+                !all_valid,
+                "planner refused valid requests: {e} ({requests:?})"
+            );
+            assert!(
+                !e.is_file_error(),
+                "a request error reported as a file error: {e:?}"
+            );
             return;
         }
     };
-    assert!(all_valid, "planner accepted requests the format forbids: {requests:?}");
+    assert!(
+        all_valid,
+        "planner accepted requests the format forbids: {requests:?}"
+    );
     let want_dst: u64 = cases.iter().map(|c| c.request.len as u64).sum();
     assert_eq!(plan.dst_bytes(), want_dst);
     // SAFETY: every request points into its own live `Guarded` buffer of the stated length (or is
@@ -459,9 +575,16 @@ pub fn check_copy_plan(bytes: &[u8]) {
         if r.ptr.is_null() {
             continue;
         }
-        let t = h.get(&r.name).expect("accepted requests name tensors of the file");
+        let t = h
+            .get(&r.name)
+            .expect("accepted requests name tensors of the file");
         let runs = c.runs.as_ref().expect("accepted");
         let want = expected_bytes(&file_bytes, h, t, runs, r.dtype);
-        assert!(c.buf.data() == want.as_slice(), "'{}' {:?}: wrong bytes", r.name, r.selection);
+        assert!(
+            c.buf.data() == want.as_slice(),
+            "'{}' {:?}: wrong bytes",
+            r.name,
+            r.selection
+        );
     }
 }
