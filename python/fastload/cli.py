@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from fastload.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
+from fastload.units import format_bytes
 
 PROG = "fastload"
 
@@ -70,15 +71,6 @@ def _one_line_usage_errors() -> Iterator[None]:
         yield
     finally:
         argparse.ArgumentParser.error = original  # type: ignore[method-assign]
-
-
-def _size(nbytes: int) -> str:
-    value, unit = float(nbytes), "B"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -133,22 +125,25 @@ def _print_description(info: dict[str, Any]) -> None:
     shown = info["index"] or info["files"][0]["path"]
     print(
         f"{shown}: {info['tensors']} tensors, {info['parameters']:,} elements, "
-        f"{_size(info['bytes'])} in {len(info['files'])} file(s)"
+        f"{format_bytes(info['bytes'])} in {len(info['files'])} file(s)"
     )
     print(
         "dtypes: "
         + ", ".join(
-            f"{k} {v['tensors']} ({_size(v['bytes'])})" for k, v in sorted(info["dtypes"].items())
+            f"{k} {v['tensors']} ({format_bytes(v['bytes'])})"
+            for k, v in sorted(info["dtypes"].items())
         )
     )
     if info["index_metadata"]:
         print(f"index metadata: {json.dumps(info['index_metadata'], sort_keys=True)}")
     for f in info["files"]:
         print()
-        print(f"{f['path']} ({_size(f['file_size'])})")
+        print(f"{f['path']} ({format_bytes(f['file_size'])})")
         if f["metadata"]:
             print(f"  metadata: {json.dumps(f['metadata'], sort_keys=True)}")
-        rows = [(t["name"], t["dtype"], str(t["shape"]), _size(t["bytes"])) for t in f["tensors"]]
+        rows = [
+            (t["name"], t["dtype"], str(t["shape"]), format_bytes(t["bytes"])) for t in f["tensors"]
+        ]
         widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(_HEADINGS)]
         print("  " + "  ".join(h.ljust(w) for h, w in zip(_HEADINGS, widths, strict=True)))
         for row in rows:
@@ -239,10 +234,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             p.name for p in location.directory.glob("*.safetensors") if p.name not in listed
         )
     where = location.index or location.files[0]
-    checked = "headers checked" if args.headers_only else f"{_size(read)} read"
+    checked = "headers checked" if args.headers_only else f"{format_bytes(read)} read"
     print(
         f"OK {where}: {len(ckpt.files)} file(s), {len(ckpt.tensors)} tensors, "
-        f"{_size(ckpt.total_bytes)} of tensor data ({checked})"
+        f"{format_bytes(ckpt.total_bytes)} of tensor data ({checked})"
     )
     if stray:
         print(f"note: not in the index, ignored by loaders: {', '.join(stray)}")
@@ -391,7 +386,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             shutil.copyfile(companion, out_dir / name)
             copied.append(name)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"wrote {target}: {len(tensors)} tensors, {_size(nbytes)}")
+    print(f"wrote {target}: {len(tensors)} tensors, {format_bytes(nbytes)}")
     if aliases:
         print(
             "tied tensors stored once: "

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from torch import nn
 
 from fastload.errors import RequestError, UnsupportedError
 from fastload.tying import group_slots, tensor_slots
+from fastload.units import format_bytes, parse_bytes
 
 logger = logging.getLogger("fastload")
 
@@ -40,19 +40,6 @@ GPU_HEADROOM = 0.9
 
 DeviceLike = str | int | torch.device
 DeviceMapArg = DeviceLike | Mapping[str, DeviceLike]
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-_UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def _size(nbytes: int) -> str:
-    value, unit = float(nbytes), "B"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def parse_device(device: DeviceLike, *, where: str = "device_map") -> torch.device:
@@ -78,21 +65,6 @@ def parse_device(device: DeviceLike, *, where: str = "device_map") -> torch.devi
                 f"{where}: device {str(dev)!r} does not exist ({count} CUDA devices available)"
             )
     return dev
-
-
-def parse_bytes(size: int | str, *, where: str) -> int:
-    """Bytes in ``size``: an int, ``"10GB"`` (powers of 1000) or ``"10GiB"`` (powers of 1024)."""
-    if isinstance(size, bool):
-        raise RequestError(f"{where}: {size!r} is not a size")
-    if isinstance(size, int):
-        value = size
-    elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    else:
-        raise RequestError(f"{where}: {size!r} is not a size like 1000000, '10GB' or '10GiB'")
-    if value < 0:
-        raise RequestError(f"{where}: size must not be negative, got {size!r}")
-    return value
 
 
 def _contains(prefix: str, name: str) -> bool:
@@ -153,11 +125,12 @@ def plan_auto(
             current += 1
         else:
             budget = ", ".join(
-                f"{d} {'unlimited' if b is None else _size(int(b))}" for d, b in budgets
+                f"{d} {'unlimited' if b is None else format_bytes(int(b))}" for d, b in budgets
             )
             what = repr(unit) if unit else "the model's own tensors"
             raise RequestError(
-                f"device_map='auto': {what} needs {_size(nbytes)} and no device has that much "
+                f"device_map='auto': {what} needs {format_bytes(nbytes)} "
+                "and no device has that much "
                 f"left (budgets: {budget}); give more memory with max_memory or map it yourself"
             )
     return out

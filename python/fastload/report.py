@@ -5,14 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _size(nbytes: int) -> str:
-    value, unit = float(nbytes), "B"
-    for larger in ("KiB", "MiB", "GiB"):
-        if value < 1024:
-            break
-        value, unit = value / 1024, larger
-    return f"{nbytes} B" if unit == "B" else f"{value:.1f} {unit}"
+from fastload.units import format_bytes
 
 
 def _names(title: str, names: list[str], limit: int) -> list[str]:
@@ -88,14 +81,15 @@ class LoadReport:
         rate = self.bytes_read / self.total_seconds / 2**20 if self.total_seconds > 0 else 0.0
         files = ", ".join(self.files) if len(self.files) <= 3 else f"{len(self.files)} files"
         lines = [
-            f"fastload: loaded {self.tensors_loaded} tensors ({_size(self.bytes_read)}) into "
+            f"fastload: loaded {self.tensors_loaded} tensors "
+            f"({format_bytes(self.bytes_read)}) into "
             f"{self.model_class or 'the model'} in {self.total_seconds:.3f} s ({rate:.0f} MiB/s)",
             f"  from: {files}",
             f"  read mode: {self.read_mode}, device: {self.device}, dtype: {self.dtype}",
             *(
                 [
                     f"  shared (copy-on-write views of the file, not copied): "
-                    f"{_size(self.bytes_shared)}"
+                    f"{format_bytes(self.bytes_shared)}"
                 ]
                 if self.bytes_shared
                 else []

@@ -41,6 +41,7 @@ from fastload import _core
 from fastload.dtypes import to_st
 from fastload.errors import FastloadIOError, RequestError, UnsupportedError
 from fastload.tying import find_tie_groups
+from fastload.units import parse_bytes
 
 logger = logging.getLogger("fastload")
 
@@ -48,18 +49,6 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 TIED_KEY = "fastload.tied"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 # safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
 # every tensor's data stays aligned to its element size.
 _DTYPE_ORDER = [
@@ -73,21 +62,9 @@ _Prepared = tuple[str, str, list[int], torch.Tensor]
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int, or a string like ``"5GB"``, ``"500MB"`` (powers of 1000, as in
-    transformers) or ``"2GiB"`` (powers of 1024)."""
-    if isinstance(size, bool):
-        raise RequestError(f"max_shard_size must be bytes or a size like '5GB', got {size!r}")
-    if isinstance(size, int):
-        value = size
-    elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
-    else:
-        raise RequestError(
-            f"max_shard_size must be bytes or a size like '5GB', '500MB' or '2GiB', got {size!r}"
-        )
-    if value <= 0:
-        raise RequestError(f"max_shard_size must be positive, got {size!r}")
-    return value
+    """Bytes in ``max_shard_size``: an int, or a string like ``"5GB"``, ``"500MB"`` (powers of
+    1000, as in transformers) or ``"2GiB"`` (powers of 1024)."""
+    return parse_bytes(size, where="max_shard_size", positive=True)
 
 
 # --- single files -------------------------------------------------------------------------------
