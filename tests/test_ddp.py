@@ -4,19 +4,17 @@ with gradient checkpointing on: both ranks must end with identical weights (tran
 from __future__ import annotations
 
 import os
-import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file as st_load_file
 
 import fastload
 from fastload.checkpointing import is_gradient_checkpointing
+from spawn_ranks import free_port, run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -74,24 +72,8 @@ def _train(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(*args: object) -> None:
-    """Spawns the ranks and waits at most TIMEOUT_S; a rank's exception is re-raised here."""
-    context = mp.spawn(_train, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"DDP ranks did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_train, args, world=WORLD, timeout_s=TIMEOUT_S, what="DDP")
 
 
 def test_two_ddp_ranks_training_a_fastload_model_with_checkpointing_end_identical(
@@ -99,7 +81,7 @@ def test_two_ddp_ranks_training_a_fastload_model_with_checkpointing_end_identica
 ) -> None:
     initial = _tiny_bert()
     fastload.save_pretrained(initial, tmp_path / "initial")
-    _run_ranks(_free_port(), str(tmp_path / "initial"), str(tmp_path))
+    _run_ranks(free_port(), str(tmp_path / "initial"), str(tmp_path))
     weights = [st_load_file(tmp_path / f"rank{r}" / "model.safetensors") for r in range(WORLD)]
     start = st_load_file(tmp_path / "initial" / "model.safetensors")
     assert sorted(weights[0]) == sorted(weights[1]) == sorted(start)

@@ -4,9 +4,7 @@ CPU (spawned here, loopback only, bounded by TIMEOUT_S) in which each rank reads
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import fastload
 from fastload.errors import RequestError, UnsupportedError
 from fastload.tensor_parallel import LLAMA_TP_PLAN, TPLayout, resolve_tp_plan, shard_selections
+from spawn_ranks import free_port, run_ranks
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -218,24 +216,8 @@ def _rank(rank: int, port: int, mlp_dir: str, llama_dir: str, out_dir: str) -> N
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(*args: object) -> None:
-    """Spawns the ranks and waits at most TIMEOUT_S; a rank's exception is re-raised here."""
-    context = mp.spawn(_rank, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensor-parallel ranks did not finish within {TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_ranks(_rank, args, world=WORLD, timeout_s=TIMEOUT_S, what="tensor-parallel")
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +234,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (root / "mlp").mkdir()
     fastload.save_file(mlp.state_dict(), root / "mlp" / "model.safetensors")
     make_checkpoint(root / "llama", "LlamaForCausalLM")
-    _run_ranks(_free_port(), str(root / "mlp"), str(root / "llama"), str(root))
+    _run_ranks(free_port(), str(root / "mlp"), str(root / "llama"), str(root))
     ranks = [torch.load(root / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
     return {
         "mlp": mlp,

@@ -1,0 +1,34 @@
+"""Helpers for tests that spawn torch.distributed ranks on this machine (gloo, loopback only)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    fn: Callable[..., None], args: tuple[object, ...], *, world: int, timeout_s: float, what: str
+) -> None:
+    """Spawns ``world`` ranks of ``fn(rank, *args)`` and waits at most ``timeout_s``; a rank's
+    exception is re-raised here, and ranks still alive at the deadline are killed."""
+    context = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what} ranks did not finish within {timeout_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
