@@ -4,6 +4,11 @@ A checkpoint is one ``.safetensors`` file, a directory holding ``model.safetenso
 checkpoint whose ``model.safetensors.index.json`` maps every tensor name to a shard file. The index
 is checked strictly: shard names must stay inside the checkpoint directory, no tensor may be listed
 twice, every listed shard must exist, and the index must agree with the shards' headers.
+
+Pickle checkpoints (``pytorch_model.bin``, its sharded ``pytorch_model.bin.index.json``, ``.pt``
+files) are refused with ``PickleRefusedError`` unless the caller allows them; then each is opened
+as a :class:`~fastload.pickle_file.PickleFile` (``torch.load(weights_only=True)``) and its index is
+checked by the same rules.
 """
 
 from __future__ import annotations
@@ -19,11 +24,17 @@ import torch
 
 from fastload import _core
 from fastload.dtypes import to_torch
-from fastload.errors import CheckpointError, FastloadIOError, PickleRefusedError
+from fastload.errors import CheckpointError, FastloadIOError, PickleRefusedError, RequestError
+from fastload.pickle_file import PickleFile, is_pickle
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# In the order transformers prefers them.
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
+_PICKLE_ADVICE = (
+    "pass allow_pickle=True to load it with torch.load(weights_only=True), or convert it to "
+    "safetensors once with `fastload convert`"
+)
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,7 @@ class OpenCheckpoint:
     """A resolved checkpoint with every file opened (headers validated by the Rust core)."""
 
     location: CheckpointFiles
-    files: list[_core.SafetensorsFile]
+    files: list[_core.SafetensorsFile | PickleFile]
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
 
     @property
@@ -74,36 +85,41 @@ class OpenCheckpoint:
         return self.files[tensor.file].path
 
 
-def resolve(path: str | os.PathLike[str]) -> CheckpointFiles:
-    """Finds the safetensors file(s) of a checkpoint at ``path`` without opening them.
+def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> CheckpointFiles:
+    """Finds the checkpoint file(s) at ``path`` without opening them.
 
-    Raises ``FastloadIOError`` if ``path`` does not exist, ``PickleRefusedError`` for a pickle
-    checkpoint, and ``CheckpointError`` for a directory with no safetensors checkpoint or a broken
-    index.
+    Safetensors files are preferred; pickle files (``.bin``/``.pt``..., a directory holding
+    ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``) are taken only with
+    ``allow_pickle``. Raises ``FastloadIOError`` if ``path`` does not exist,
+    ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and ``CheckpointError``
+    for a directory with no checkpoint or a broken index.
     """
     p = Path(os.fspath(path))
     if not p.exists():
         raise FastloadIOError(f"{p}: no such file or directory")
     if p.is_file():
         if p.name.endswith(".index.json"):
-            return _resolve_index(p)
-        if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"):
+            return _resolve_index(p, allow_pickle)
+        if is_pickle(p) and not allow_pickle:
             raise PickleRefusedError(
-                f"{p}: a pickle checkpoint; fastload reads safetensors files only (convert it with "
-                "safetensors.torch.save_file, or save the model with save_pretrained)"
+                f"{p}: a pickle checkpoint, which could run code when loaded; {_PICKLE_ADVICE}"
             )
         return CheckpointFiles(directory=p.parent, files=(p,))
     single, index = p / SINGLE_FILE, p / INDEX_FILE
     if single.is_file():
         return CheckpointFiles(directory=p, files=(single,))
     if index.is_file():
-        return _resolve_index(index)
+        return _resolve_index(index, allow_pickle)
     for name in _PICKLE_FILES:
-        if (p / name).exists():
-            raise PickleRefusedError(
-                f"{p}: holds a pickle checkpoint ({name}) and no {SINGLE_FILE} or {INDEX_FILE}; "
-                "fastload reads safetensors files only"
-            )
+        if (p / name).is_file():
+            if not allow_pickle:
+                raise PickleRefusedError(
+                    f"{p}: holds a pickle checkpoint ({name}) and no {SINGLE_FILE} or "
+                    f"{INDEX_FILE}; {_PICKLE_ADVICE}"
+                )
+            if name.endswith(".index.json"):
+                return _resolve_index(p / name, allow_pickle)
+            return CheckpointFiles(directory=p, files=(p / name,))
     raise CheckpointError(f"{p}: neither {SINGLE_FILE} nor {INDEX_FILE} found in the directory")
 
 
@@ -145,7 +161,7 @@ def _check_shard_name(index: Path, shard: object) -> str:
     return posixpath.normpath(shard.replace("\\", "/"))
 
 
-def _resolve_index(index: Path) -> CheckpointFiles:
+def _resolve_index(index: Path, allow_pickle: bool = False) -> CheckpointFiles:
     try:
         text = index.read_text(encoding="utf-8")
     except OSError as e:
@@ -168,6 +184,12 @@ def _resolve_index(index: Path) -> CheckpointFiles:
     # Shard names normalized ("sub/../x" is "x"), so one file is one shard however it is spelled.
     weight_map = {k: _check_shard_name(index, v) for k, v in weight_map.items()}
     shards = list(dict.fromkeys(weight_map.values()))
+    pickled = [name for name in shards if is_pickle(name)]
+    if pickled and not allow_pickle:
+        raise PickleRefusedError(
+            f"{index}: lists pickle shards ({pickled[0]!r}...), which could run code when "
+            f"loaded; {_PICKLE_ADVICE}"
+        )
     files = []
     for name in shards:
         f = directory / name
@@ -189,12 +211,15 @@ def _resolve_index(index: Path) -> CheckpointFiles:
 def open_checkpoint(location: CheckpointFiles, read_mode: str = "pread") -> OpenCheckpoint:
     """Opens every file of ``location`` and builds the table of stored tensors.
 
-    A tensor held by two files, or an index that disagrees with the shards' headers, is a
-    ``CheckpointError``.
+    Safetensors files are opened with ``read_mode``; pickle files, which :func:`resolve` returns
+    only when allowed, with ``torch.load(weights_only=True)``. A tensor held by two files, or an
+    index that disagrees with the shards' contents, is a ``CheckpointError``.
     """
-    from fastload.reader import open_file
+    from fastload.reader import READ_MODES, open_file
 
-    opened = [open_file(f, read_mode) for f in location.files]
+    if read_mode not in READ_MODES:  # checked even when only pickle files are opened
+        raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    opened = [PickleFile(f) if is_pickle(f) else open_file(f, read_mode) for f in location.files]
     tensors: dict[str, StoredTensor] = {}
     for i, file in enumerate(opened):
         shard_name = location.files[i].relative_to(location.directory).as_posix()

@@ -38,6 +38,7 @@ from fastload.checkpoint import OpenCheckpoint, StoredTensor, open_checkpoint, r
 from fastload.device_map import DeviceMap, DeviceMapArg, dispatch, resolve_device_map
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import CheckpointError, FastloadError, RequestError, UnsupportedError
+from fastload.pickle_file import is_pickle
 from fastload.report import LoadReport
 from fastload.saving import TIED_KEY
 from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
@@ -244,6 +245,7 @@ def from_pretrained(
     max_memory: dict[Any, int | str] | None = None,
     tp_plan: str | dict[str, str] | None = None,
     process_group: Any = None,
+    allow_pickle: bool = False,
     **model_kwargs: Any,
 ) -> nn.Module | tuple[nn.Module, LoadReport]:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
@@ -255,7 +257,8 @@ def from_pretrained(
             already-built module (loaded in place; left unchanged if loading fails), or ``None`` to
             use the transformers class named by ``config.json``'s ``architectures``.
         path: a ``.safetensors`` file, a directory with ``model.safetensors``, or a sharded
-            checkpoint (its directory or its ``model.safetensors.index.json``).
+            checkpoint (its directory or its ``model.safetensors.index.json``); with
+            ``allow_pickle``, also a pickle checkpoint (see ``allow_pickle``).
         device: where every tensor is allocated.
         dtype: ``"auto"`` keeps each tensor's stored dtype; a floating dtype converts floating
             tensors during the copy (see :class:`Placement`).
@@ -279,6 +282,7 @@ def from_pretrained(
             stored dtype is the wanted one become views of a copy-on-write mapping of the file, so
             processes loading the same checkpoint share one physical copy through the page cache
             (see :mod:`fastload.sharing` for the SIGBUS hazard of files changed in place).
+            Safetensors files only: with a pickle checkpoint it is a ``RequestError``.
         threads: copy threads (default: the engine's choice).
         config: a transformers config (or a path to one) to build the model from.
         device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
@@ -295,6 +299,14 @@ def from_pretrained(
             weights; row-parallel ``nn.Linear`` layers all-reduce their output. The report's
             ``bytes_read`` is this rank's. See :mod:`fastload.tensor_parallel`.
         process_group: the group to shard over with ``tp_plan`` (default: the world group).
+        allow_pickle: also load pickle checkpoints: a ``.bin``/``.pt`` file, a directory with
+            ``pytorch_model.bin``, or a sharded ``pytorch_model.bin.index.json`` (checked like the
+            safetensors index). They are read only with ``torch.load(weights_only=True)``, which
+            refuses a pickle naming anything but tensors and plain containers (code that would
+            run) with a ``CheckpointError``; every entry must be a tensor. The tensors then load
+            exactly as a safetensors file's; ``read_mode`` does not apply and the report says
+            ``"torch.load(weights_only)"``. Without it such checkpoints raise
+            ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
         **model_kwargs: config overrides and ``__init__`` arguments, as in transformers.
 
     Returns:
@@ -309,7 +321,14 @@ def from_pretrained(
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
 
     with clock.phase("resolve"):
-        location = resolve(path)
+        location = resolve(path, allow_pickle=allow_pickle)
+        if mmap == "shared" and any(is_pickle(f) for f in location.files):
+            # Sharing views safetensors data at its file offsets; a pickle has no such layout.
+            raise RequestError(
+                f"{location.index or location.files[0]}: mmap='shared' needs safetensors files; "
+                "load this pickle checkpoint with mmap='copy', or convert it once with "
+                "`fastload convert`"
+            )
         ckpt = open_checkpoint(location, read_mode)
     source = str(location.index or location.files[0])
 
@@ -365,7 +384,9 @@ def from_pretrained(
             module.eval()
 
     report.seconds = dict(clock.seconds)
-    report.read_mode = read_mode if mmap == "copy" else f"{read_mode}+shared-mmap"
+    # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
+    modes = "+".join(dict.fromkeys(f.mode for f in ckpt.files))
+    report.read_mode = modes if mmap == "copy" else f"{modes}+shared-mmap"
     report.files = [str(f) for f in location.files]
     report.device = str(target_device) if dmap is None else ", ".join(map(str, dmap.devices))
     report.device_map = None if dmap is None else dmap.as_strings()
