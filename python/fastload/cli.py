@@ -276,35 +276,10 @@ def _pickle_sources(path: Path) -> list[Path]:
 
 
 def _load_pickle(path: Path) -> dict[str, Any]:
-    import pickle
+    from fastload.pickle_file import load_state_dict
 
-    import torch
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, AttributeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"{path}: cannot be loaded with torch.load(weights_only=True): {first}"
-        ) from None
-    except OSError as e:
-        raise FastloadIOError(f"{path}: {e.strerror or e}") from None
     # Training checkpoints often wrap the weights: {"state_dict": {...}, "epoch": 3, ...}.
-    if isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
-        for key in ("state_dict", "model_state_dict", "model"):
-            inner = state.get(key)
-            if isinstance(inner, dict) and all(isinstance(v, torch.Tensor) for v in inner.values()):
-                state = inner
-                break
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of tensors")
-    for name, value in state.items():
-        if not isinstance(name, str) or not isinstance(value, torch.Tensor):
-            raise CheckpointError(
-                f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor; only state "
-                "dicts can be converted"
-            )
-    return state
+    return load_state_dict(path, unwrap=True)
 
 
 def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:

@@ -56,12 +56,21 @@ def _torch_load(path: str, mmap: bool) -> object:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+#: keys under which training checkpoints commonly nest the weights
+WRAPPER_KEYS = ("state_dict", "model_state_dict", "model")
+
+
+def load_state_dict(
+    path: str | os.PathLike[str], *, unwrap: bool = False
+) -> dict[str, torch.Tensor]:
     """The tensors of a pickled state dict, loaded with ``torch.load(weights_only=True)``.
 
-    Raises ``CheckpointError`` naming the file when ``weights_only`` refuses the pickle (it
-    names a global other than tensors and plain containers: code would run), when the file is not
-    a torch pickle, or when it is not a flat ``{name: tensor}`` dict (the entry is named).
+    With ``unwrap``, a training checkpoint that nests the weights (``{"state_dict": {...},
+    "epoch": 3}``, see :data:`WRAPPER_KEYS`) yields the nested dict (``fastload convert`` does
+    this; ``from_pretrained`` does not guess). Raises ``CheckpointError`` naming the file when
+    ``weights_only`` refuses the pickle (it names a global other than tensors and plain
+    containers: code would run), when the file is not a torch pickle, or when it is not a flat
+    ``{name: tensor}`` dict (the entry is named).
     """
     where = os.fspath(path)
     try:
@@ -84,6 +93,12 @@ def load_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             f"{where}: not a checkpoint torch.load(weights_only=True) can read "
             f"({type(e).__name__}: {_reason(e)})"
         ) from None
+    if unwrap and isinstance(state, dict):
+        for key in WRAPPER_KEYS:
+            inner = state.get(key)
+            if isinstance(inner, dict) and all(isinstance(v, torch.Tensor) for v in inner.values()):
+                state = inner
+                break
     if not isinstance(state, dict):
         raise CheckpointError(f"{where}: holds a {type(state).__name__}, not a dict of tensors")
     tensors: dict[str, torch.Tensor] = {}
