@@ -152,9 +152,11 @@ def child(loader: str, checkpoint: Path) -> dict[str, float]:
     """Runs one load; imports happen before the RSS baseline so only the load is measured."""
     import torch  # noqa: F401 - imported before the baseline on purpose
     import transformers  # noqa: F401
+    from safetensors.torch import load_file  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401 - the model code every loader needs
 
     import fastload
+    import fastload.loading  # noqa: F401 - as the peers' code, imported before the baseline
 
     rss0 = _rss_bytes()
     t0 = time.perf_counter()
@@ -253,14 +255,17 @@ def run(
         print(f"[bench] writing the {size_gib:g} GiB {dtype} checkpoint ...", flush=True)
         ckpt = make_checkpoint(workdir, size_gib, dtype)
         nbytes = data_bytes(ckpt)
-        warm(ckpt / "model.safetensors")
-        warm(ckpt / "pytorch_model.bin")
         rows: dict[str, Any] = {}
         for loader in loaders:
             if loader == "fastload(bf16->f32)" and dtype != "bfloat16":
                 continue
             runs = []
             for _ in range(repeats):
+                # Re-warm before every run: the kernel may reclaim cold page cache in between
+                # (proactive reclaim is on in some VMs), and every loader should start equal.
+                warm(
+                    ckpt / ("pytorch_model.bin" if "torch.load" in loader else "model.safetensors")
+                )
                 runs.append(run_child(loader, ckpt, timeout))
             secs = statistics.median(r["seconds"] for r in runs)
             rss = statistics.median(r["peak_rss_over_baseline"] for r in runs)
