@@ -137,13 +137,23 @@ def map_keys(
     *,
     base_model_prefix: str | None = None,
     key_map: Rename | None = None,
-    renames: Sequence[Rename] = (),
+    renames: Sequence[Rename] | Callable[[], Sequence[Rename]] = (),
     source: str = "checkpoint",
 ) -> KeyMapping:
     """Maps every checkpoint name onto a model name (see the module docstring for the order).
 
-    Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both.
+    ``renames`` may be a callable that builds them: it is called only when some name does not
+    match a model name directly. Two checkpoint tensors landing on the same model name is a
+    ``CheckpointError`` naming both.
     """
+    checkpoint_keys = list(checkpoint_keys)
+    if callable(renames):
+        # Building an architecture's registered renames is costly (transformers compiles about a
+        # thousand regexes); a checkpoint whose names all match the model needs none of them.
+        direct = all(
+            (key_map(k) if key_map is not None else k) in model_keys for k in checkpoint_keys
+        )
+        renames = () if direct else renames()
     out = KeyMapping()
     owner: dict[str, str] = {}
     for original in checkpoint_keys:

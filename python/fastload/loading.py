@@ -18,6 +18,7 @@ the original tensors back, so a module passed in is never left half-loaded.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import math
@@ -650,7 +651,7 @@ def _plan(
     options: dict[str, Any] = {
         "base_model_prefix": prefix,
         "key_map": key_map,
-        "renames": _transformers_renames(model, source) if hf else (),
+        "renames": functools.partial(_transformers_renames, model, source) if hf else (),
         "source": source,
     }
     mapping = keymod.map_keys(ckpt.tensors, model_keys, **options)
