@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -139,20 +139,20 @@ def map_keys(
     key_map: Rename | None = None,
     renames: Sequence[Rename] | Callable[[], Sequence[Rename]] = (),
     source: str = "checkpoint",
+    computed: Collection[str] = (),
 ) -> KeyMapping:
     """Maps every checkpoint name onto a model name (see the module docstring for the order).
 
     ``renames`` may be a callable that builds them: it is called only when some name does not
-    match a model name directly. Two checkpoint tensors landing on the same model name is a
-    ``CheckpointError`` naming both.
+    match a model name (or one of the ``computed`` buffers the model fills itself) directly.
+    Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both.
     """
     checkpoint_keys = list(checkpoint_keys)
     if callable(renames):
         # Building an architecture's registered renames is costly (transformers compiles about a
         # thousand regexes); a checkpoint whose names all match the model needs none of them.
-        direct = all(
-            (key_map(k) if key_map is not None else k) in model_keys for k in checkpoint_keys
-        )
+        known = model_keys.union(computed)
+        direct = all((key_map(k) if key_map is not None else k) in known for k in checkpoint_keys)
         renames = () if direct else renames()
     out = KeyMapping()
     owner: dict[str, str] = {}

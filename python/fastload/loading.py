@@ -653,6 +653,7 @@ def _plan(
         "key_map": key_map,
         "renames": functools.partial(_transformers_renames, model, source) if hf else (),
         "source": source,
+        "computed": computed,
     }
     mapping = keymod.map_keys(ckpt.tensors, model_keys, **options)
     report = LoadReport(renamed=mapping.renamed)
