@@ -103,6 +103,14 @@ impl PySafetensorsFile {
         self.inner.header().data_start()
     }
 
+    /// `(st_dev, st_ino)` of the file as opened, or None for an in-memory file: lets Python
+    /// check that a path still names the validated file before mapping it again.
+    fn identity(&self, py: Python<'_>) -> PyResult<Option<(u64, u64)>> {
+        self.inner
+            .identity()
+            .map_err(|e| to_py(py, self.inner.path(), e))
+    }
+
     /// Tensor names, sorted.
     fn keys(&self) -> Vec<String> {
         self.inner

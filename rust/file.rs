@@ -188,12 +188,16 @@ impl SafetensorsFile {
         }
     }
 
-    /// Advises the kernel that `[offset, offset+len)` will be read soon (mmap mode only).
-    pub fn will_need(&self, offset: u64, len: usize) {
-        if let (Backing::Mapped(_, m), Ok(start)) = (&self.backing, usize::try_from(offset)) {
-            if len > 0 && start.checked_add(len).is_some_and(|e| e <= m.len()) {
-                let _ = m.advise_range(Advice::WillNeed, start, len);
+    /// `(device, inode)` of the open file, to tell whether a path still names it (`None` for
+    /// a file held in memory).
+    pub fn identity(&self) -> Result<Option<(u64, u64)>> {
+        use std::os::unix::fs::MetadataExt;
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => {
+                let m = f.metadata()?;
+                Ok(Some((m.dev(), m.ino())))
             }
+            Backing::Memory(_) => Ok(None),
         }
     }
 }

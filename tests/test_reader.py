@@ -192,3 +192,37 @@ def test_load_file_to_cuda_equals_safetensors(every_dtype_file):
     _assert_bitwise_equal(
         {k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}
     )
+
+
+def test_a_slice_larger_than_a_staging_buffer_is_staged_in_one_of_its_own(tmp_path):
+    from fastload.reader import open_file
+    from fastload.streaming import stream_into
+
+    m = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    path = tmp_path / "m.safetensors"
+    st_save_file({"m": m}, str(path))
+    cols = torch.empty(6, 4)
+    stream_into(open_file(path), [("m", cols, [1, 4, 8])], buffer_bytes=64)
+    assert torch.equal(cols, m[:, 4:])
+
+
+def test_a_meta_destination_is_refused_rather_than_left_unfilled(every_dtype_file):
+    with (
+        fastload.safe_open(every_dtype_file) as f,
+        pytest.raises(fastload.RequestError, match="meta"),
+    ):
+        f.load_into({"t_F32": torch.empty(3, 5, device="meta")})
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_a_thread_count_that_is_not_a_positive_int_is_refused(every_dtype_file, threads):
+    with pytest.raises(fastload.RequestError, match="threads"):
+        fastload.load_file(every_dtype_file, threads=threads)
+
+
+def test_load_into_fills_parameters_that_require_grad(every_dtype_file):
+    want = st_load_file(every_dtype_file)
+    param = torch.nn.Parameter(torch.empty(5, 3).t())  # non-contiguous, requires grad
+    with fastload.safe_open(every_dtype_file) as f:
+        f.load_into({"t_F32": param})
+    assert torch.equal(param.detach(), want["t_F32"])

@@ -131,3 +131,19 @@ def test_four_processes_sharing_a_checkpoint_use_far_less_private_memory(checkpo
     # pages common to all workers, so the sum of private memory stays far below 4 x model size.
     assert sum(copied) > 3.5 * model_kib
     assert sum(shared) < 0.5 * model_kib
+
+
+def test_a_checkpoint_replaced_before_it_is_mapped_is_refused(checkpoint, tmp_path):
+    import shutil
+
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping
+
+    local = tmp_path / "w.safetensors"
+    shutil.copyfile(checkpoint, local)
+    opened = open_file(local)
+    replacement = tmp_path / "new.safetensors"
+    shutil.copyfile(checkpoint, replacement)  # same size, another file
+    replacement.replace(local)
+    with pytest.raises(fastload.CheckpointError, match="file-changed"):
+        SharedMapping(opened)

@@ -303,7 +303,11 @@ def _check_covers(device_map: DeviceMap, model: nn.Module) -> None:
 
 def _move(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True) if value.device != device else value
+        # Non-blocking only towards an accelerator: a non-blocking copy to the CPU returns before
+        # the data has arrived.
+        if value.device == device:
+            return value
+        return value.to(device, non_blocking=device.type != "cpu")
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(_move(v, device) for v in value))
     if isinstance(value, (list, tuple)):

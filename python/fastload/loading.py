@@ -922,7 +922,7 @@ def _resolve_duplicates(groups: list[_Group]) -> None:
             if slot.key == canonical.key:
                 continue  # the same storage place under two names: nothing to untie
             same = tensor.shape == group.new.shape and torch.equal(
-                tensor.to(group.new.dtype), group.new
+                tensor.to(group.new.device, group.new.dtype), group.new
             )
             if not same:
                 logger.warning(

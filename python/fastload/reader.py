@@ -33,17 +33,24 @@ def open_file(path: str | os.PathLike[str], read_mode: str = "pread") -> _core.S
 def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | None = None) -> int:
     """Fills destination tensors from ``file``; returns bytes written.
 
-    CPU destinations are written in place (a non-contiguous one through a contiguous temporary);
-    destinations on other devices go through :func:`fastload.streaming.stream_into`. Every
-    destination is validated by the Rust engine before any byte is written.
+    CPU destinations are written in place (a non-contiguous one through a contiguous temporary),
+    all in one Rust call that validates every one of them before writing a byte; destinations on
+    other devices then go through :func:`fastload.streaming.stream_into`, one call per device.
+    The caller must not free or resize a destination until this returns.
     """
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise RequestError(f"threads must be a positive int or None, got {threads!r}")
     jobs: list[tuple[str, int, int, str, list[int] | None]] = []
     keep: list[torch.Tensor] = []  # keeps temporaries alive until the copy is done
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
-    remote: list[FillItem] = []
+    remote: dict[torch.device, list[FillItem]] = {}
     for name, dest, selection in items:
+        if dest.device.type == "meta":
+            raise RequestError(f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill")
         if dest.device.type != "cpu":
-            remote.append((name, dest, selection))
+            remote.setdefault(dest.device, []).append((name, dest, selection))
             continue
         target = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
         if target is not dest:
@@ -59,12 +66,14 @@ def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | 
             )
         )
     written = file.copy_into(jobs, threads) if jobs else 0
-    for dest, target in after:
-        dest.copy_(target)
+    with torch.no_grad():  # destinations may be parameters that require grad
+        for dest, target in after:
+            dest.copy_(target)
     if remote:
         from fastload.streaming import stream_into
 
-        written += stream_into(file, remote, threads=threads)
+        for device_items in remote.values():
+            written += stream_into(file, device_items, threads=threads)
     return written
 
 

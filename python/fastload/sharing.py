@@ -20,6 +20,7 @@ import torch
 
 from fastload import _core
 from fastload.dtypes import to_torch
+from fastload.errors import CheckpointError
 
 
 class SharedMapping:
@@ -28,17 +29,22 @@ class SharedMapping:
     def __init__(self, file: _core.SafetensorsFile) -> None:
         self.file = file
         self.path = file.path
-        size = os.path.getsize(self.path)
-        if size != file.file_size:
-            from fastload.errors import CheckpointError
-
-            raise CheckpointError(
-                f"{self.path}: [file-shrunk] file changed on disk while loading: "
-                f"expected {file.file_size} bytes, found {size}"
-            )
+        # torch maps by path: the path must still name the file whose header Rust validated
+        # (a checkpoint replaced by rename would otherwise mix two files), before and after.
+        self._check_same_file()
         # shared=False maps the file MAP_PRIVATE: reads share the page cache, writes stay private.
-        self.storage = torch.UntypedStorage.from_file(self.path, False, size)
+        self.storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
+        self._check_same_file()
         self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
+
+    def _check_same_file(self) -> None:
+        st = os.stat(self.path)
+        if (st.st_dev, st.st_ino) != self.file.identity() or st.st_size != self.file.file_size:
+            raise CheckpointError(
+                f"{self.path}: [file-changed] the path no longer names the file that was opened "
+                f"and validated ({self.file.file_size} bytes); it was replaced or resized while "
+                f"loading (now {st.st_size} bytes)"
+            )
 
     def view(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
         """A view of tensor ``name`` if it can be shared as ``dtype``; ``None`` if it must be copied

@@ -9,6 +9,7 @@ without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +53,7 @@ def _pieces(
         numel, itemsize = dest.numel(), dest.element_size()
         flat = dest.view(-1)
         if selection is not None:
-            # A slice is staged whole; it must fit one buffer.
-            if numel * itemsize > buffer_bytes:
-                raise RequestError(
-                    f"tensor {name!r}: a sliced read of {numel * itemsize} bytes exceeds the "
-                    f"{buffer_bytes}-byte staging buffer"
-                )
+            # A slice is staged whole (in a buffer of its own when larger than the pool's).
             out.append(_Piece(name, flat, 0, numel, selection))
             continue
         per = max(1, buffer_bytes // max(1, itemsize))
@@ -93,8 +89,13 @@ def stream_into(
     device = devices.pop()
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None
+    if stream is not None:
+        # Destinations were allocated on the current stream; writes on the side stream must not
+        # overtake work still queued there on memory the caching allocator handed out again.
+        stream.wait_stream(torch.cuda.current_stream(device))
     pool = [_Buffer(buffer_bytes, pinned=cuda) for _ in range(max(1, num_buffers))]
     pieces = _pieces(items, buffer_bytes)
+    oversize: list[_Buffer] = []
     written = 0
     turn = 0
     i = 0
@@ -114,14 +115,19 @@ def stream_into(
             batch.append((p, offset, nbytes))
             offset += nbytes
             i += 1
+        if offset > buffer_bytes:
+            # One slice larger than a pool buffer: stage it in a buffer of its own, kept alive
+            # until the stream is synchronized below.
+            buf = _Buffer(offset, pinned=cuda)
+            oversize.append(buf)
         base = buf.data.data_ptr()
         jobs = []
         for p, off, nbytes in batch:
             sel = p.selection if p.selection is not None else [p.start, p.stop]
             jobs.append((p.name, base + off, nbytes, to_st(p.dest.dtype), sel))
         file.copy_into(jobs, threads)
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-        with ctx:
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
             for p, off, nbytes in batch:
                 src = buf.data[off : off + nbytes].view(p.dest.dtype)
                 p.dest[p.start : p.stop].copy_(src, non_blocking=cuda)
@@ -132,11 +138,3 @@ def stream_into(
     if stream is not None:
         stream.synchronize()
     return written
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -1,8 +1,9 @@
 """Tied weights: finding tie groups on a model and re-tying them after a meta-device load.
 
 Loading onto the meta device breaks ties (transformers #29024): ``a.weight = b.weight`` aliasing on
-meta does not survive replacing one parameter with a loaded one. Groups are found by Parameter
-identity before loading, and every member is pointed at the loaded canonical Parameter after.
+meta does not survive replacing one parameter with a loaded one. This module finds the groups (by
+Parameter identity, before loading); :func:`fastload.loading.from_pretrained` points every member
+at the loaded canonical Parameter after.
 """
 
 from __future__ import annotations
@@ -23,20 +24,6 @@ def find_tie_groups(model: nn.Module) -> list[list[str]]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(param), []).append(name)
     return [names for names in by_id.values() if len(names) > 1]
-
-
-def get_parameter(model: nn.Module, name: str) -> torch.nn.Parameter:
-    """The parameter at dotted ``name``."""
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    return getattr(module, attr)
-
-
-def set_parameter(model: nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    """Points dotted ``name`` at ``param`` (replacing whatever Parameter was there)."""
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    setattr(module, attr, param)
 
 
 @dataclass(frozen=True)
