@@ -15,7 +15,6 @@ the caller names. The wrapper is an instance-level ``forward`` that runs the cla
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastload.errors import UnsupportedError
+from fastload.skeleton import is_transformers_model
 
 # Instance attributes fastload sets; their presence marks fastload's own changes.
 _STATE_ATTR = "_fastload_checkpointing"
@@ -39,13 +39,6 @@ class _WrapState:
     # The instance-level ``forward`` the module had before wrapping (another library's hook, say);
     # ``None`` when it used its class's forward, which is then restored by deleting the wrapper.
     previous_forward: Any = None
-
-
-def _is_transformers_model(model: nn.Module) -> bool:
-    # A transformers model can only exist if transformers is already imported: never import it here.
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
-    return pretrained is not None and isinstance(model, pretrained)
 
 
 class _CheckpointedForward:
@@ -214,7 +207,7 @@ def gradient_checkpointing_enable(
     Raises:
         UnsupportedError: the model has nothing to checkpoint (naming its class).
     """
-    if modules is None and _is_transformers_model(model):
+    if modules is None and is_transformers_model(model):
         _transformers_enable(model, use_reentrant)
         return
     for _, block in _blocks_to_wrap(model, modules):
@@ -230,7 +223,7 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
     """
     for module in model.modules():
         _unwrap(module)
-    if _is_transformers_model(model):
+    if is_transformers_model(model):
         _transformers_disable(model)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from fastload.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
+from fastload.errors import CheckpointError, FastloadError, RequestError
 from fastload.units import format_bytes
 
 PROG = "fastload"
@@ -250,29 +250,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _pickle_sources(path: Path) -> list[Path]:
-    """The pickle files of a checkpoint: one file, a directory, or a ``.bin.index.json``."""
-    if not path.exists():
-        raise FastloadIOError(f"{path}: no such file or directory")
-    if path.is_dir():
-        for name in ("pytorch_model.bin.index.json", "pytorch_model.bin", "model.pt", "model.bin"):
-            if (path / name).is_file():
-                return _pickle_sources(path / name)
-        raise CheckpointError(f"{path}: no pytorch_model.bin(.index.json) in the directory")
-    if path.name.endswith(".index.json"):
-        try:
-            weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
-            shards = list(dict.fromkeys(weight_map.values()))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{path}: not an index with a 'weight_map' ({e})") from None
-        files = []
-        for shard in shards:
-            if not isinstance(shard, str) or Path(shard).is_absolute() or ".." in Path(shard).parts:
-                raise CheckpointError(f"{path}: shard name {shard!r} escapes the directory")
-            if not (path.parent / shard).is_file():
-                raise CheckpointError(f"{path}: shard {shard!r} is missing")
-            files.append(path.parent / shard)
-        return files
-    return [path]
+    """The pickle files of a checkpoint: one file, a directory, or a ``.bin.index.json``,
+    resolved (and its index checked) exactly as ``from_pretrained(allow_pickle=True)`` does."""
+    from fastload.checkpoint import resolve
+    from fastload.pickle_file import is_pickle
+
+    files = list(resolve(path, allow_pickle=True).files)
+    if not all(is_pickle(f) for f in files):
+        raise CheckpointError(f"{path}: already holds a safetensors checkpoint; nothing to convert")
+    return files
 
 
 def _load_pickle(path: Path) -> dict[str, Any]:

@@ -11,8 +11,10 @@ The load runs in phases, each timed in the :class:`~fastload.report.LoadReport`:
 6. **finish**: swap the new tensors into the model (every member of a tie group gets the same
    Parameter), initialize what the checkpoint lacks, check nothing is left on ``meta``.
 
-Nothing in the model changes before every copy has succeeded, and a failure while finishing puts
-the original tensors back, so a module passed in is never left half-loaded.
+Nothing in the model changes before every copy has succeeded, and a failure while swapping or
+initializing puts the original tensors back, so a module passed in is never left half-loaded by a
+bad checkpoint. The steps after that (transformers' own finishing, device-map dispatch,
+tensor-parallel wrapping, enabling gradient checkpointing) are not rolled back if they fail.
 """
 
 from __future__ import annotations

@@ -38,15 +38,16 @@ import torch
 from torch import nn
 
 from fastload import _core
+from fastload.checkpoint import INDEX_FILE as INDEX_NAME
+from fastload.checkpoint import SINGLE_FILE as WEIGHTS_NAME
 from fastload.dtypes import to_st
 from fastload.errors import FastloadIOError, RequestError, UnsupportedError
+from fastload.skeleton import is_transformers_model
 from fastload.tying import find_tie_groups
 from fastload.units import parse_bytes
 
 logger = logging.getLogger("fastload")
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 TIED_KEY = "fastload.tied"
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
@@ -223,12 +224,6 @@ def save_file(
 # --- checkpoints ----------------------------------------------------------------------------------
 
 
-def _transformers_model(model: nn.Module) -> bool:
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
-    return pretrained is not None and isinstance(model, pretrained)
-
-
 def _unwrap_parallel(model: nn.Module) -> nn.Module:
     # DistributedDataParallel/DataParallel would prefix every name with "module.".
     while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
@@ -254,7 +249,7 @@ def tied_aliases(model: nn.Module, names: set[str] | None = None) -> dict[str, s
 
     ``names``, if given, restricts the groups to those names (a state dict's keys).
     """
-    targets = _tie_target_patterns(model) if _transformers_model(model) else []
+    targets = _tie_target_patterns(model) if is_transformers_model(model) else []
     aliases: dict[str, str] = {}
     for group in find_tie_groups(model):
         present = [n for n in group if names is None or n in names]
@@ -357,7 +352,7 @@ def save_pretrained(
     if directory.exists() and not directory.is_dir():
         raise RequestError(f"{directory}: save_pretrained needs a directory, this is a file")
     user_meta = _check_metadata(metadata, os.fspath(directory)) or {}
-    is_transformers = _transformers_model(model)
+    is_transformers = is_transformers_model(model)
 
     state = model.state_dict()
     for key in (getattr(model, "_keys_to_ignore_on_save", None) or ()) if is_transformers else ():
