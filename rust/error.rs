@@ -67,6 +67,8 @@ pub enum Error {
         expected: u64,
         actual: u64,
     },
+    /// A tensor to write whose bytes do not match its shape and dtype, or whose pointer is null.
+    InvalidSource { tensor: String, detail: String },
     /// A destination pointer that is null while bytes are to be written.
     NullDestination { tensor: String },
     /// A dtype conversion the engine does not do.
@@ -107,6 +109,7 @@ impl Error {
             Error::UnknownTensor { .. } => "unknown-tensor",
             Error::DestinationSize { .. } => "destination-size",
             Error::NullDestination { .. } => "null-destination",
+            Error::InvalidSource { .. } => "invalid-source",
             Error::UnsupportedConversion { .. } => "unsupported-conversion",
             Error::InvalidSelection { .. } => "invalid-selection",
             Error::FileShrunk { .. } => "file-shrunk",
@@ -122,6 +125,7 @@ impl Error {
             Error::UnknownTensor { .. }
                 | Error::DestinationSize { .. }
                 | Error::NullDestination { .. }
+                | Error::InvalidSource { .. }
                 | Error::UnsupportedConversion { .. }
                 | Error::InvalidSelection { .. }
                 | Error::Io { .. }
@@ -187,6 +191,9 @@ impl fmt::Display for Error {
                 f,
                 "tensor '{tensor}': destination has {actual} bytes, expected {expected}"
             ),
+            Error::InvalidSource { tensor, detail } => {
+                write!(f, "tensor '{tensor}': cannot write it: {detail}")
+            }
             Error::NullDestination { tensor } => {
                 write!(f, "tensor '{tensor}': destination pointer is null")
             }

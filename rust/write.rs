@@ -50,15 +50,19 @@ pub unsafe fn write_file(
     let mut pieces = Vec::new();
     for (s, &(begin, end)) in sources.iter().zip(&offsets) {
         if end - begin != s.len as u64 {
-            return Err(Error::DestinationSize {
+            return Err(Error::InvalidSource {
                 tensor: s.name.clone(),
-                expected: end - begin,
-                actual: s.len as u64,
+                detail: format!(
+                    "its shape and dtype need {} bytes but {} were given",
+                    end - begin,
+                    s.len
+                ),
             });
         }
         if s.len > 0 && s.ptr.is_null() {
-            return Err(Error::NullDestination {
+            return Err(Error::InvalidSource {
                 tensor: s.name.clone(),
+                detail: "its data pointer is null".into(),
             });
         }
         let mut done = 0u64;
@@ -171,7 +175,7 @@ mod tests {
             unsafe { write_file(&path, &s, None, None) }
                 .unwrap_err()
                 .rule(),
-            "destination-size"
+            "invalid-source"
         );
         assert!(!path.exists());
     }
