@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fastload
 from fastload.checkpointing import is_gradient_checkpointing
+from tiny_models import make_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,15 +65,8 @@ def _stack(seed: int = 0, **kwargs: int) -> Stack:
 
 def _bert(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+    config = make_config(
+        "bert", vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
     return transformers.BertForMaskedLM(config).train()
 

@@ -15,6 +15,7 @@ from safetensors.torch import load_file as st_load_file
 import fastload
 from fastload.checkpointing import is_gradient_checkpointing
 from spawn_ranks import free_port, run_ranks
+from tiny_models import make_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,15 +26,8 @@ TIMEOUT_S = 120
 
 def _tiny_bert() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
+    config = make_config(
+        "bert", vocab_size=100, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
     )
     return transformers.BertForMaskedLM(config)
 

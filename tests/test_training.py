@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fastload
+from tiny_models import make_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -14,14 +15,7 @@ POOLER = ["bert.pooler.dense.weight", "bert.pooler.dense.bias"]
 
 
 def _bert_config() -> object:
-    return transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
+    return make_config("bert", vocab_size=100)
 
 
 class TokenTagger(nn.Module):
