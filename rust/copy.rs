@@ -219,6 +219,10 @@ pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
     Ok(plan)
 }
 
+/// Bytes of the per-thread bounce buffer of the pread conversion path: small enough to stay in
+/// the core's cache between the read and the conversion (a whole 8 MiB task did not, ~2x slower).
+const SCRATCH_BYTES: usize = 256 << 10;
+
 thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
@@ -239,13 +243,23 @@ fn run_piece(file: &SafetensorsFile, p: &Piece) -> Result<()> {
         convert(src, p.from, dst, p.to);
         return Ok(());
     }
+    // pread path: bounce through a small per-thread buffer that stays in cache, block by block.
+    let (si, di) = (p.from.itemsize().unwrap_or(1), p.to.itemsize().unwrap_or(1));
+    let block = (SCRATCH_BYTES / si).max(1);
     SCRATCH.with(|s| {
         let mut buf = s.borrow_mut();
-        if buf.len() < len {
-            buf.resize(len, 0);
+        if buf.len() < block * si {
+            buf.resize(block * si, 0);
         }
-        file.read_at(&mut buf[..len], p.src)?;
-        convert(&buf[..len], p.from, dst, p.to);
+        let n = len / si;
+        let mut done = 0;
+        while done < n {
+            let k = block.min(n - done);
+            let src = &mut buf[..k * si];
+            file.read_at(src, p.src + (done * si) as u64)?;
+            convert(src, p.from, &mut dst[done * di..(done + k) * di], p.to);
+            done += k;
+        }
         Ok(())
     })
 }
