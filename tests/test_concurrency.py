@@ -19,6 +19,7 @@ from safetensors.torch import save_file as st_save_file
 from torch import nn
 
 import fastload
+from tensor_samples import assert_bitwise_equal
 
 T = TypeVar("T")
 THREADS = 8
@@ -67,14 +68,6 @@ def _rounds(calls: list[Callable[[], T]], rounds: int = 3) -> list[T]:
     return [result for _ in range(rounds) for result in _in_threads(calls)]
 
 
-def _assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for name, w in want.items():
-        g = got[name]
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        assert torch.equal(g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)), name
-
-
 def test_eight_threads_loading_the_same_file_get_what_one_thread_gets(files: list[Path]) -> None:
     want = fastload.load_file(files[0], threads=1)
     # Mixed read modes and copy thread counts, so the threads also share the Rust copy pools.
@@ -87,7 +80,7 @@ def test_eight_threads_loading_the_same_file_get_what_one_thread_gets(files: lis
         for i in range(THREADS)
     ]
     for got in _in_threads(calls):
-        _assert_identical(got, want)
+        assert_bitwise_equal(got, want)
 
 
 def test_eight_threads_loading_different_files_each_get_their_own_tensors(
@@ -99,7 +92,7 @@ def test_eight_threads_loading_different_files_each_get_their_own_tensors(
         for i in range(THREADS)
     ]
     for i, got in enumerate(_in_threads(calls)):
-        _assert_identical(got, want[i % len(files)])
+        assert_bitwise_equal(got, want[i % len(files)])
 
 
 def test_eight_threads_converting_on_load_match_a_single_threaded_conversion(
@@ -112,7 +105,7 @@ def test_eight_threads_converting_on_load_match_a_single_threaded_conversion(
         for i in range(THREADS)
     ]
     for i, got in enumerate(_in_threads(calls)):
-        _assert_identical(got, want[dtypes[i % 4]])
+        assert_bitwise_equal(got, want[dtypes[i % 4]])
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +265,7 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _assert_same_model(got: nn.Module, want: nn.Module) -> None:
-    _assert_identical(_tensors(got), _tensors(want))
+    assert_bitwise_equal(_tensors(got), _tensors(want))
 
 
 @pytest.mark.usefixtures("torch_globals_restored", "eager_thread_switching")

@@ -8,62 +8,24 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
 import fastload
-from fastload.dtypes import ST_TO_TORCH
+from tensor_samples import assert_bitwise_equal, every_dtype_tensors
 
 READ_MODES = ["pread", "mmap"]
-
-
-def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        base = torch.randn(
-            shape, generator=gen, dtype=torch.float64 if dtype == torch.float64 else torch.float32
-        )
-        if dtype.is_complex:
-            return torch.complex(
-                base.float(), base.float().flip(-1) if base.dim() else base.float()
-            )
-        return base.to(dtype)
-    info = torch.iinfo(dtype)
-    lo, hi = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
-    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
 
 
 @pytest.fixture(scope="module")
 def every_dtype_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One tensor of every dtype torch and safetensors share, plus 0-d and empty tensors."""
-    gen = torch.Generator().manual_seed(0)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, dtype in ST_TO_TORCH.items():
-        try:
-            tensors[f"t_{name}"] = _random(dtype, (3, 5), gen)
-            tensors[f"scalar_{name}"] = _random(dtype, (), gen)
-            tensors[f"empty_{name}"] = torch.empty((0, 4), dtype=dtype)
-        except (RuntimeError, TypeError):  # a dtype torch cannot fill randomly on this build
-            tensors.pop(f"t_{name}", None)
+    tensors = every_dtype_tensors()
     path = tmp_path_factory.mktemp("dtypes") / "all.safetensors"
     st_save_file(tensors, str(path), metadata={"format": "pt", "note": "every dtype"})
     return str(path)
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for k, w in want.items():
-        g = got[k]
-        assert g.dtype == w.dtype and g.shape == w.shape, k
-        # Compare raw bytes: torch.equal treats NaN != NaN and has no kernels for some dtypes.
-        assert torch.equal(_bytes(g), _bytes(w)), k
-
-
 @pytest.mark.parametrize("read_mode", READ_MODES)
 def test_load_file_equals_safetensors_bitwise_for_every_dtype(every_dtype_file, read_mode):
     got = fastload.load_file(every_dtype_file, read_mode=read_mode)
-    _assert_bitwise_equal(got, st_load_file(every_dtype_file))
+    assert_bitwise_equal(got, st_load_file(every_dtype_file))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 8])
@@ -72,7 +34,7 @@ def test_load_file_equals_safetensors_for_a_thousand_tensors(tmp_path, threads):
     tensors = {f"layer.{i}.w": torch.randn(i % 17 + 1, 7, generator=gen) for i in range(1000)}
     path = tmp_path / "many.safetensors"
     st_save_file(tensors, str(path))
-    _assert_bitwise_equal(fastload.load_file(path, threads=threads), st_load_file(str(path)))
+    assert_bitwise_equal(fastload.load_file(path, threads=threads), st_load_file(str(path)))
 
 
 def test_large_tensors_split_across_threads_load_exactly(tmp_path):
@@ -169,7 +131,7 @@ def test_the_staging_pipeline_with_small_buffers_fills_cpu_destinations(every_dt
         num_buffers=2,
     )
     assert written == sum(t.numel() * t.element_size() for t in dest.values())
-    _assert_bitwise_equal(dest, {k: want[k] for k in dest})
+    assert_bitwise_equal(dest, {k: want[k] for k in dest})
 
 
 def test_slices_along_a_dimension_read_only_the_selected_rows_or_columns(tmp_path):
@@ -189,7 +151,7 @@ def test_slices_along_a_dimension_read_only_the_selected_rows_or_columns(tmp_pat
 def test_load_file_to_cuda_equals_safetensors(every_dtype_file):
     got = fastload.load_file(every_dtype_file, device="cuda")
     want = st_load_file(every_dtype_file, device="cuda")
-    _assert_bitwise_equal(
+    assert_bitwise_equal(
         {k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}
     )
 

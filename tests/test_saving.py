@@ -21,8 +21,8 @@ from torch import nn
 import fastload
 from fastload import _core, saving
 from fastload.checkpointing import is_gradient_checkpointing
-from fastload.dtypes import ST_TO_TORCH
 from fastload.saving import parse_size
+from tensor_samples import assert_bitwise_equal, every_dtype_tensors
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,53 +115,18 @@ def transformers_warnings(caplog: pytest.LogCaptureFixture) -> Iterator[Callable
 # --- save_file ------------------------------------------------------------------------------------
 
 
-def _random(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    if dtype.is_complex:
-        return torch.randn(shape, generator=gen, dtype=dtype)
-    info = torch.iinfo(dtype)
-    lo, hi = max(info.min, -(2**31)), min(info.max, 2**31 - 1)
-    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int64).to(dtype)
-
-
-def _every_dtype() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, dtype in ST_TO_TORCH.items():
-        try:
-            tensors[f"t_{name}"] = _random(dtype, (3, 5), gen)
-            tensors[f"scalar_{name}"] = _random(dtype, (), gen)
-        except (RuntimeError, TypeError):  # a dtype torch cannot fill randomly on this build
-            tensors.pop(f"t_{name}", None)
-            continue
-        tensors[f"empty_{name}"] = torch.empty((0, 4), dtype=dtype)
-    return tensors
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(_bytes(got[name]), _bytes(tensor)), name
-
-
 def test_save_file_round_trips_every_dtype_through_safetensors(tmp_path: Path) -> None:
-    tensors = _every_dtype()
+    tensors = every_dtype_tensors()
     fastload.save_file(tensors, tmp_path / "all.safetensors")
-    _assert_bitwise_equal(st_load_file(tmp_path / "all.safetensors"), tensors)
+    assert_bitwise_equal(st_load_file(tmp_path / "all.safetensors"), tensors, same_order=False)
 
 
 def test_save_file_round_trips_every_dtype_through_fastload(tmp_path: Path) -> None:
-    tensors = _every_dtype()
+    tensors = every_dtype_tensors()
     fastload.save_file(tensors, tmp_path / "all.safetensors")
-    _assert_bitwise_equal(fastload.load_file(tmp_path / "all.safetensors"), tensors)
+    assert_bitwise_equal(
+        fastload.load_file(tmp_path / "all.safetensors"), tensors, same_order=False
+    )
 
 
 def test_save_file_stores_the_metadata(tmp_path: Path) -> None:
@@ -365,7 +330,7 @@ def test_transformers_loads_a_sharded_fastload_checkpoint(tmp_path: Path) -> Non
 def test_every_shard_loads_the_same_in_fastload_and_safetensors(tmp_path: Path) -> None:
     fastload.save_pretrained(_bert_mlm(), tmp_path, max_shard_size="16KB")
     for shard in tmp_path.glob("model-*.safetensors"):
-        _assert_bitwise_equal(fastload.load_file(shard), st_load_file(shard))
+        assert_bitwise_equal(fastload.load_file(shard), st_load_file(shard), same_order=False)
 
 
 def test_a_tensor_larger_than_the_shard_size_gets_a_shard_of_its_own(tmp_path: Path) -> None:
