@@ -278,6 +278,8 @@ def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     """
     import torch
 
+    from fastload.saving import byte_span
+
     out: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -300,9 +302,7 @@ def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     for name, t in out.items():
         if not t.numel():
             continue
-        start = t.data_ptr()
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        end = start + (last + 1) * t.element_size()
+        start, end = byte_span(t)
         spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, end, name))
     cloned: list[str] = []
     for group in spans.values():
@@ -317,7 +317,7 @@ def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from fastload.saving import save_file
+    from fastload.saving import TIED_KEY, save_file
 
     source = Path(args.input)
     out_dir = Path(args.output)
@@ -337,7 +337,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     tensors, aliases, cloned = dedupe_shared(state)
     metadata = {"format": "pt"}
     if aliases:
-        metadata["fastload.tied"] = json.dumps(aliases, sort_keys=True)
+        metadata[TIED_KEY] = json.dumps(aliases, sort_keys=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, target, metadata=metadata)
     copied = []

@@ -82,7 +82,7 @@ def _check_metadata(metadata: Mapping[str, str] | None, where: str) -> dict[str,
     return dict(metadata)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
     """Byte range [start, end) that ``t`` touches in its storage."""
     if t.numel() == 0:
         return t.data_ptr(), t.data_ptr()
@@ -97,7 +97,7 @@ def _refuse_shared(tensors: Mapping[str, torch.Tensor], where: str) -> None:
     for name, t in tensors.items():
         if t.device.type == "meta" or t.numel() == 0:
             continue
-        start, end = _span(t)
+        start, end = byte_span(t)
         key = (str(t.device), t.untyped_storage().data_ptr())
         by_storage.setdefault(key, []).append((start, end, name))
     for spans in by_storage.values():
