@@ -118,8 +118,9 @@ def _with_prefix(name: str, prefix: str | None, model_keys: set[str]) -> str | N
     return None
 
 
-def _adjust(name: str, prefix: str | None, model_keys: set[str]) -> str:
-    """The base-model prefix change, then the legacy rename, that makes ``name`` a model name."""
+def adjust(name: str, prefix: str | None, model_keys: set[str]) -> str:
+    """The base-model prefix change, then the legacy rename, that makes ``name`` a model name
+    (``name`` itself if none does)."""
     for candidate in (name, _legacy(name)):
         if candidate is None:
             continue
@@ -161,7 +162,7 @@ def map_keys(
         for rename in renames:
             name = rename(name)
         if name not in model_keys:
-            name = _adjust(name, base_model_prefix, model_keys)
+            name = adjust(name, base_model_prefix, model_keys)
         if name not in model_keys:
             out.unmatched[original] = name
             continue

@@ -177,6 +177,8 @@ class _Group:
     # further members also present in the checkpoint, loaded to compare with the canonical one
     extra: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     untied: list[Slot] = field(default_factory=list)
+    # a tensor merged from several stored ones (MoE experts): each one and its slice of it
+    pieces: list[tuple[StoredTensor, tuple[Any, ...]]] | None = None
 
     @property
     def is_buffer(self) -> bool:
@@ -582,10 +584,10 @@ def _keep_fp32_pattern(model: nn.Module, want: torch.dtype | None) -> Any | None
 
 def _transformers_renames(model: nn.Module, source: str) -> list[keymod.Rename]:
     """The renamings transformers registers for this architecture (legacy ``LayerNorm.gamma``
-    included); a checkpoint that needs one of its tensor-merging conversions is refused."""
+    included). Its tensor-merging conversions are planned by :func:`_plan_merges`."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
+        from transformers.core_model_loading import WeightRenaming
     except ImportError:  # a transformers without registered conversions: nothing to apply
         return []
 
@@ -595,21 +597,7 @@ def _transformers_renames(model: nn.Module, source: str) -> list[keymod.Rename]:
         for t in transforms
         if isinstance(t, WeightRenaming)
     ]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    if converters:
-
-        def refuse(name: str) -> str:
-            for c in converters:
-                if c.rename_source_key(name)[1] is not None:
-                    raise UnsupportedError(
-                        f"{source}: tensor {name!r} needs transformers' conversion "
-                        f"{c.source_patterns} -> {c.target_patterns}, which merges or splits "
-                        "tensors; fastload only renames. Load it once with transformers and save "
-                        "it with save_pretrained"
-                    )
-            return name
-
-        renames.append(refuse)
+    # Tensors a converter merges are planned by _plan_merges before these renames run.
     return renames
 
 
@@ -657,7 +645,12 @@ def _plan(
         "source": source,
         "computed": computed,
     }
-    mapping = keymod.map_keys(ckpt.tensors, model_keys, **options)
+    # >>> zoo: transformers' tensor merges (MoE experts), fastload.hf.conversions
+    merges = _plan_merges(model, ckpt, model_keys, options) if hf else {}
+    merged = {p.stored for m in merges.values() for p in m.pieces}
+    names = [n for n in ckpt.tensors if n not in merged] if merged else ckpt.tensors
+    # <<< zoo
+    mapping = keymod.map_keys(names, model_keys, **options)
     report = LoadReport(renamed=mapping.renamed)
     pairs = list(mapping.to_model.items())
     pairs += _alias_pairs(ckpt, mapping, model_keys, group_of, options)
@@ -680,6 +673,9 @@ def _plan(
             continue
         _check_dtype(ckpt, stored, model_name, group.template)
         group.sources.append((slot, stored, dest))
+    for merge in merges.values():  # zoo: the merged tensors' sources
+        _add_merge(merge, ckpt, placement, group_of[merge.target], slot_of[merge.target])
+        report.renamed.update((p.stored, merge.target) for p in merge.pieces)
     if wrong and not ignore_mismatched_sizes:
         shown = "\n  ".join(wrong[:20]) + (
             f"\n  ... ({len(wrong) - 20} more)" if len(wrong) > 20 else ""
@@ -717,9 +713,70 @@ def _plan(
     _apply_policies(report, missing_policy, unexpected_policy, source)
     report.tensors_loaded = sum(len(g.sources) for g in groups)
     report.bytes_read = sum(
-        _source_bytes(stored, dest) for g in groups for _, stored, dest in g.sources
-    )
+        _source_bytes(stored, dest)
+        for g in groups
+        if g.pieces is None
+        for _, stored, dest in g.sources
+    ) + sum(stored.nbytes for g in groups for stored, _ in g.pieces or ())
     return groups, report
+
+
+def _plan_merges(
+    model: nn.Module, ckpt: OpenCheckpoint, model_keys: set[str], options: dict[str, Any]
+) -> dict[str, Any]:
+    """transformers' merges of stored tensors into one model tensor (MoE experts), planned by
+    :mod:`fastload.hf.conversions`; empty when every stored name is already a model name."""
+    from fastload.hf import conversions
+
+    known = model_keys.union(options["computed"])
+    key_map = options["key_map"]
+    if all((key_map(k) if key_map is not None else k) in known for k in ckpt.tensors):
+        return {}
+    converters = conversions.converters_of(model)
+    if not converters:
+        return {}
+    renames = _transformers_renames(model, options["source"])
+    prefix = options["base_model_prefix"]
+
+    def rename(name: str) -> str:
+        name = key_map(name) if key_map is not None else name
+        for r in renames:
+            name = r(name)
+        return name
+
+    def resolve(name: str) -> str | None:
+        name = keymod.adjust(name, prefix, model_keys)
+        return name if name in model_keys else None
+
+    shapes = {n: tuple(t.shape) for n, t in ckpt.tensors.items()}
+    return conversions.plan_merges(
+        shapes, converters, rename=rename, resolve=resolve, source=options["source"]
+    )
+
+
+def _add_merge(
+    merge: Any, ckpt: OpenCheckpoint, placement: Placement, group: _Group, slot: Slot
+) -> None:
+    """Makes ``group`` load from the pieces of ``merge``, after checking shape and dtypes."""
+    stored = [ckpt.tensors[p.stored] for p in merge.pieces]
+    want = tuple(group.template.shape)
+    if merge.shape != want:
+        raise CheckpointError(
+            f"{ckpt.file_path(stored[0])}: tensor {stored[0].name!r} and {len(stored) - 1} "
+            f"others merge into a tensor of shape {list(merge.shape)}, but the model's "
+            f"{merge.target!r} has shape {list(want)}"
+        )
+    for t in stored:
+        _check_dtype(ckpt, t, merge.target, group.template)
+    dest = placement.destination(merge.target, group.template, stored[0], is_buffer=slot.is_buffer)
+    if dest.selection is not None:
+        raise UnsupportedError(
+            f"{ckpt.file_path(stored[0])}: tensor {stored[0].name!r} is merged into "
+            f"{merge.target!r}, which tp_plan shards; sharding merged expert tensors is not "
+            "supported"
+        )
+    group.sources.append((slot, stored[0], dest))
+    group.pieces = [(t, p.views) for t, p in zip(stored, merge.pieces, strict=True)]
 
 
 def _alias_pairs(
@@ -826,6 +883,17 @@ def _allocate(
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]] = {}
     for group in groups:
         first = group.slots[0]
+        if group.action == "load" and group.pieces is not None:  # zoo: merged expert tensors
+            from fastload.hf.conversions import view_of
+
+            dest = group.sources[0][2]
+            tensor = torch.empty(tuple(group.template.shape), dtype=dest.dtype, device=dest.device)
+            for stored, views in group.pieces:
+                by_file.setdefault(stored.file, []).append(
+                    (stored.name, view_of(tensor, views), None, stored.nbytes)
+                )
+            group.dest, group.new = dest, tensor
+            continue
         if group.action == "load":
             for i, (slot, stored, dest) in enumerate(group.sources):
                 tensor = None

@@ -1,0 +1,181 @@
+"""transformers' tensor-merging conversions (MoE experts), planned as reads into slices.
+
+transformers 5 saves a mixture-of-experts layer one tensor per expert
+(``mlp.experts.3.gate_proj.weight``) and merges them when loading, through the
+``WeightConverter`` entries of its conversion mapping (``transformers.conversion_mapping``): the
+experts of each projection are stacked (``MergeModulelist``) and the stacks concatenated
+(``Concatenate``, e.g. gate and up into ``gate_up_proj``). fastload reads the mapping of the model
+at run time, so a new MoE architecture registered there loads without a change here, and turns
+each merge into a plan: the merged tensor is allocated once, and every stored expert tensor is
+read by the copy engine straight into its slice of it (a :class:`Piece`), with no intermediate
+copy. A slice along the leading dimensions of a contiguous tensor is contiguous, so the engine
+writes it in place.
+
+Only ``MergeModulelist`` and ``Concatenate`` chains are planned; a checkpoint needing another
+operation is refused with an error naming the tensor as stored in the file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fastload.errors import CheckpointError, UnsupportedError
+
+#: one step from a merged tensor towards a piece: ("select", dim, index) or
+#: ("narrow", dim, start, length)
+View = tuple[Any, ...]
+
+
+@dataclass
+class Piece:
+    """One stored tensor and where it lies in the merged tensor."""
+
+    stored: str
+    views: tuple[View, ...]
+
+
+@dataclass
+class Merge:
+    """A model tensor assembled from several stored tensors."""
+
+    target: str
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
+
+
+def view_of(tensor: torch.Tensor, views: Sequence[View]) -> torch.Tensor:
+    """The part of a merged ``tensor`` that one piece fills."""
+    for step in views:
+        if step[0] == "select":
+            tensor = tensor.select(step[1], step[2])
+        else:
+            tensor = tensor.narrow(step[1], step[2], step[3])
+    return tensor
+
+
+def converters_of(model: Any) -> list[Any]:
+    """The ``WeightConverter`` entries transformers registers for ``model`` (none for a
+    transformers version without conversion mappings)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return []
+    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
+
+
+def _natural(name: str) -> list[Any]:
+    # transformers collects a converter's tensors in this order (dot_natural_key)
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def plan_merges(
+    names: Mapping[str, tuple[int, ...]],
+    converters: Sequence[Any],
+    *,
+    rename: Callable[[str], str],
+    resolve: Callable[[str], str | None],
+    source: str,
+) -> dict[str, Merge]:
+    """Plans the merges of the checkpoint tensors ``names`` (stored name -> shape).
+
+    ``rename`` applies the renamings that come before a converter (the user's ``key_map`` and
+    transformers' renamings); ``resolve`` turns a converted name into a model tensor name (the
+    base-model prefix added or stripped) or ``None`` if the model has no such tensor. A stored
+    tensor no converter matches, or whose target the model lacks, is left out of the plan.
+    """
+    if not converters:
+        return {}
+    collected: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    for stored in sorted(names, key=_natural):
+        renamed = rename(stored)
+        for converter in converters:
+            converted, pattern = converter.rename_source_key(renamed)
+            if pattern is None:
+                continue
+            target = resolve(converted)
+            if target is not None:
+                entry = collected.setdefault(target, (converter, {}))
+                entry[1].setdefault(pattern, []).append(stored)
+            break
+    return {
+        target: _merge(target, converter, by_pattern, names, source)
+        for target, (converter, by_pattern) in collected.items()
+    }
+
+
+def _merge(
+    target: str,
+    converter: Any,
+    by_pattern: dict[str, list[str]],
+    names: Mapping[str, tuple[int, ...]],
+    source: str,
+) -> Merge:
+    # Each intermediate tensor is (shape, [(stored name, views from it to the piece)]).
+    parts: dict[str, tuple[tuple[int, ...], list[tuple[str, tuple[View, ...]]]] | list[str]]
+    parts = dict(by_pattern)
+    first = next(iter(by_pattern.values()))[0]
+    for op in converter.operations:
+        kind = type(op).__name__
+        if kind == "MergeModulelist":
+            parts = {p: _stack(v, op.dim, names, source) for p, v in parts.items()}
+        elif kind == "Concatenate":
+            order = [p for p in converter.source_patterns if p in parts]
+            parts = {"": _concatenate([parts[p] for p in order], op.dim, source)}
+        else:
+            raise UnsupportedError(
+                f"{source}: tensor {first!r} needs transformers' {kind} conversion "
+                f"({converter.source_patterns} -> {converter.target_patterns}); fastload merges "
+                "expert tensors (MergeModulelist, Concatenate) only. Load it once with "
+                "transformers and save it with fastload.save_pretrained"
+            )
+    if len(parts) != 1:
+        raise UnsupportedError(
+            f"{source}: tensor {first!r}: transformers' conversion {converter.source_patterns} -> "
+            f"{converter.target_patterns} does not end in one tensor"
+        )
+    shape, pieces = next(iter(parts.values()))  # type: ignore[misc]
+    return Merge(target, tuple(shape), [Piece(n, v) for n, v in pieces])
+
+
+def _stack(
+    stored: Any, dim: int, names: Mapping[str, tuple[int, ...]], source: str
+) -> tuple[tuple[int, ...], list[tuple[str, tuple[View, ...]]]]:
+    if isinstance(stored, tuple):  # already merged: stacking one tensor is the identity
+        return stored
+    shapes = {tuple(names[n]) for n in stored}
+    if len(shapes) != 1:
+        listed = ", ".join(f"{n!r} {list(names[n])}" for n in stored)
+        raise CheckpointError(f"{source}: expert tensors to stack differ in shape: {listed}")
+    shape = list(shapes.pop())
+    dim = dim if dim >= 0 else dim + len(shape) + 1
+    merged = tuple(shape[:dim] + [len(stored)] + shape[dim:])
+    return merged, [(n, (("select", dim, i),)) for i, n in enumerate(stored)]
+
+
+def _concatenate(
+    parts: list[Any], dim: int, source: str
+) -> tuple[tuple[int, ...], list[tuple[str, tuple[View, ...]]]]:
+    shapes = [list(p[0]) for p in parts]
+    dim = dim if dim >= 0 else dim + len(shapes[0])
+    rest = {tuple(s[:dim] + s[dim + 1 :]) for s in shapes}
+    if len(rest) != 1:
+        stored = ", ".join(repr(p[1][0][0]) for p in parts)
+        raise CheckpointError(
+            f"{source}: tensors {stored} cannot be concatenated along dimension {dim}: shapes "
+            f"{shapes}"
+        )
+    pieces: list[tuple[str, tuple[View, ...]]] = []
+    offset = 0
+    for shape, (_, inner) in zip(shapes, parts, strict=True):
+        step = ("narrow", dim, offset, shape[dim])
+        pieces += [(n, (step, *views)) for n, views in inner]
+        offset += shape[dim]
+    merged = shapes[0][:]
+    merged[dim] = offset
+    return tuple(merged), pieces
