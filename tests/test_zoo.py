@@ -45,7 +45,9 @@ from zoo_models import (  # noqa: E402
 
 def _params() -> list[Any]:
     return [
-        pytest.param(t, id=t.model_type, marks=() if t.model_type in FAST_TYPES else pytest.mark.zoo)
+        pytest.param(
+            t, id=t.model_type, marks=() if t.model_type in FAST_TYPES else pytest.mark.zoo
+        )
         for t in zoo_types()
     ]
 
@@ -66,7 +68,7 @@ def _quiet_transformers():
     logging.getLogger("fastload").setLevel(logging.NOTSET)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checkpoint(zoo: ZooType, variant: str) -> Path | NotTiny:
     """The type's checkpoint ``variant``: ``head``/``base`` (fp32), ``bf16``/``fp16`` (the head
     model converted before saving) or ``sharded`` (the fp32 head model in small shards)."""

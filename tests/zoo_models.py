@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from tiny_models import randomize
 
 VOCAB = 99
@@ -74,7 +75,13 @@ SIZES: dict[str, int] = dict(
 )
 
 #: token-id arguments that must stay inside the tiny vocabulary
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+_TOKEN_IDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+)
 
 #: a tiny model above this many parameters is not tiny (a size the shrinking cannot reach)
 MAX_PARAMETERS = 2_000_000
@@ -139,7 +146,7 @@ def model_class(name: str) -> type[nn.Module]:
     return cls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _config_arguments(model_type: str) -> dict[str, Any]:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

@@ -41,6 +41,7 @@ from fastload.checkpoint import OpenCheckpoint, StoredTensor, open_checkpoint, r
 from fastload.device_map import DeviceMap, DeviceMapArg, dispatch, resolve_device_map
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import CheckpointError, FastloadError, RequestError, UnsupportedError
+from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
 from fastload.pickle_file import is_pickle
 from fastload.report import LoadReport
 from fastload.saving import TIED_KEY
@@ -265,8 +266,11 @@ def from_pretrained(
             checkpoint (its directory or its ``model.safetensors.index.json``); with
             ``allow_pickle``, also a pickle checkpoint (see ``allow_pickle``).
         device: where every tensor is allocated.
-        dtype: ``"auto"`` keeps each tensor's stored dtype; a floating dtype converts floating
-            tensors during the copy (see :class:`Placement`).
+        dtype: ``"auto"``: for a transformers model fastload builds, transformers' rule (the
+            config's dtype, else the checkpoint's; ``_keep_in_fp32_modules`` honoured; see
+            :mod:`fastload.hf.dtype_rules`), otherwise each tensor's stored dtype.
+            ``"stored"``: each tensor's stored dtype. A floating dtype converts floating tensors
+            during the copy (see :class:`Placement`).
         strict: makes both ``missing`` and ``unexpected`` ``"error"``.
         missing: model tensors absent from the checkpoint: ``"error"``, ``"warn"`` (log, then
             initialize) or ``"init"`` (initialize silently). Initialization is the model's own
@@ -338,7 +342,7 @@ def from_pretrained(
     source = str(location.index or location.files[0])
 
     with clock.phase("skeleton"):
-        module, built_here = _target(model, ckpt, want, config, model_kwargs, Path(path))
+        module, built_here, want = _target(model, ckpt, want, config, model_kwargs, Path(path))
     hf = is_transformers_model(module)
 
     with clock.phase("plan"):
@@ -349,7 +353,7 @@ def from_pretrained(
         placement = Placement(
             device=target_device,
             dtype=want,
-            keep_fp32=_keep_fp32_pattern(module, want) if hf else None,
+            keep_fp32=keep_fp32_pattern(module, want) if hf else None,
             skeleton_dtypes=built_here,
             device_map=dmap,
             tp=tp,
@@ -395,7 +399,7 @@ def from_pretrained(
     report.files = [str(f) for f in location.files]
     report.device = str(target_device) if dmap is None else ", ".join(map(str, dmap.devices))
     report.device_map = None if dmap is None else dmap.as_strings()
-    report.dtype = "auto" if want is None else str(want).removeprefix("torch.")
+    report.dtype = "stored" if want is None else str(want).removeprefix("torch.")
     report.model_class = type(module).__name__
     logger.info("%s", report.summary())
     return (module, report) if output_loading_info else module
@@ -430,14 +434,16 @@ def _finish_tensor_parallel(
     report.rank, report.world_size = tp.rank, tp.world_size
 
 
-def _requested_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
-    if isinstance(dtype, str) and dtype == "auto":
-        return None
+def _requested_dtype(dtype: str | torch.dtype) -> torch.dtype | str | None:
+    """The requested dtype, ``"auto"`` (decided with the model, see :func:`_target`) or ``None``
+    (``"stored"``: each tensor's stored dtype)."""
+    if isinstance(dtype, str) and dtype in ("auto", "stored"):
+        return None if dtype == "stored" else "auto"
     want = parse_dtype(dtype)
     if to_st(want) not in CONVERTIBLE:
         raise RequestError(
-            f"dtype must be 'auto' or a floating-point type (float32/float16/bfloat16/float64), "
-            f"got {want}"
+            "dtype must be 'auto', 'stored' or a floating-point type "
+            f"(float32/float16/bfloat16/float64), got {want}"
         )
     return want
 
@@ -464,19 +470,23 @@ def _main_dtype(ckpt: OpenCheckpoint, want: torch.dtype | None) -> torch.dtype |
 def _target(
     model: Any,
     ckpt: OpenCheckpoint,
-    want: torch.dtype | None,
+    want: torch.dtype | str | None,
     config: Any,
     model_kwargs: dict[str, Any],
     path: Path,
-) -> tuple[nn.Module, bool]:
-    """The module to load into, and whether fastload built it."""
+) -> tuple[nn.Module, bool, torch.dtype | None]:
+    """The module to load into, whether fastload built it, and the dtype to load in (``None``:
+    each tensor's stored dtype). ``"auto"`` is transformers' rule for a transformers model
+    fastload builds (:mod:`fastload.hf.dtype_rules`), the stored dtypes otherwise."""
+    auto = want == "auto"
+    want = None if auto else want
     if isinstance(model, nn.Module):
         if config is not None or model_kwargs:
             raise RequestError(
                 "config and model keyword arguments only apply when fastload builds the model; "
                 f"got an already-built {type(model).__name__}"
             )
-        return model, False
+        return model, False, want
     directory = ckpt.location.directory
     if isinstance(model, (str, os.PathLike)):
         # A directory (or its config.json) naming the architecture, as in the design.
@@ -487,9 +497,11 @@ def _target(
         model = _architecture_class(arch_dir)
     elif model is None:
         model = _architecture_class(directory)
-    main = _main_dtype(ckpt, want)
     if is_transformers_model(model):
         cfg, init_kwargs = _transformers_config(model, directory, config, model_kwargs, path)
+        if auto:
+            want = auto_dtype(cfg, ckpt)
+        main = _main_dtype(ckpt, want)
         if main is not None:
             # As transformers records it: the dtype the model was built in, sub-configs included.
             cfg.dtype = main
@@ -500,11 +512,12 @@ def _target(
         skeleton = build_skeleton(
             lambda: model(cfg, **init_kwargs), dtype=main, transformers_model=True
         )
-        return skeleton, True
+        return skeleton, True, want
+    main = _main_dtype(ckpt, want)
     if callable(model):
         if config is not None:
-            return build_skeleton(lambda: model(config, **model_kwargs), dtype=main), True
-        return build_skeleton(lambda: model(**model_kwargs), dtype=main), True
+            return build_skeleton(lambda: model(config, **model_kwargs), dtype=main), True, want
+        return build_skeleton(lambda: model(**model_kwargs), dtype=main), True, want
     raise RequestError(
         "model must be an nn.Module class, a factory, a built module, a directory with a "
         f"config.json, or None; got {model!r}"
@@ -564,17 +577,6 @@ def _transformers_config(
         del cfg.__dict__["gradient_checkpointing"]
     cfg.name_or_path = str(path)
     return cfg, init_kwargs
-
-
-def _keep_fp32_pattern(model: nn.Module, want: torch.dtype | None) -> Any | None:
-    """transformers' ``_keep_in_fp32_modules`` (for float16) and ``..._strict`` (float16 and
-    bfloat16) as one regex, searched in model names as transformers does."""
-    patterns: list[str] = []
-    if want == torch.float16:
-        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if want in (torch.float16, torch.bfloat16):
-        patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    return keymod.compile_patterns(p.replace("*", ".*") for p in patterns)
 
 
 # --------------------------------------------------------------------------------------------
