@@ -235,19 +235,32 @@ def test_a_missing_parameter_nothing_can_initialize_is_an_error(tmp_path):
 class PartlyReset(nn.Module):
     """reset_parameters() covers ``weight`` only."""
 
-    def __init__(self) -> None:
+    def __init__(self, size: int = 3) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(3))
-        self.offset = nn.Parameter(torch.empty(3))
+        self.weight = nn.Parameter(torch.empty(size))
+        self.offset = nn.Parameter(torch.full((size,), 0.5))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
 
-def test_a_missing_parameter_reset_parameters_leaves_alone_is_an_error(tmp_path):
+def test_a_missing_parameter_nothing_initializes_keeps_its_constructor_value_with_a_warning(
+    tmp_path, caplog
+):
     st_save_file({"weight": torch.ones(3)}, tmp_path / "model.safetensors")
+    with caplog.at_level(logging.WARNING, logger="fastload"):
+        model, _ = load(PartlyReset, tmp_path)
+    assert torch.equal(model.offset, torch.full((3,), 0.5))
+    assert any(
+        "offset" in r.getMessage() and "constructor" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_a_large_missing_parameter_nothing_initializes_is_an_error(tmp_path):
+    size = fastload.skeleton.CONSTRUCTOR_VALUE_MAX_ELEMENTS + 1
+    st_save_file({"weight": torch.ones(size)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="offset.*does not initialize"):
-        load(PartlyReset, tmp_path)
+        load(lambda: PartlyReset(size), tmp_path)
 
 
 def test_a_factory_returning_something_else_is_a_request_error(saved):

@@ -45,7 +45,14 @@ from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
 from fastload.pickle_file import is_pickle
 from fastload.report import LoadReport
 from fastload.saving import TIED_KEY
-from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
+from fastload.skeleton import (
+    build_skeleton,
+    forget_constructor_values,
+    initialize,
+    is_transformers_model,
+    mark_initialized,
+    recompute_buffers,
+)
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import Slot, group_slots, tensor_slots
 
@@ -378,6 +385,9 @@ def from_pretrained(
 
     with clock.phase("finish"):
         _finish(module, groups, report)
+        if hf and built_here:  # zoo: non-persistent buffers as transformers computes them
+            recompute_buffers(module)
+        forget_constructor_values(module)
         if dmap is not None:
             dispatch(module, dmap)
         if tp is not None:

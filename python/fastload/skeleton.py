@@ -16,8 +16,10 @@ other modules.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +28,18 @@ from torch import nn
 
 from fastload.errors import CheckpointError, RequestError
 
+logger = logging.getLogger("fastload")
+
 _HF_FLAG = "_is_hf_initialized"
+
+#: parameters up to this many elements keep the value their constructor gave them, for a
+#: parameter no initialization function covers (CLIP's logit_scale, Reformer's lm_head.bias)
+CONSTRUCTOR_VALUE_MAX_ELEMENTS = 1 << 16
+
+# module -> {attribute: the value its constructor gave the parameter}, for skeleton modules
+_CONSTRUCTED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 # A skeleton build patches process-wide state (nn.Module.register_parameter, torch's default dtype,
 # transformers' init switches), so builds run one at a time: unserialized, two threads restore each
@@ -58,6 +71,8 @@ def parameters_on_meta() -> Iterator[None]:
         if param is None or param.device.type == "meta" or threading.get_ident() != owner:
             return
         registered = module._parameters[name]
+        if registered.numel() <= CONSTRUCTOR_VALUE_MAX_ELEMENTS:
+            _CONSTRUCTED.setdefault(module, {})[name] = registered.detach().clone()
         cls = type(registered)
         if cls is nn.Parameter:
             moved = nn.Parameter(registered.to("meta"), requires_grad=registered.requires_grad)
@@ -157,8 +172,10 @@ def initialize(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
     """Initialises the tensors in ``targets`` (model name -> tensor already in the model).
 
     Every other tensor of the model is left untouched. Floating-point targets must arrive filled
-    with NaN: one that is still all NaN afterwards was not initialised by anything, which is a
-    ``CheckpointError`` naming it.
+    with NaN: one that is still all NaN afterwards was not initialised by anything; it gets the
+    value its constructor gave it (kept for parameters of up to
+    :data:`CONSTRUCTOR_VALUE_MAX_ELEMENTS` elements) with a warning naming it, and without one it
+    is a ``CheckpointError`` naming it.
     """
     if not targets:
         return
@@ -173,13 +190,42 @@ def initialize(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
     rest = {n: t for n, t in targets.items() if n not in done}
     if rest:
         _initialize_torch(model, rest, ids)
+    kept: list[str] = []
     for name, tensor in targets.items():
         if tensor.is_floating_point() and tensor.numel() and bool(torch.isnan(tensor).all()):
+            if _constructor_value(model, name, tensor):
+                kept.append(name)
+                continue
             owner = _owner_name(model, name)
             raise CheckpointError(
                 f"{name}: not in the checkpoint, and {owner} does not initialize it; put it in the "
                 "checkpoint or pass missing='error' to find such tensors up front"
             )
+    if kept:
+        logger.warning(
+            "%d tensors are not in the checkpoint and no initialization covers them; they keep "
+            "the value their constructor gave them: %s",
+            len(kept),
+            ", ".join(kept),
+        )
+
+
+def _constructor_value(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Fills ``tensor`` with the value the constructor gave parameter ``name``, if kept."""
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    value = _CONSTRUCTED.get(module, {}).get(attr)
+    if value is None or value.shape != tensor.shape:
+        return False
+    with torch.no_grad():
+        tensor.copy_(value)
+    return True
+
+
+def forget_constructor_values(model: nn.Module) -> None:
+    """Drops the constructor values kept for ``model``'s parameters (once it is loaded)."""
+    for module in model.modules():
+        _CONSTRUCTED.pop(module, None)
 
 
 def _owner_name(model: nn.Module, name: str) -> str:
@@ -189,17 +235,82 @@ def _owner_name(model: nn.Module, name: str) -> str:
 
 
 def _initialize_transformers(root: nn.Module, ids: set[int]) -> None:
-    # Flag everything that must keep its value, unflag the targets, and let the model's own
-    # initialize_weights run: its init functions skip flagged tensors.
-    for tensor in list(root.parameters()) + list(root.buffers()):
-        if id(tensor) in ids:
-            if _HF_FLAG in tensor.__dict__:
-                delattr(tensor, _HF_FLAG)
-        else:
-            setattr(tensor, _HF_FLAG, True)
-    for module in root.modules():
-        module.__dict__.pop(_HF_FLAG, None)
-    root.initialize_weights()
+    """Runs the model's own ``initialize_weights`` on the tensors whose ids are in ``ids``.
+
+    As in transformers' ``from_pretrained``: every other tensor is flagged, so its guarded init
+    functions skip it, and a tie group is initialized through its source only (the names
+    ``all_tied_weights_keys`` lists as tied to another get a flagged stand-in meanwhile), so an
+    embedding tied to a head keeps the embedding's init, padding row zeroed. Going further than
+    transformers, a module whose whole subtree is flagged is skipped, so an init function writing
+    through a view (Funnel zeroes ``word_embeddings.weight[padding_idx]``) never touches a loaded
+    tensor.
+    """
+    tied_targets = set(getattr(root, "all_tied_weights_keys", None) or ())
+    stand_ins: list[tuple[dict[str, Any], str, Any]] = []
+    by_tensor: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is not None and id(param) in ids:
+                name = f"{prefix}.{attr}" if prefix else attr
+                by_tensor.setdefault(id(param), []).append((name, module, attr))
+    for members in by_tensor.values():
+        if len(members) < 2:
+            continue
+        sources = [m for m in members if m[0] not in tied_targets] or members[:1]
+        for name, module, attr in members:
+            if (name, module, attr) == sources[0]:
+                continue
+            param = module._parameters[attr]
+            stand_in = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+            setattr(stand_in, _HF_FLAG, True)
+            stand_ins.append((module._parameters, attr, param))
+            module._parameters[attr] = stand_in
+    try:
+        for tensor in list(root.parameters()) + list(root.buffers()):
+            if id(tensor) in ids:
+                if _HF_FLAG in tensor.__dict__:
+                    delattr(tensor, _HF_FLAG)
+            else:
+                setattr(tensor, _HF_FLAG, True)
+        _flag_loaded_subtrees(root, ids)
+        root.initialize_weights()
+    finally:
+        for store, attr, param in reversed(stand_ins):
+            store[attr] = param
+
+
+def _flag_loaded_subtrees(root: nn.Module, ids: set[int]) -> bool:
+    """Flags each module none of whose tensors (its own or its descendants') is a target;
+    returns whether ``root`` has a target."""
+    own = [t for t in [*root._parameters.values(), *root._buffers.values()] if t is not None]
+    has = any(id(t) in ids for t in own)
+    for child in root.children():
+        has = _flag_loaded_subtrees(child, ids) or has
+    if has:
+        root.__dict__.pop(_HF_FLAG, None)
+    else:
+        root._is_hf_initialized = True
+    return has
+
+
+def recompute_buffers(model: nn.Module) -> None:
+    """Recomputes the non-persistent buffers of the transformers models in ``model`` with their
+    own init functions, as transformers' ``from_pretrained`` does after loading.
+
+    transformers builds on ``meta`` and fills these buffers by ``_init_weights`` in float32 math
+    cast to the buffer's dtype; a value ``__init__`` computed under a bfloat16 default dtype
+    differs (GPT-J's ``embed_positions`` by up to 0.2). A buffer no init function covers keeps
+    the value ``__init__`` computed.
+    """
+    for _, root in _transformers_roots(model):
+        buffers = [
+            b
+            for m in root.modules()
+            for n, b in m._buffers.items()
+            if b is not None and n in m._non_persistent_buffers_set
+        ]
+        if buffers:
+            _initialize_transformers(root, {id(b) for b in buffers})
 
 
 def _initialize_torch(model: nn.Module, targets: dict[str, torch.Tensor], ids: set[int]) -> None:
