@@ -72,7 +72,24 @@ SIZES: dict[str, int] = dict(
     qk_rope_head_dim=8,
     qk_nope_head_dim=8,
     v_head_dim=8,
+    d_head=8,
+    d_inner=64,
+    attention_head_size=8,
+    feed_forward_size=64,
 )
+
+#: list-valued size arguments of types whose config checks them against the sizes above
+_LIST_SIZES: dict[str, dict[str, Any]] = {
+    "reformer": dict(
+        axial_pos_embds_dim=[16, 16],
+        axial_pos_shape=[8, 8],
+        max_position_embeddings=64,
+        attn_layers=["local", "lsh"],
+        local_attn_chunk_length=8,
+        lsh_attn_chunk_length=8,
+    ),
+    "funnel": dict(block_sizes=[1, 1], block_repeats=[1, 1]),
+}
 
 #: token-id arguments that must stay inside the tiny vocabulary
 _TOKEN_IDS = (
@@ -171,6 +188,7 @@ def _config_arguments(model_type: str) -> dict[str, Any]:
     positions = defaults.get("max_position_embeddings")
     if isinstance(positions, int) and positions > 2048:
         kwargs["max_position_embeddings"] = 2048
+    kwargs.update(_LIST_SIZES.get(model_type, {}))
     if "is_decoder" in defaults:
         kwargs["is_decoder"] = True  # causal-LM heads of encoder families want it (Reformer)
     return kwargs

@@ -158,11 +158,15 @@ def map_keys(
     out = KeyMapping()
     owner: dict[str, str] = {}
     for original in checkpoint_keys:
-        name = key_map(original) if key_map is not None else original
+        mapped = name = key_map(original) if key_map is not None else original
         for rename in renames:
             name = rename(name)
         if name not in model_keys:
             name = adjust(name, base_model_prefix, model_keys)
+        if name not in model_keys and mapped in model_keys:
+            # A registered rename broad enough to hit a name the model already has (DeepSeek-V4
+            # renames `.norm.` to `.kv_norm.`, also in `model.norm.weight`): transformers keeps it.
+            name = mapped
         if name not in model_keys:
             out.unmatched[original] = name
             continue

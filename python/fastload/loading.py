@@ -186,7 +186,7 @@ class _Group:
     extra: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
     untied: list[Slot] = field(default_factory=list)
     # a tensor merged from several stored ones (MoE experts): each one and its slice of it
-    pieces: list[tuple[StoredTensor, tuple[Any, ...]]] | None = None
+    pieces: list[tuple[StoredTensor, tuple[Any, ...], Any, int]] | None = None
 
     @property
     def is_buffer(self) -> bool:
@@ -729,7 +729,7 @@ def _plan(
         for g in groups
         if g.pieces is None
         for _, stored, dest in g.sources
-    ) + sum(stored.nbytes for g in groups for stored, _ in g.pieces or ())
+    ) + sum(p[3] for g in groups for p in g.pieces or ())
     return groups, report
 
 
@@ -761,8 +761,14 @@ def _plan_merges(
         return name if name in model_keys else None
 
     shapes = {n: tuple(t.shape) for n, t in ckpt.tensors.items()}
+    model_shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     return conversions.plan_merges(
-        shapes, converters, rename=rename, resolve=resolve, source=options["source"]
+        shapes,
+        converters,
+        rename=rename,
+        resolve=resolve,
+        model_shapes=model_shapes,
+        source=options["source"],
     )
 
 
@@ -788,7 +794,10 @@ def _add_merge(
             "supported"
         )
     group.sources.append((slot, stored[0], dest))
-    group.pieces = [(t, p.views) for t, p in zip(stored, merge.pieces, strict=True)]
+    group.pieces = [
+        (t, p.views, p.selection, p.nbytes(t.shape, t.nbytes))
+        for t, p in zip(stored, merge.pieces, strict=True)
+    ]
 
 
 def _alias_pairs(
@@ -900,9 +909,10 @@ def _allocate(
 
             dest = group.sources[0][2]
             tensor = torch.empty(tuple(group.template.shape), dtype=dest.dtype, device=dest.device)
-            for stored, views in group.pieces:
+            for stored, views, selection, nbytes in group.pieces:
+                part = None if selection is None else list(selection)
                 by_file.setdefault(stored.file, []).append(
-                    (stored.name, view_of(tensor, views), None, stored.nbytes)
+                    (stored.name, view_of(tensor, views), part, nbytes)
                 )
             group.dest, group.new = dest, tensor
             continue

@@ -11,8 +11,11 @@ read by the copy engine straight into its slice of it (a :class:`Piece`), with n
 copy. A slice along the leading dimensions of a contiguous tensor is contiguous, so the engine
 writes it in place.
 
-Only ``MergeModulelist`` and ``Concatenate`` chains are planned; a checkpoint needing another
-operation is refused with an error naming the tensor as stored in the file.
+Fused tensors transformers splits on load (``Chunk``, ``Split``: ``qkv`` into ``q``, ``k``, ``v``)
+are planned the other way round: each model tensor reads its rows of the stored tensor (a
+selection of the copy engine). Only ``MergeModulelist``/``Concatenate`` chains and a lone
+``Chunk``/``Split`` are planned; a checkpoint needing another operation is refused with an error
+naming the tensor as stored in the file.
 """
 
 from __future__ import annotations
@@ -33,15 +36,25 @@ View = tuple[Any, ...]
 
 @dataclass
 class Piece:
-    """One stored tensor and where it lies in the merged tensor."""
+    """One stored tensor (or the part ``selection`` takes of it, ``(dim, start, stop)``) and
+    where it lies in the model tensor."""
 
     stored: str
     views: tuple[View, ...]
+    selection: tuple[int, int, int] | None = None
+
+    def nbytes(self, shape: Sequence[int], total: int) -> int:
+        """The bytes this piece reads of a stored tensor of ``shape`` and ``total`` bytes."""
+        if self.selection is None:
+            return total
+        dim, start, stop = self.selection
+        return total * (stop - start) // max(shape[dim], 1)
 
 
 @dataclass
 class Merge:
-    """A model tensor assembled from several stored tensors."""
+    """A model tensor assembled from stored tensors, or from a part of one (a fused ``qkv``
+    tensor split into ``q``, ``k`` and ``v``)."""
 
     target: str
     shape: tuple[int, ...]
@@ -80,33 +93,88 @@ def plan_merges(
     *,
     rename: Callable[[str], str],
     resolve: Callable[[str], str | None],
+    model_shapes: Mapping[str, tuple[int, ...]],
     source: str,
 ) -> dict[str, Merge]:
     """Plans the merges of the checkpoint tensors ``names`` (stored name -> shape).
 
     ``rename`` applies the renamings that come before a converter (the user's ``key_map`` and
     transformers' renamings); ``resolve`` turns a converted name into a model tensor name (the
-    base-model prefix added or stripped) or ``None`` if the model has no such tensor. A stored
-    tensor no converter matches, or whose target the model lacks, is left out of the plan.
+    base-model prefix added or stripped) or ``None`` if the model has no such tensor;
+    ``model_shapes`` are the model tensors' shapes. A stored tensor no converter matches, or whose
+    target the model lacks, is left out of the plan.
     """
     if not converters:
         return {}
     collected: dict[str, tuple[Any, dict[str, list[str]]]] = {}
+    splits: dict[str, Merge] = {}
     for stored in sorted(names, key=_natural):
         renamed = rename(stored)
         for converter in converters:
             converted, pattern = converter.rename_source_key(renamed)
             if pattern is None:
                 continue
+            kinds = [type(op).__name__ for op in converter.operations]
+            if kinds in (["Chunk"], ["Split"]):
+                splits.update(
+                    _split(
+                        stored, names[stored], converted, converter, resolve, model_shapes, source
+                    )
+                )
+                break
             target = resolve(converted)
             if target is not None:
                 entry = collected.setdefault(target, (converter, {}))
                 entry[1].setdefault(pattern, []).append(stored)
             break
-    return {
+    merges = {
         target: _merge(target, converter, by_pattern, names, source)
         for target, (converter, by_pattern) in collected.items()
     }
+    merges.update(splits)
+    return merges
+
+
+def _split(
+    stored: str,
+    shape: tuple[int, ...],
+    converted: str,
+    converter: Any,
+    resolve: Callable[[str], str | None],
+    model_shapes: Mapping[str, tuple[int, ...]],
+    source: str,
+) -> dict[str, Merge]:
+    """Each model tensor a fused stored tensor is split into, reading its part of it."""
+    op = converter.operations[0]
+    first = converter.target_patterns[0]
+    targets = [resolve(converted.replace(first, t, 1)) for t in converter.target_patterns]
+    if any(t is None for t in targets):
+        return {}  # the model lacks a part: the stored tensor is reported unexpected
+    if getattr(op, "num_shards_attribute", None) is not None:
+        raise UnsupportedError(
+            f"{source}: tensor {stored!r} needs transformers' Chunk conversion with a "
+            "config-dependent number of parts, which fastload does not plan"
+        )
+    dim = op.dim % len(shape)
+    length = shape[dim]
+    if type(op).__name__ == "Chunk":
+        step = -(-length // len(targets))
+        sizes = [min(step, length - i * step) for i in range(len(targets))]
+    else:
+        sizes = [model_shapes[t][dim] for t in targets]  # type: ignore[index]
+    if any(size <= 0 for size in sizes) or sum(sizes) != length:
+        raise CheckpointError(
+            f"{source}: tensor {stored!r} has shape {list(shape)}; it cannot be split along "
+            f"dimension {dim} into the model's {targets}"
+        )
+    out: dict[str, Merge] = {}
+    start = 0
+    for target, size in zip(targets, sizes, strict=True):
+        part = list(shape)
+        part[dim] = size
+        out[target] = Merge(target, tuple(part), [Piece(stored, (), (dim, start, start + size))])  # type: ignore[index]
+        start += size
+    return out
 
 
 def _merge(
@@ -126,7 +194,8 @@ def _merge(
             parts = {p: _stack(v, op.dim, names, source) for p, v in parts.items()}
         elif kind == "Concatenate":
             order = [p for p in converter.source_patterns if p in parts]
-            parts = {"": _concatenate([parts[p] for p in order], op.dim, source)}
+            leaves = [leaf for p in order for leaf in _leaves(parts[p], names)]
+            parts = {"": _concatenate(leaves, op.dim, source)}
         else:
             raise UnsupportedError(
                 f"{source}: tensor {first!r} needs transformers' {kind} conversion "
@@ -141,6 +210,13 @@ def _merge(
         )
     shape, pieces = next(iter(parts.values()))  # type: ignore[misc]
     return Merge(target, tuple(shape), [Piece(n, v) for n, v in pieces])
+
+
+def _leaves(part: Any, names: Mapping[str, tuple[int, ...]]) -> list[Any]:
+    """A merged part as is, or each stored tensor of a list not merged yet as its own part."""
+    if isinstance(part, tuple):
+        return [part]
+    return [(tuple(names[n]), [(n, ())]) for n in part]
 
 
 def _stack(
