@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "load_file": "fastload.reader",
     "safe_open": "fastload.reader",
     "SafeOpen": "fastload.reader",
-    "from_pretrained": "fastload.loading",
+    "from_pretrained": "fastload.api",
     "LoadReport": "fastload.report",
     "gradient_checkpointing_enable": "fastload.checkpointing",
     "gradient_checkpointing_disable": "fastload.checkpointing",
@@ -63,12 +63,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from fastload.api import from_pretrained
     from fastload.checkpointing import (
         gradient_checkpointing_disable,
         gradient_checkpointing_enable,
         is_gradient_checkpointing,
     )
-    from fastload.loading import from_pretrained
     from fastload.reader import SafeOpen, load_file, safe_open
     from fastload.report import LoadReport
     from fastload.saving import save_file, save_pretrained
