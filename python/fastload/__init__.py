@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "unused_parameters": "fastload.training",
     "save_pretrained": "fastload.saving",
     "save_file": "fastload.saving",
+    "patch_transformers": "fastload.hf.patch",
+    "unpatch_transformers": "fastload.hf.patch",
 }
 
 __all__ = [
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         gradient_checkpointing_enable,
         is_gradient_checkpointing,
     )
+    from fastload.hf.patch import patch_transformers, unpatch_transformers
     from fastload.reader import SafeOpen, load_file, safe_open
     from fastload.report import LoadReport
     from fastload.saving import save_file, save_pretrained

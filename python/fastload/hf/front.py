@@ -48,7 +48,11 @@ def load_hf(
     kwargs = dict(kwargs)
     opts = split_options(kwargs)
     for name, value in opts.core.items():
-        core[name] = value  # transformers' spelling of a core option (torch_dtype, key_mapping)
+        # transformers' spelling of a core option (torch_dtype, key_mapping): fastload's own
+        # spelling wins when both are given, as dtype wins over torch_dtype in transformers
+        unset = core.get(name) in (None, "auto", False) or (name == "read_mode")
+        if unset:
+            core[name] = value
 
     # Call shapes: (None|class|Auto|module, path), ("org/name" or dir), legacy (arch dir, weights).
     if isinstance(model, (str, os.PathLike)):

@@ -89,8 +89,10 @@ HUB = ("cache_dir", "force_download", "local_files_only", "token", "revision", "
 
 
 def _unused(name: str, value: Any) -> bool:
-    if name in _DEFAULTS and value == _DEFAULTS[name]:
-        return True
+    if name in _DEFAULTS:
+        return bool(value == _DEFAULTS[name])
+    if name in ("disable_mmap", "use_safetensors"):  # False means something
+        return value is None
     return value is None or value is False or (isinstance(value, (dict, list)) and not value)
 
 
@@ -120,7 +122,7 @@ def split_options(kwargs: dict[str, Any]) -> HfOptions:
     for name in [k for k in kwargs if k in OPTIONS and k not in ("config", "state_dict")]:
         value = kwargs.pop(name)
         status, why = OPTIONS[name]
-        if _unused(name, value) and name not in ("local_files_only", "force_download"):
+        if _unused(name, value):
             continue
         if status == "refused":
             raise UnsupportedError(f"from_pretrained option {name}={value!r}: {why}")
@@ -146,10 +148,6 @@ def _honour(out: HfOptions, name: str, value: Any) -> None:
             "weights_only=True only"
         )
     elif name in ("dtype", "torch_dtype"):
-        if "dtype" in core and core["dtype"] != value:
-            raise UnsupportedError(
-                f"from_pretrained: dtype={core['dtype']!r} and torch_dtype={value!r} disagree"
-            )
         core["dtype"] = value
     elif name == "key_mapping":
         core["key_map"] = value
