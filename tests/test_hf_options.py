@@ -15,8 +15,7 @@ pytest.importorskip("transformers")
 import fastload  # noqa: E402
 from fastload import UnsupportedError  # noqa: E402
 from fastload.hf.options import OPTIONS, counts, markdown_table  # noqa: E402
-
-from tiny_models import assert_same_tensors, make_checkpoint, make_model  # noqa: E402
+from tiny_models import assert_same_tensors, make_checkpoint  # noqa: E402
 
 REFUSED = sorted(name for name, (status, _) in OPTIONS.items() if status == "refused")
 #: a value that asks for each refused option's feature

@@ -14,7 +14,6 @@ pytest.importorskip("transformers")
 
 import fastload  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-
 from tiny_models import assert_same_tensors, make_checkpoint  # noqa: E402
 
 SENTENCES = ["fastload reads safetensors checkpoints.", "A second, longer sentence to embed."]
