@@ -59,6 +59,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = ...,
     process_group: Any = ...,
     allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
     **model_kwargs: Any,
 ) -> M: ...
 
@@ -89,6 +90,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = ...,
     process_group: Any = ...,
     allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
     **model_kwargs: Any,
 ) -> tuple[M, LoadReport]: ...
 
@@ -119,6 +121,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = ...,
     process_group: Any = ...,
     allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
     **model_kwargs: Any,
 ) -> nn.Module: ...
 
@@ -149,6 +152,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = ...,
     process_group: Any = ...,
     allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
     **model_kwargs: Any,
 ) -> tuple[nn.Module, LoadReport]: ...
 
@@ -178,6 +182,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = None,
     process_group: Any = None,
     allow_pickle: bool = False,
+    staging_bytes: int | str | None = None,
     **model_kwargs: Any,
 ) -> Any:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
@@ -252,6 +257,10 @@ def from_pretrained(
             exactly as a safetensors file's; ``read_mode`` does not apply and the report says
             ``"torch.load(weights_only)"``. Without it such checkpoints raise
             ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
+        staging_bytes: host memory for staging tensors bound for an accelerator: one pool of
+            pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
+            first use and shared by every shard and device of the load, so host memory during a
+            GPU load stays bounded by it. Unused for CPU destinations.
         state_dict: tensors to load instead of files (with ``config``).
         **model_kwargs: transformers' ``from_pretrained`` options (``revision``, ``torch_dtype``,
             ``subfolder``...: each honoured with transformers' meaning or refused with
@@ -280,6 +289,7 @@ def from_pretrained(
         "tp_plan": tp_plan,
         "process_group": process_group,
         "allow_pickle": allow_pickle,
+        "staging_bytes": staging_bytes,
     }
     if _hugging_face_call(model, path, state_dict, model_kwargs):
         from fastload.hf.front import load_hf

@@ -57,6 +57,7 @@ from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
 from fastload.report import LoadReport
 from fastload.skeleton import build_skeleton
+from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import tensor_slots
 
@@ -138,6 +139,7 @@ def load(
     tp_plan: str | dict[str, str] | None = None,
     process_group: Any = None,
     allow_pickle: bool = False,
+    staging_bytes: int | str | None = None,
     seconds: dict[str, float] | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target``; the options are
@@ -153,6 +155,7 @@ def load(
     if mmap not in ("copy", "shared"):
         raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
+    pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):
         ckpt = _open(checkpoint, read_mode, mmap, allow_pickle)
@@ -200,7 +203,8 @@ def load(
         by_file = _allocate(groups, placement, ckpt if mmap == "shared" else None, report)
 
     with clock.phase("read"):
-        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress)
+        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
+        report.staging_bytes = pool.peak_bytes
         resolve_duplicates(groups)
 
     with clock.phase("finish"):
@@ -442,8 +446,10 @@ def _read(
     *,
     threads: int | None,
     progress: bool,
+    pool: StagingPool,
 ) -> int:
-    """One copy call per file (all its tensors at once, so the engine parallelises across them)."""
+    """One copy call per file (all its tensors at once, so the engine parallelises across them);
+    accelerator destinations of every file share ``pool``, released at the end."""
     from tqdm.auto import tqdm
 
     from fastload.reader import fill
@@ -459,8 +465,13 @@ def _read(
         disable=not _show_progress(total, progress),
         file=sys.stderr,
     ) as bar:
-        for index in sorted(by_file):
-            items = by_file[index]
-            written += fill(ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads)
-            bar.update(sum(b for *_, b in items))
+        try:
+            for index in sorted(by_file):
+                items = by_file[index]
+                written += fill(
+                    ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads, pool
+                )
+                bar.update(sum(b for *_, b in items))
+        finally:
+            pool.release()
     return written
