@@ -24,7 +24,6 @@ the public entry: it sends Hugging Face model ids, transformers classes and opti
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -33,7 +32,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,22 +39,19 @@ from torch import nn
 
 from fastload import keys as keymod
 from fastload.checkpoint import (
-    CheckpointFiles,
     OpenCheckpoint,
-    StoredTensor,
-    open_checkpoint,
-    resolve,
 )
 from fastload.device_map import DeviceMapArg, dispatch, resolve_device_map
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import RequestError, UnsupportedError
 from fastload.finishing import resolve_duplicates, swap_in
 from fastload.hooks import ModelHooks, hooks_for
-from fastload.pickle_file import StateDictFile, is_pickle
+from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
 from fastload.report import LoadReport
 from fastload.skeleton import build_skeleton
+from fastload.source import open_source
 from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import tensor_slots
@@ -158,7 +153,7 @@ def load(
     pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):
-        ckpt = _open(checkpoint, read_mode, mmap, allow_pickle)
+        ckpt = open_source(checkpoint, read_mode, mmap, allow_pickle)
     location = ckpt.location
     source = str(location.index or location.files[0])
 
@@ -237,55 +232,6 @@ def load(
     report.model_class = type(module).__name__
     logger.info("%s", report.summary())
     return module, report
-
-
-def _open(
-    checkpoint: str | os.PathLike[str] | Mapping[str, torch.Tensor],
-    read_mode: str,
-    mmap: str,
-    allow_pickle: bool,
-) -> OpenCheckpoint:
-    if isinstance(checkpoint, Mapping):
-        if mmap == "shared":
-            raise RequestError("mmap='shared' needs safetensors files, not a state_dict")
-        file = StateDictFile(dict(checkpoint))
-        where = Path(file.path)
-        ckpt = OpenCheckpoint(CheckpointFiles(directory=where, files=(where,)), [file])
-        for name, st_dtype, shape, begin, end in file.tensors():
-            ckpt.tensors[name] = StoredTensor(name, 0, st_dtype, tuple(shape), end - begin)
-        return ckpt
-    location = resolve(checkpoint, allow_pickle=allow_pickle)
-    if mmap == "shared" and any(is_pickle(f) for f in location.files):
-        # Sharing views safetensors data at its file offsets; a pickle has no such layout.
-        raise RequestError(
-            f"{location.index or location.files[0]}: mmap='shared' needs safetensors files; "
-            "load this pickle checkpoint with mmap='copy', or convert it once with "
-            "`fastload convert`"
-        )
-    _warn_if_one_shard(location)
-    return open_checkpoint(location, read_mode)
-
-
-def _warn_if_one_shard(location: CheckpointFiles) -> None:
-    """One shard of a sharded checkpoint passed as a file loads only its own tensors; the index
-    beside it would load them all."""
-    if location.index is not None or len(location.files) != 1:
-        return
-    shard = location.files[0]
-    for index in sorted(shard.parent.glob("*.index.json")):
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-            listed = shard.name in set(weight_map.values())
-        except (OSError, ValueError, AttributeError, TypeError):
-            continue
-        if listed:
-            logger.warning(
-                "%s is one shard of a sharded checkpoint: only its own tensors are loaded; pass "
-                "its index %s (or the directory) to load the whole checkpoint",
-                shard,
-                index,
-            )
-            return
 
 
 def _check_parallel_options(
