@@ -105,6 +105,26 @@ def test_a_config_json_with_an_unknown_model_type_raises_a_fastload_error(tmp_pa
         load(AutoModel, directory)
 
 
+def test_a_config_json_the_model_cannot_be_built_from_is_a_checkpoint_error(tmp_path, bert):
+    directory = tmp_path / "unbuildable"
+    directory.mkdir()
+    (directory / "model.safetensors").write_bytes((bert / "model.safetensors").read_bytes())
+    config = json.loads((bert / "config.json").read_text())
+    config["num_attention_heads"] = 5  # does not divide hidden_size 32
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="cannot be built"):
+        load(None, directory)
+
+
+def test_a_broken_generation_config_json_is_warned_and_the_model_still_loads(tmp_path, caplog):
+    directory = make_checkpoint(tmp_path / "gpt2", "GPT2LMHeadModel")
+    (directory / "generation_config.json").write_text("{not json")
+    caplog.set_level(logging.WARNING, logger="fastload")
+    model = load(str(directory))
+    assert type(model).__name__ == "GPT2LMHeadModel"
+    assert any("generation_config.json" in m for m in warnings_of(caplog))
+
+
 # --- after a load -------------------------------------------------------------------------------
 
 

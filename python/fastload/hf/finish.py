@@ -7,6 +7,7 @@ device map placed the model (pipelines, ``generate`` and PEFT read it).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from torch import nn
 
 from fastload.device_map import DeviceMap
 from fastload.skeleton import mark_initialized
+
+logger = logging.getLogger("fastload")
 
 
 def hf_device_map(device_map: DeviceMap) -> dict[str, int | str]:
@@ -46,4 +49,7 @@ def finish_transformers(
     if generation.is_file() and callable(can_generate) and can_generate():
         from transformers import GenerationConfig
 
-        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(directory))
+        except Exception as e:  # the weights are fine: keep the config's generation defaults
+            logger.warning("%s: not used (%s: %s)", generation, type(e).__name__, e)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.errors import RequestError
+from fastload.errors import CheckpointError, FastloadError, RequestError
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.hooks import TransformersHooks
@@ -142,6 +142,28 @@ def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:
                 sub = getattr(cfg, key, None)
                 if sub is not None:
                     sub.dtype = dtype
-        return build_skeleton(lambda: cls(cfg, **init_kwargs), dtype=dtype, transformers_model=True)
+        try:
+            return build_skeleton(
+                lambda: cls(cfg, **init_kwargs), dtype=dtype, transformers_model=True
+            )
+        except FastloadError:
+            raise
+        except TypeError:
+            if init_kwargs:  # the caller's own keyword arguments: a wrong argument
+                raise
+            raise _bad_config(cls, cfg) from None
+        except Exception:  # a config from a file that the model cannot be built from
+            raise _bad_config(cls, cfg) from None
 
     return build
+
+
+def _bad_config(cls: type, cfg: Any) -> CheckpointError:
+    import sys
+
+    error = sys.exc_info()[1]
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return CheckpointError(
+        f"{cfg.name_or_path or 'config'}: {cls.__name__} cannot be built from this config "
+        f"({type(error).__name__}: {text})"
+    )
