@@ -64,10 +64,10 @@ def test_expert_tensors_are_read_straight_into_slices_of_the_merged_tensor(mixtr
     filled: dict[str, torch.Tensor] = {}
     original = reader.fill
 
-    def spy(file, items, threads=None):
+    def spy(file, items, *args, **kwargs):
         items = list(items)
         filled.update((name, dest) for name, dest, _ in items)
-        return original(file, items, threads)
+        return original(file, items, *args, **kwargs)
 
     monkeypatch.setattr(reader, "fill", spy)
     model = fastload_load("MixtralForCausalLM", mixtral)

@@ -22,53 +22,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from fastload.errors import CheckpointError, UnsupportedError
-
-#: one step from a merged tensor towards a piece: ("select", dim, index) or
-#: ("narrow", dim, start, length)
-View = tuple[Any, ...]
-
-
-@dataclass
-class Piece:
-    """One stored tensor (or the part ``selection`` takes of it, ``(dim, start, stop)``) and
-    where it lies in the model tensor."""
-
-    stored: str
-    views: tuple[View, ...]
-    selection: tuple[int, int, int] | None = None
-
-    def nbytes(self, shape: Sequence[int], total: int) -> int:
-        """The bytes this piece reads of a stored tensor of ``shape`` and ``total`` bytes."""
-        if self.selection is None:
-            return total
-        dim, start, stop = self.selection
-        return total * (stop - start) // max(shape[dim], 1)
-
-
-@dataclass
-class Merge:
-    """A model tensor assembled from stored tensors, or from a part of one (a fused ``qkv``
-    tensor split into ``q``, ``k`` and ``v``)."""
-
-    target: str
-    shape: tuple[int, ...]
-    pieces: list[Piece] = field(default_factory=list)
-
-
-def view_of(tensor: torch.Tensor, views: Sequence[View]) -> torch.Tensor:
-    """The part of a merged ``tensor`` that one piece fills."""
-    for step in views:
-        if step[0] == "select":
-            tensor = tensor.select(step[1], step[2])
-        else:
-            tensor = tensor.narrow(step[1], step[2], step[3])
-    return tensor
+from fastload.planning import Merge, Piece, View
 
 
 def converters_of(model: Any) -> list[Any]:
@@ -80,6 +37,47 @@ def converters_of(model: Any) -> list[Any]:
     except ImportError:
         return []
     return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
+
+
+def transformers_merges(
+    model: Any, ckpt: Any, model_keys: set[str], options: dict[str, Any]
+) -> dict[str, Merge]:
+    """The merges and splits transformers' conversion mapping makes for ``model`` on the
+    checkpoint ``ckpt`` (``options`` are :func:`fastload.keys.map_keys`'s); empty when every
+    stored name already is a model name."""
+    from fastload import keys as keymod
+    from fastload.hf.renames import transformers_renames
+
+    known = model_keys.union(options["computed"])
+    key_map = options["key_map"]
+    if all((key_map(k) if key_map is not None else k) in known for k in ckpt.tensors):
+        return {}
+    converters = converters_of(model)
+    if not converters:
+        return {}
+    renames = transformers_renames(model, options["source"])
+    prefix = options["base_model_prefix"]
+
+    def rename(name: str) -> str:
+        name = key_map(name) if key_map is not None else name
+        for r in renames:
+            name = r(name)
+        return name
+
+    def resolve(name: str) -> str | None:
+        name = keymod.adjust(name, prefix, model_keys)
+        return name if name in model_keys else None
+
+    shapes = {n: tuple(t.shape) for n, t in ckpt.tensors.items()}
+    model_shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    return plan_merges(
+        shapes,
+        converters,
+        rename=rename,
+        resolve=resolve,
+        model_shapes=model_shapes,
+        source=options["source"],
+    )
 
 
 def _natural(name: str) -> list[Any]:
