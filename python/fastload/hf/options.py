@@ -35,7 +35,11 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "weights_only": ("honoured", "True only: fastload never unpickles anything but tensors"),
     "ignore_mismatched_sizes": ("honoured", "re-initializes tensors of another shape"),
     "output_loading_info": ("honoured", "also returns the LoadReport (a dict in patch mode)"),
-    "dtype": ("honoured", "'auto' keeps stored dtypes; a float dtype converts during the copy"),
+    "dtype": (
+        "honoured",
+        "'auto' as transformers (config dtype, then the checkpoint's; keep-fp32 modules); "
+        "'stored' keeps stored dtypes; a float dtype converts during the copy",
+    ),
     "torch_dtype": ("honoured", "alias of `dtype`"),
     "device_map": (
         "honoured",
