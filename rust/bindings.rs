@@ -96,7 +96,8 @@ impl PySafetensorsFile {
     /// path in messages.
     #[staticmethod]
     #[pyo3(signature = (label, data, *, strict = false))]
-    fn from_bytes(py: Python<'_>, label: PathBuf, data: Vec<u8>, strict: bool) -> PyResult<Self> {
+    fn from_bytes(py: Python<'_>, label: PathBuf, data: &[u8], strict: bool) -> PyResult<Self> {
+        let data = data.to_vec();
         let opened = py.detach(|| SafetensorsFile::from_bytes(label.clone(), data));
         let inner = opened
             .and_then(|f| check_strict(f, strict))

@@ -12,10 +12,17 @@ from typing import TYPE_CHECKING, Any
 from fastload.errors import (
     CheckpointError,
     FastloadError,
+    FastloadFileNotFoundError,
     FastloadIOError,
+    FastloadIsADirectoryError,
+    FastloadNotADirectoryError,
+    FastloadPermissionError,
+    ModelMismatchError,
     PickleRefusedError,
     RequestError,
+    SafetensorError,
     TensorNotFoundError,
+    TensorRefusedError,
     UnsupportedError,
 )
 
@@ -34,6 +41,10 @@ _EXPORTS: dict[str, str] = {
     "unused_parameters": "fastload.training",
     "save_pretrained": "fastload.saving",
     "save_file": "fastload.saving",
+    "load": "fastload.serialize",
+    "save": "fastload.serialize",
+    "save_model": "fastload.serialize",
+    "load_model": "fastload.serialize",
 }
 
 __all__ = [
@@ -44,6 +55,13 @@ __all__ = [
     "TensorNotFoundError",
     "RequestError",
     "FastloadIOError",
+    "FastloadFileNotFoundError",
+    "FastloadPermissionError",
+    "FastloadIsADirectoryError",
+    "FastloadNotADirectoryError",
+    "TensorRefusedError",
+    "ModelMismatchError",
+    "SafetensorError",
     "__version__",
     *_EXPORTS,
 ]
@@ -72,4 +90,5 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from fastload.reader import SafeOpen, load_file, safe_open
     from fastload.report import LoadReport
     from fastload.saving import save_file, save_pretrained
+    from fastload.serialize import load, load_model, save, save_model
     from fastload.training import unused_parameters

@@ -61,6 +61,12 @@ class TensorRefusedError(RequestError, RuntimeError):
     safetensors raises for these."""
 
 
+class ModelMismatchError(CheckpointError, RuntimeError):
+    """``load_model`` found a tensor whose shape differs from the model's, or (``strict=True``)
+    missing or unexpected names. A ``RuntimeError`` too, as ``load_state_dict`` and safetensors
+    raise."""
+
+
 class FastloadFileNotFoundError(FastloadIOError, FileNotFoundError):
     """A path that does not exist (``errno.ENOENT``)."""
 
@@ -130,6 +136,7 @@ __all__ = [
     "FastloadIOError",
     "PickleRefusedError",
     "TensorRefusedError",
+    "ModelMismatchError",
     "FastloadFileNotFoundError",
     "FastloadPermissionError",
     "FastloadIsADirectoryError",
