@@ -39,9 +39,7 @@ ENTRY_POINTS: dict[str, Callable[[str, bool], object]] = {
         path, read_mode="mmap", strict=strict
     ),
     "safe_open": lambda path, strict: fastload.safe_open(path, strict=strict),
-    "safe_open-mmap": lambda path, strict: fastload.safe_open(
-        path, backend="mmap", strict=strict
-    ),
+    "safe_open-mmap": lambda path, strict: fastload.safe_open(path, backend="mmap", strict=strict),
     "validate": lambda path, strict: _core.validate(path, strict=strict),
 }
 

@@ -136,7 +136,9 @@ def _read_all(
         where = f"{file.path}: tensor {name!r}"
         stored = to_torch(st_dtype, where=where)
         target = want if want is not None and st_dtype in CONVERTIBLE else stored
-        out[name] = torch.empty(torch_shape(st_dtype, shape, where=where), dtype=target, device=device)
+        out[name] = torch.empty(
+            torch_shape(st_dtype, shape, where=where), dtype=target, device=device
+        )
     fill(file, [(k, t, None) for k, t in out.items()], threads)
     return out
 

@@ -151,7 +151,9 @@ class SafeSlice:
             read_dim = None
         else:
             # Read the block along the dimension that keeps the smallest fraction.
-            read_dim = min(restricted, key=lambda i: (dims[i].stop - dims[i].start) / self._shape[i])
+            read_dim = min(
+                restricted, key=lambda i: (dims[i].stop - dims[i].start) / self._shape[i]
+            )
             d = dims[read_dim]
             shape = list(self._shape)
             shape[read_dim] = d.stop - d.start

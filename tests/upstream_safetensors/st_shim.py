@@ -25,4 +25,11 @@ serialize = _absent("serialize")
 serialize_file = _absent("serialize_file")
 deserialize = _absent("deserialize")
 
-__all__ = ["SafetensorError", "safe_open", "TensorSpec", "serialize", "serialize_file", "deserialize"]
+__all__ = [
+    "SafetensorError",
+    "safe_open",
+    "TensorSpec",
+    "serialize",
+    "serialize_file",
+    "deserialize",
+]
