@@ -128,18 +128,24 @@ class PreadBackendTests(unittest.TestCase):
             n = struct.unpack("<Q", head)[0]
             dst.write(src.read(n // 2))
         with self.assertRaises(Exception):
-            with safe_open(bad_path, framework="pt", device="cpu", backend="pread") as f:
+            with safe_open(
+                bad_path, framework="pt", device="cpu", backend="pread"
+            ) as f:
                 _ = f.get_tensors()
 
     def test_data_offset_overflow_is_rejected(self):
         bad_path = os.path.join(self.tempdir.name, "lying.safetensors")
-        header = b'{"liar":{"dtype":"F32","shape":[1024,1024],"data_offsets":[0,4194304]}}'
+        header = (
+            b'{"liar":{"dtype":"F32","shape":[1024,1024],"data_offsets":[0,4194304]}}'
+        )
         with open(bad_path, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             f.write(b"\x00")
         with self.assertRaises(Exception):
-            with safe_open(bad_path, framework="pt", device="cpu", backend="pread") as f:
+            with safe_open(
+                bad_path, framework="pt", device="cpu", backend="pread"
+            ) as f:
                 _ = f.get_tensors()
 
     def test_numpy_framework(self):

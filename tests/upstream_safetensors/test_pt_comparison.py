@@ -302,7 +302,9 @@ class TorchTestCase(unittest.TestCase):
         not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()),
         "MPS is not available",
     )
-    @unittest.skipIf(not hasattr(torch, "float4_e2m1fn_x2"), "float4_e2m1fn_x2 requires torch 2.8")
+    @unittest.skipIf(
+        not hasattr(torch, "float4_e2m1fn_x2"), "float4_e2m1fn_x2 requires torch 2.8"
+    )
     def test_mps_fp4(self):
         # Packed dtype: safetensors records the logical element count, torch
         # stores it at half the last-dim length. The MPS loader must halve the

@@ -100,7 +100,9 @@ class TorchModelTestCase(unittest.TestCase):
         C = A[2:]
         D = A[:1]
         # Shared storage but *do* overlap
-        self.assertEqual(_find_shared_tensors({"B": B, "C": C, "D": D}), [{"B", "D"}, {"C"}])
+        self.assertEqual(
+            _find_shared_tensors({"B": B, "C": C, "D": D}), [{"B", "D"}, {"C"}]
+        )
 
     def test_end_ptr(self):
         A = torch.zeros((4,))
@@ -133,7 +135,9 @@ class TorchModelTestCase(unittest.TestCase):
         B = A[:1, :]
 
         self.assertEqual(_remove_duplicate_names({"A": A, "B": B}), {"A": ["B"]})
-        self.assertEqual(_remove_duplicate_names({"A": A, "B": B, "C": A}), {"A": ["B", "C"]})
+        self.assertEqual(
+            _remove_duplicate_names({"A": A, "B": B, "C": A}), {"A": ["B", "C"]}
+        )
         with self.assertRaises(RuntimeError):
             self.assertEqual(_remove_duplicate_names({"B": B}), [])
 
@@ -252,7 +256,9 @@ class TorchModelTestCase(unittest.TestCase):
         save_model(model, "tmp2.safetensors")
         with self.assertRaises(RuntimeError) as ctx:
             load_model(model2, "tmp2.safetensors")
-        self.assertIn("""Missing key(s) in state_dict: "b.bias", "b.weight""", str(ctx.exception))
+        self.assertIn(
+            """Missing key(s) in state_dict: "b.bias", "b.weight""", str(ctx.exception)
+        )
 
     def test_difference_torch_odd(self):
         model = NoSharedModel()

@@ -271,7 +271,9 @@ class ReadmeTestCase(unittest.TestCase):
         save_file_pt(tensors, f"./slice_{ident}.safetensors")
 
         # Now loading
-        with safe_open(f"./slice_{ident}.safetensors", framework="pt", device="cpu") as f:
+        with safe_open(
+            f"./slice_{ident}.safetensors", framework="pt", device="cpu"
+        ) as f:
             slice_ = f.get_slice("a")
             tensor = slice_[:]
             self.assertEqual(list(tensor.shape), [10, 5])
@@ -362,7 +364,9 @@ class ReadmeTestCase(unittest.TestCase):
 
             with self.assertRaises(SafetensorError) as cm:
                 tensor = slice_[2:, -6]
-            self.assertEqual(str(cm.exception), "Invalid index -6 for dimension 1 of size 5")
+            self.assertEqual(
+                str(cm.exception), "Invalid index -6 for dimension 1 of size 5"
+            )
 
             with self.assertRaises(SafetensorError) as cm:
                 tensor = slice_[[0, 1]]
