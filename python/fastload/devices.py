@@ -34,6 +34,9 @@ def parse_device(device: DeviceArg, *, where: str = "", allow_meta: bool = False
             f"{prefix}device must be a str, an int or a torch.device, got {type(device).__name__} "
             f"{device!r}"
         )
+    if isinstance(device, int) and not 0 <= device < 128:
+        # torch keeps device indices in a signed byte: 4096 would silently become device 0.
+        raise RequestError(f"{prefix}device index {device} is out of range")
     if isinstance(device, torch.device):
         parsed = device
     else:

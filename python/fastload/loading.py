@@ -39,6 +39,7 @@ from torch import nn
 from fastload import keys as keymod
 from fastload.checkpoint import OpenCheckpoint, StoredTensor, open_checkpoint, resolve
 from fastload.device_map import DeviceMap, DeviceMapArg, dispatch, resolve_device_map
+from fastload.devices import parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import CheckpointError, FastloadError, RequestError, UnsupportedError
 from fastload.pickle_file import is_pickle
@@ -317,11 +318,13 @@ def from_pretrained(
     """
     clock = _Clock()
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
-    target_device = torch.device(device)
+    target_device = parse_device(device, where="from_pretrained", allow_meta=True)
     want = _requested_dtype(dtype)
     if mmap not in ("copy", "shared"):
         raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
+    if target_device.type == "meta":
+        raise RequestError("from_pretrained: device 'meta' holds no data to load into")
 
     with clock.phase("resolve"):
         location = resolve(path, allow_pickle=allow_pickle)
