@@ -164,3 +164,11 @@ def test_tensors_sharing_memory_are_refused_as_a_runtime_error(tmp_path) -> None
     with pytest.raises(fastload.TensorRefusedError) as info:
         fastload.save_file({"a": base, "b": base[:2]}, tmp_path / "s.safetensors")
     assert isinstance(info.value, RuntimeError)
+
+
+def test_from_pretrained_of_a_missing_path_is_file_not_found_naming_it(tmp_path) -> None:
+    missing = tmp_path / "no-checkpoint-here"
+    with pytest.raises(FileNotFoundError) as info:
+        fastload.from_pretrained(nn.Linear(3, 2), missing)
+    assert isinstance(info.value, fastload.FastloadIOError)
+    assert info.value.errno == errno.ENOENT and str(missing) in str(info.value)

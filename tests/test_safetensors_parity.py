@@ -172,6 +172,11 @@ def test_every_dtype_reads_back_as_safetensors_reads_it(tmp_path, st_dtype) -> N
     assert torch.equal(raw_bytes(got), raw_bytes(want))
 
 
+def test_a_file_of_every_dtype_at_once_is_laid_out_as_safetensors_lays_it_out(tmp_path) -> None:
+    tensors = {f"t_{name}": _one_of(name) for name in TORCH_DTYPES}
+    assert fastload.save(tensors) == st.save(tensors)
+
+
 def test_f4_keeps_safetensors_shape_convention(tmp_path) -> None:
     packed = torch.zeros(3, 2, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
     path = tmp_path / "f4.safetensors"

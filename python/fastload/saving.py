@@ -59,8 +59,9 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
 # every tensor's data stays aligned to its element size.
 _DTYPE_ORDER = [
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
-    "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+    "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64",
+    "I64", "U64",
 ]  # fmt: skip
 _DTYPE_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
 

@@ -143,8 +143,8 @@ class SafeSlice:
         final = [d.length for d in dims if not d.drop]
         if any(d.length == 0 for d in dims):
             return torch.empty(final, dtype=dtype, device=opened.device)
-        restricted = [i for i, (d, n) in enumerate(zip(dims, self._shape, strict=True))
-                      if (d.start, d.stop) != (0, n)]  # fmt: skip
+        stored = self._shape
+        restricted = [i for i, d in enumerate(dims) if (d.start, d.stop) != (0, stored[i])]
         if not restricted:
             block = torch.empty(self._shape, dtype=dtype, device=opened.device)
             opened.fill([(self.name, block, None)])
