@@ -46,6 +46,7 @@ from fastload.pickle_file import is_pickle
 from fastload.report import LoadReport
 from fastload.saving import TIED_KEY
 from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
+from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import Slot, group_slots, tensor_slots
 
@@ -250,6 +251,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = None,
     process_group: Any = None,
     allow_pickle: bool = False,
+    staging_bytes: int | str | None = None,
     **model_kwargs: Any,
 ) -> nn.Module | tuple[nn.Module, LoadReport]:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
@@ -311,6 +313,10 @@ def from_pretrained(
             exactly as a safetensors file's; ``read_mode`` does not apply and the report says
             ``"torch.load(weights_only)"``. Without it such checkpoints raise
             ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
+        staging_bytes: host memory for staging tensors bound for an accelerator: one pool of
+            pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
+            first use and shared by every shard and device of the load, so host memory during a
+            GPU load stays bounded by it. Unused for CPU destinations.
         **model_kwargs: config overrides and ``__init__`` arguments, as in transformers.
 
     Returns:
@@ -325,6 +331,7 @@ def from_pretrained(
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
     if target_device.type == "meta":
         raise RequestError("from_pretrained: device 'meta' holds no data to load into")
+    pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):
         location = resolve(path, allow_pickle=allow_pickle)
@@ -370,7 +377,8 @@ def from_pretrained(
         by_file = _allocate(groups, placement, ckpt if mmap == "shared" else None, report)
 
     with clock.phase("read"):
-        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress)
+        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
+        report.staging_bytes = pool.peak_bytes
         _resolve_duplicates(groups)
 
     with clock.phase("finish"):
@@ -892,8 +900,10 @@ def _read(
     *,
     threads: int | None,
     progress: bool,
+    pool: StagingPool,
 ) -> int:
-    """One copy call per file (all its tensors at once, so the engine parallelises across them)."""
+    """One copy call per file (all its tensors at once, so the engine parallelises across them);
+    accelerator destinations of every file share ``pool``, released at the end."""
     from tqdm.auto import tqdm
 
     from fastload.reader import fill
@@ -909,10 +919,15 @@ def _read(
         disable=not _show_progress(total, progress),
         file=sys.stderr,
     ) as bar:
-        for index in sorted(by_file):
-            items = by_file[index]
-            written += fill(ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads)
-            bar.update(sum(b for *_, b in items))
+        try:
+            for index in sorted(by_file):
+                items = by_file[index]
+                written += fill(
+                    ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads, pool
+                )
+                bar.update(sum(b for *_, b in items))
+        finally:
+            pool.release()
     return written
 
 

@@ -23,6 +23,7 @@ from fastload.devices import DeviceArg, parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch, torch_shape
 from fastload.errors import RequestError, UnsupportedError
 from fastload.slices import SafeSlice
+from fastload.streaming import StagingPool
 
 READ_MODES = ("pread", "mmap")
 
@@ -75,12 +76,18 @@ def _check_destination(where: str, name: str, dest: object) -> torch.Tensor:
     return dest
 
 
-def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | None = None) -> int:
+def fill(
+    file: _core.SafetensorsFile,
+    items: Iterable[FillItem],
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+) -> int:
     """Fills destination tensors from ``file``; returns bytes written.
 
     CPU destinations are written in place (a non-contiguous one through a contiguous temporary),
     all in one Rust call that validates every one of them before writing a byte; destinations on
-    other devices then go through :func:`fastload.streaming.stream_into`, one call per device.
+    other devices then go through :func:`fastload.streaming.stream_into`, one call per device,
+    all staged through ``pool`` (default: one default-sized pool for this call).
     The caller must not free or resize a destination until this returns.
     """
     if threads is not None and (
@@ -118,8 +125,9 @@ def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | 
     if remote:
         from fastload.streaming import stream_into
 
+        pool = pool if pool is not None else StagingPool()
         for device_items in remote.values():
-            written += stream_into(file, device_items, threads=threads)
+            written += stream_into(file, device_items, pool=pool, threads=threads)
     return written
 
 
@@ -128,6 +136,7 @@ def _read_all(
     device: torch.device,
     want: torch.dtype | None,
     threads: int | None,
+    pool: StagingPool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``file`` in data order (as safetensors returns them), floating-point
     ones converted to ``want`` during the copy when it is given."""
@@ -139,7 +148,7 @@ def _read_all(
         out[name] = torch.empty(
             torch_shape(st_dtype, shape, where=where), dtype=target, device=device
         )
-    fill(file, [(k, t, None) for k, t in out.items()], threads)
+    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
     return out
 
 
@@ -166,12 +175,16 @@ class SafeOpen:
         backend: str | None = None,
         threads: int | None = None,
         strict: bool = False,
+        staging_bytes: int | str | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.device = parse_device(device, where=self.path)
         mode = resolve_read_mode(read_mode, backend)
         self._file: _core.SafetensorsFile | None = open_file(path, mode, strict=strict)
         self.threads = threads
+        # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
+        # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
+        self.staging = StagingPool.sized(staging_bytes)
 
     @property
     def file(self) -> _core.SafetensorsFile:
@@ -222,7 +235,7 @@ class SafeOpen:
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, in the order of their data in the file, read in one parallel pass."""
-        return _read_all(self.file, self.device, None, self.threads)
+        return _read_all(self.file, self.device, None, self.threads, self.staging)
 
     def get_slice(self, name: str) -> SafeSlice:
         """A lazy view of tensor ``name``: ``get_shape()``, ``get_dtype()``, and indexing
@@ -231,7 +244,7 @@ class SafeOpen:
 
     def fill(self, items: Iterable[FillItem]) -> int:
         """Fills ``(name, destination, selection)`` items with this file's thread setting."""
-        return fill(self.file, items, self.threads)
+        return fill(self.file, items, self.threads, self.staging)
 
     def load_into(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Fills existing tensors (by name) from the file in one parallel pass; returns bytes.
@@ -247,6 +260,7 @@ class SafeOpen:
 
     def close(self) -> None:
         self._file = None
+        self.staging.release()
 
     def __enter__(self) -> SafeOpen:
         return self
@@ -272,17 +286,26 @@ def safe_open(
     read_mode: str | None = None,
     threads: int | None = None,
     strict: bool = False,
+    staging_bytes: int | str | None = None,
 ) -> SafeOpen:
     """``safetensors.safe_open`` for torch (``framework="pt"``).
 
     ``backend`` (safetensors' name) or ``read_mode``: ``"pread"`` (fastload's default) or
     ``"mmap"``. ``strict=True`` refuses what fastload otherwise reads as safetensors does (an
-    unknown field in a tensor entry, ``"__metadata__": null``).
+    unknown field in a tensor entry, ``"__metadata__": null``). ``staging_bytes`` sizes the host
+    staging pool used for accelerator destinations (default
+    :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned).
     """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
     return SafeOpen(
-        path, device=device, read_mode=read_mode, backend=backend, threads=threads, strict=strict
+        path,
+        device=device,
+        read_mode=read_mode,
+        backend=backend,
+        threads=threads,
+        strict=strict,
+        staging_bytes=staging_bytes,
     )
 
 
@@ -295,13 +318,17 @@ def load_file(
     read_mode: str | None = None,
     threads: int | None = None,
     strict: bool = False,
+    staging_bytes: int | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a file, like ``safetensors.torch.load_file`` (same keys, bitwise equal).
 
     ``dtype`` converts floating-point tensors (F32/F16/BF16/F64) during the copy; other tensors
     keep their stored dtype. ``backend``/``read_mode`` and ``strict`` as in :func:`safe_open`.
+    Accelerator destinations are staged through one host pool of ``staging_bytes`` (default
+    128 MiB, pinned), so host memory stays bounded by it.
     """
     want = _float_dtype(dtype)
     device = parse_device(device, where=os.fspath(path))
+    pool = StagingPool.sized(staging_bytes)
     file = open_file(path, resolve_read_mode(read_mode, backend), strict=strict)
-    return _read_all(file, device, want, threads)
+    return _read_all(file, device, want, threads, pool)
