@@ -33,7 +33,7 @@ _EXPORTS: dict[str, str] = {
     "load_file": "fastload.reader",
     "safe_open": "fastload.reader",
     "SafeOpen": "fastload.reader",
-    "from_pretrained": "fastload.loading",
+    "from_pretrained": "fastload.api",
     "LoadReport": "fastload.report",
     "gradient_checkpointing_enable": "fastload.checkpointing",
     "gradient_checkpointing_disable": "fastload.checkpointing",
@@ -45,6 +45,8 @@ _EXPORTS: dict[str, str] = {
     "save": "fastload.serialize",
     "save_model": "fastload.serialize",
     "load_model": "fastload.serialize",
+    "patch_transformers": "fastload.hf.patch",
+    "unpatch_transformers": "fastload.hf.patch",
 }
 
 __all__ = [
@@ -80,15 +82,25 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
+    from fastload.api import from_pretrained as from_pretrained
     from fastload.checkpointing import (
-        gradient_checkpointing_disable,
-        gradient_checkpointing_enable,
-        is_gradient_checkpointing,
+        gradient_checkpointing_disable as gradient_checkpointing_disable,
     )
-    from fastload.loading import from_pretrained
-    from fastload.reader import SafeOpen, load_file, safe_open
-    from fastload.report import LoadReport
-    from fastload.saving import save_file, save_pretrained
-    from fastload.serialize import load, load_model, save, save_model
-    from fastload.training import unused_parameters
+    from fastload.checkpointing import (
+        gradient_checkpointing_enable as gradient_checkpointing_enable,
+    )
+    from fastload.checkpointing import is_gradient_checkpointing as is_gradient_checkpointing
+    from fastload.hf.patch import patch_transformers as patch_transformers
+    from fastload.hf.patch import unpatch_transformers as unpatch_transformers
+    from fastload.reader import SafeOpen as SafeOpen
+    from fastload.reader import load_file as load_file
+    from fastload.reader import safe_open as safe_open
+    from fastload.report import LoadReport as LoadReport
+    from fastload.saving import save_file as save_file
+    from fastload.saving import save_pretrained as save_pretrained
+    from fastload.serialize import load as load
+    from fastload.serialize import load_model as load_model
+    from fastload.serialize import save as save
+    from fastload.serialize import save_model as save_model
+    from fastload.training import unused_parameters as unused_parameters
