@@ -112,6 +112,12 @@ def load_both(class_name: str, directory: Path, **kwargs: Any):
         if found is None or found.group(1) in PLANNED_CONVERSIONS:
             raise
         pytest.skip(f"transformers converts with {found.group(1)}, which fastload does not plan")
+    except fastload.CheckpointError as e:
+        # transformers loads none of the tensors and initializes the whole model; fastload
+        # refuses a load where no name matches (README: deliberate differences).
+        if "none of its" not in str(e) or not set(theirs.state_dict()) <= set(info["missing_keys"]):
+            raise
+        pytest.skip("no checkpoint name matches the model: transformers initializes everything")
     return ours, report, theirs.eval(), set(info["missing_keys"])
 
 
