@@ -13,6 +13,7 @@ from fastload.errors import (
     CheckpointError,
     FastloadError,
     FastloadIOError,
+    LoadCancelledError,
     PickleRefusedError,
     RequestError,
     TensorNotFoundError,
@@ -44,6 +45,7 @@ __all__ = [
     "TensorNotFoundError",
     "RequestError",
     "FastloadIOError",
+    "LoadCancelledError",
     "__version__",
     *_EXPORTS,
 ]

@@ -41,6 +41,11 @@ class FastloadIOError(FastloadError, OSError):
     """The operating system refused a read or write (missing file, permissions, disk full)."""
 
 
+class LoadCancelledError(FastloadError):
+    """A copy was cancelled (through its :class:`fastload._core.Progress` or a callback's error)
+    before it finished; the destinations hold partial data."""
+
+
 class PickleRefusedError(CheckpointError):
     """A pickle-based checkpoint (``.bin``/``.pt``) was given without ``allow_pickle=True``."""
 
@@ -53,4 +58,5 @@ __all__ = [
     "RequestError",
     "FastloadIOError",
     "PickleRefusedError",
+    "LoadCancelledError",
 ]
