@@ -235,7 +235,7 @@ impl PySafetensorsFile {
             // for the duration of the call) and `plan` checked each one's length.
             let done = py.detach(move || {
                 let p = plan;
-                unsafe { copy::execute(file, &p.0, threads, None) }
+                unsafe { copy::execute(file, &p.0, threads, None, None) }
             });
             return done.map_err(err);
         };
@@ -268,10 +268,19 @@ const WATCH_BYTES: u64 = 16 << 20;
 /// How often a watched copy re-takes the GIL for signals and the progress callback.
 const WATCH_EVERY: Duration = Duration::from_millis(50);
 
-/// Runs `plan` on a scoped thread while the calling thread, GIL released, waits for it and every
-/// [`WATCH_EVERY`] re-takes the GIL to run signal handlers and `callback(bytes done)`. An
-/// exception from either cancels the copy; it is raised once the copy has stopped (destinations
-/// are never written after this returns).
+/// What the copy thread tells the watching thread.
+enum Event {
+    /// A task finished; the progress counter then read this many bytes.
+    Task(u64),
+    /// The copy stopped with this result.
+    Finished(crate::error::Result<u64>),
+}
+
+/// Runs `plan` on a scoped thread while the calling thread, GIL released, waits for it. After
+/// each task (about `CHUNK` bytes) and every [`WATCH_EVERY`] at least, the calling thread re-takes
+/// the GIL to run signal handlers and `callback(bytes done)`. An exception from either cancels
+/// the copy; it is raised once the copy has stopped (destinations are never written after this
+/// returns).
 fn watched(
     py: Python<'_>,
     file: &SafetensorsFile,
@@ -284,35 +293,45 @@ fn watched(
         let (tx, rx) = mpsc::channel();
         std::thread::scope(|s| {
             let plan = &plan;
+            let done_tx = tx.clone();
             s.spawn(move || {
+                let tick = move |done: u64| {
+                    let _ = tx.send(Event::Task(done));
+                };
                 // SAFETY: forwarded from `copy_into`; the scope outlives the copy.
-                let r = unsafe { copy::execute(file, &plan.0, threads, Some(progress)) };
-                let _ = tx.send(r);
+                let r =
+                    unsafe { copy::execute(file, &plan.0, threads, Some(progress), Some(&tick)) };
+                let _ = done_tx.send(Event::Finished(r));
             });
             let mut raised: Option<PyErr> = None;
+            let mut seen = 0u64;
             loop {
-                match rx.recv_timeout(WATCH_EVERY) {
-                    Ok(r) => return (r, raised),
-                    Err(RecvTimeoutError::Timeout) if raised.is_none() => {
-                        raised = Python::attach(|py| {
-                            py.check_signals()?;
-                            if let Some(cb) = &callback {
-                                cb.call1(py, (progress.done(),))?;
-                            }
-                            Ok::<(), PyErr>(())
-                        })
-                        .err();
-                        if raised.is_some() {
-                            progress.cancel();
-                        }
-                    }
-                    Err(RecvTimeoutError::Timeout) => {}
+                let done = match rx.recv_timeout(WATCH_EVERY) {
+                    Ok(Event::Finished(r)) => return (r, raised),
+                    Ok(Event::Task(done)) => done,
+                    Err(RecvTimeoutError::Timeout) => progress.done(),
                     Err(RecvTimeoutError::Disconnected) => {
                         let lost = Error::Io {
                             detail: "the copy thread stopped without a result".into(),
                         };
                         return (Err(lost), raised);
                     }
+                };
+                // Tasks finish out of order on several threads: report the largest count seen.
+                seen = seen.max(done);
+                if raised.is_some() {
+                    continue;
+                }
+                raised = Python::attach(|py| {
+                    py.check_signals()?;
+                    if let Some(cb) = &callback {
+                        cb.call1(py, (seen,))?;
+                    }
+                    Ok::<(), PyErr>(())
+                })
+                .err();
+                if raised.is_some() {
+                    progress.cancel();
                 }
             }
         })
@@ -324,8 +343,9 @@ fn watched(
 }
 
 /// Progress of copies, shared with Python: `done` bytes so far, `cancel()` to stop them between
-/// pieces (they raise `LoadCancelledError`), and an optional `callback(done)` that watched copies
-/// call every few tens of milliseconds with the GIL held (an exception from it cancels the copy).
+/// pieces (they raise `LoadCancelledError`), and an optional `callback(done)` that a copy calls
+/// with the GIL held after each task of about `CHUNK` bytes and every few tens of milliseconds
+/// (an exception from it cancels the copy).
 #[pyclass(frozen, module = "fastload._core", name = "Progress")]
 struct PyProgress {
     inner: Arc<Progress>,

@@ -350,10 +350,13 @@ fn prefault(dst: &mut [u8]) {
     let _ = dst;
 }
 
+/// A pool and its thread count.
+type SizedPool = (usize, Arc<ThreadPool>);
+
 /// A pool with `threads` workers (1..=[`MAX_THREADS`]), built once per size and reused; at most
 /// [`CACHED_POOLS`] sizes are kept (a dropped pool's threads exit once its last user is done).
 pub fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
-    static POOLS: OnceLock<Mutex<Vec<(usize, Arc<ThreadPool>)>>> = OnceLock::new();
+    static POOLS: OnceLock<Mutex<Vec<SizedPool>>> = OnceLock::new();
     let threads = check_threads(Some(threads))?;
     let mut pools = POOLS
         .get_or_init(Default::default)
@@ -389,10 +392,11 @@ pub fn default_threads() -> usize {
 }
 
 /// Runs a plan with `threads` workers (`None`: [`default_threads`]; more than [`MAX_THREADS`] is
-/// [`Error::InvalidThreads`]). With `progress`, bytes are counted there as pieces finish and a
-/// cancel stops the copy at the next piece with [`Error::Cancelled`]. The file is checked
-/// unchanged before and after ([`SafetensorsFile::check_unchanged`]), so bytes rewritten in place
-/// during the copy are reported, not returned torn.
+/// [`Error::InvalidThreads`]). With `progress`, bytes are counted there as pieces finish, a cancel
+/// stops the copy at the next piece with [`Error::Cancelled`], and `on_task` (if any) is called
+/// with the counter's value after each task (about [`CHUNK`] bytes) from the thread that ran it.
+/// The file is checked unchanged before and after ([`SafetensorsFile::check_unchanged`]), so
+/// bytes rewritten in place during the copy are reported, not returned torn.
 ///
 /// # Safety
 /// Every destination of the requests the plan was made from must be valid for writes of its
@@ -402,28 +406,30 @@ pub unsafe fn execute(
     plan: &Plan,
     threads: Option<usize>,
     progress: Option<&Progress>,
+    on_task: Option<&(dyn Fn(u64) + Sync)>,
 ) -> Result<u64> {
     let threads = check_threads(threads)?;
     file.check_unchanged()?;
-    let step = |p: &Piece| -> Result<()> {
-        if let Some(progress) = progress {
+    let task = |pieces: &Vec<Piece>| -> Result<()> {
+        let Some(progress) = progress else {
+            return pieces.iter().try_for_each(|p| run_piece(file, p));
+        };
+        for p in pieces {
             if progress.is_cancelled() {
                 return Err(Error::Cancelled);
             }
             run_piece(file, p)?;
             progress.add(p.dst_len as u64);
-            return Ok(());
         }
-        run_piece(file, p)
+        if let Some(f) = on_task {
+            f(progress.done());
+        }
+        Ok(())
     };
     if threads == 1 || plan.tasks.len() <= 1 {
-        plan.tasks.iter().flatten().try_for_each(step)?;
+        plan.tasks.iter().try_for_each(task)?;
     } else {
-        pool(threads)?.install(|| {
-            plan.tasks
-                .par_iter()
-                .try_for_each(|task| task.iter().try_for_each(step))
-        })?;
+        pool(threads)?.install(|| plan.tasks.par_iter().try_for_each(task))?;
     }
     file.check_unchanged()?;
     Ok(plan.dst_bytes)
@@ -440,7 +446,7 @@ pub unsafe fn copy(
 ) -> Result<u64> {
     let plan = plan(file, requests)?;
     // SAFETY: forwarded contract.
-    unsafe { execute(file, &plan, threads, None) }
+    unsafe { execute(file, &plan, threads, None, None) }
 }
 
 #[cfg(test)]
@@ -504,7 +510,7 @@ mod tests {
                 let p = plan(&f, &reqs).unwrap();
                 assert!(p.tasks() >= 4);
                 assert_eq!(
-                    unsafe { execute(&f, &p, Some(threads), None) }.unwrap(),
+                    unsafe { execute(&f, &p, Some(threads), None, None) }.unwrap(),
                     big.len() as u64 + 3
                 );
                 assert_eq!(a, [1, 2, 3]);

@@ -1,8 +1,7 @@
 """Type stub of the Rust extension ``fastload._core``."""
 
-from os import PathLike
-
 from collections.abc import Callable
+from os import PathLike
 
 MAX_HEADER_LEN: int
 CHUNK: int
@@ -61,8 +60,9 @@ class SafetensorsFile:
 
 class Progress:
     """Bytes written so far by the copies given this object, and a flag that cancels them
-    between pieces (``LoadCancelledError``). ``callback(done)`` runs with the GIL held every few
-    tens of milliseconds of a copy; an exception from it cancels the copy and is raised."""
+    between pieces (``LoadCancelledError``). ``callback(done)`` runs with the GIL held after each
+    task of about ``CHUNK`` bytes and every few tens of milliseconds of a copy; an exception from
+    it cancels the copy and is raised."""
 
     def __init__(self, callback: Callable[[int], object] | None = None) -> None: ...
     @property

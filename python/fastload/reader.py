@@ -16,6 +16,7 @@ import torch
 from fastload import _core
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch
 from fastload.errors import RequestError
+from fastload.threads import check_threads
 
 READ_MODES = ("pread", "mmap")
 
@@ -30,18 +31,22 @@ def open_file(path: str | os.PathLike[str], read_mode: str = "pread") -> _core.S
     return _core.SafetensorsFile(os.fspath(path), read_mode)
 
 
-def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | None = None) -> int:
+def fill(
+    file: _core.SafetensorsFile,
+    items: Iterable[FillItem],
+    threads: int | None = None,
+    progress: _core.Progress | None = None,
+) -> int:
     """Fills destination tensors from ``file``; returns bytes written.
 
+    ``progress`` counts the bytes written as the copy goes and can cancel it
+    (``LoadCancelledError``).
     CPU destinations are written in place (a non-contiguous one through a contiguous temporary),
     all in one Rust call that validates every one of them before writing a byte; destinations on
     other devices then go through :func:`fastload.streaming.stream_into`, one call per device.
     The caller must not free or resize a destination until this returns.
     """
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise RequestError(f"threads must be a positive int or None, got {threads!r}")
+    check_threads(threads, file.path)
     jobs: list[tuple[str, int, int, str, list[int] | None]] = []
     keep: list[torch.Tensor] = []  # keeps temporaries alive until the copy is done
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -65,7 +70,7 @@ def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | 
                 selection,
             )
         )
-    written = file.copy_into(jobs, threads) if jobs else 0
+    written = file.copy_into(jobs, threads, progress) if jobs else 0
     with torch.no_grad():  # destinations may be parameters that require grad
         for dest, target in after:
             dest.copy_(target)
@@ -73,7 +78,7 @@ def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | 
         from fastload.streaming import stream_into
 
         for device_items in remote.values():
-            written += stream_into(file, device_items, threads=threads)
+            written += stream_into(file, device_items, threads=threads, progress=progress)
     return written
 
 
