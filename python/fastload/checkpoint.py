@@ -19,6 +19,7 @@ resolution starts over from the path, which then names the new checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fastload import _core
+from fastload import _core, json_text
 from fastload.dtypes import to_torch
 from fastload.errors import CheckpointError, FastloadIOError, PickleRefusedError, RequestError
 from fastload.pickle_file import PickleFile, is_pickle
@@ -69,8 +70,10 @@ class DirHandle:
         """``stat`` of ``name`` in the directory (symlinks followed), ``None`` if absent."""
         try:
             return os.stat(name, dir_fd=self.fd)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP):
+                return None
+            raise FastloadIOError(f"{self.path / name}: {e.strerror or e}") from e
 
     def is_file(self, name: str) -> bool:
         st = self.stat(name)
@@ -291,7 +294,7 @@ def _resolve_index(
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{index}: not UTF-8 text ({e.reason})") from e
     try:
-        data = json.loads(text, object_pairs_hook=_reject_duplicates)
+        data = json_text.loads(text, index, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as e:
         raise CheckpointError(
             f"{index}: tensor {e.key!r} is listed twice, in shards {e.first!r} and {e.second!r} "
