@@ -72,8 +72,9 @@ def _nans(src: torch.dtype) -> torch.Tensor:
     bits = torch.finfo(src).bits
     mant = {64: 52, 32: 23, 16: 10 if src == torch.float16 else 7}[bits]
     exp_all = ((1 << (bits - 1 - mant)) - 1) << mant
-    payloads = sorted({1, 2, 3, (1 << (mant - 1)) - 1, 1 << (mant - 1), (1 << mant) - 1}
-                      | {1 << i for i in range(mant)} | {(1 << mant) - (1 << i) for i in range(mant)})  # fmt: skip
+    ends = {1, 2, 3, (1 << (mant - 1)) - 1, 1 << (mant - 1), (1 << mant) - 1}
+    singles = {1 << i for i in range(mant)} | {(1 << mant) - (1 << i) for i in range(mant)}
+    payloads = sorted(ends | singles)
     ints = [exp_all | p for p in payloads] + [(1 << (bits - 1)) | exp_all | p for p in payloads]
     signed = [i - (1 << bits) if i >= 1 << (bits - 1) else i for i in ints]
     return torch.tensor(signed, dtype=_int(src)).view(src)

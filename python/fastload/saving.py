@@ -43,6 +43,7 @@ from fastload.checkpoint import SINGLE_FILE as WEIGHTS_NAME
 from fastload.dtypes import to_st
 from fastload.errors import FastloadIOError, RequestError, UnsupportedError
 from fastload.skeleton import is_transformers_model
+from fastload.threads import check_threads
 from fastload.tying import find_tie_groups
 from fastload.units import parse_bytes
 
@@ -212,6 +213,7 @@ def save_file(
     """
     path = Path(os.fspath(path))
     where = os.fspath(path)
+    check_threads(threads, where)
     meta = _check_metadata(metadata, where)
     prepared = _prepare(tensors, where)
     directory = path.parent if str(path.parent) else Path(".")
@@ -352,6 +354,7 @@ def save_pretrained(
     if directory.exists() and not directory.is_dir():
         raise RequestError(f"{directory}: save_pretrained needs a directory, this is a file")
     user_meta = _check_metadata(metadata, os.fspath(directory)) or {}
+    check_threads(threads, os.fspath(directory))
     is_transformers = is_transformers_model(model)
 
     state = model.state_dict()
