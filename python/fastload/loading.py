@@ -44,6 +44,7 @@ from fastload.pickle_file import is_pickle
 from fastload.report import LoadReport
 from fastload.saving import TIED_KEY
 from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
+from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import Slot, group_slots, tensor_slots
 
@@ -245,6 +246,7 @@ def from_pretrained(
     tp_plan: str | dict[str, str] | None = None,
     process_group: Any = None,
     allow_pickle: bool = False,
+    staging_bytes: int | str | None = None,
     **model_kwargs: Any,
 ) -> nn.Module | tuple[nn.Module, LoadReport]:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
@@ -306,6 +308,10 @@ def from_pretrained(
             exactly as a safetensors file's; ``read_mode`` does not apply and the report says
             ``"torch.load(weights_only)"``. Without it such checkpoints raise
             ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
+        staging_bytes: host memory for staging tensors bound for an accelerator: one pool of
+            pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
+            first use and shared by every shard and device of the load, so host memory during a
+            GPU load stays bounded by it. Unused for CPU destinations.
         **model_kwargs: config overrides and ``__init__`` arguments, as in transformers.
 
     Returns:
@@ -318,6 +324,7 @@ def from_pretrained(
     if mmap not in ("copy", "shared"):
         raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
+    pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):
         location = resolve(path, allow_pickle=allow_pickle)
@@ -363,7 +370,8 @@ def from_pretrained(
         by_file = _allocate(groups, placement, ckpt if mmap == "shared" else None, report)
 
     with clock.phase("read"):
-        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress)
+        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
+        report.staging_bytes = pool.peak_bytes
         _resolve_duplicates(groups)
 
     with clock.phase("finish"):
@@ -875,20 +883,24 @@ def _read(
     *,
     threads: int | None,
     progress: bool,
+    pool: StagingPool,
 ) -> int:
     """One copy call per file (all its tensors at once, so the engine parallelises across them);
-    the progress bar advances per copied piece (:mod:`fastload.progress`)."""
+    the progress bar advances per copied piece (:mod:`fastload.progress`); accelerator
+    destinations of every file share ``pool``, released at the end."""
     from fastload.progress import byte_progress
     from fastload.reader import fill
 
     total = sum(t.numel() * t.element_size() for items in by_file.values() for _, t, *_ in items)
     written = 0
     with byte_progress(total, progress) as counter:
-        for index in sorted(by_file):
-            items = by_file[index]
-            written += fill(
-                ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads, counter
-            )
+        try:
+            for index in sorted(by_file):
+                items = by_file[index]
+                jobs = [(n, t, s) for n, t, s, _ in items]
+                written += fill(ckpt.files[index], jobs, threads, pool, counter)
+        finally:
+            pool.release()
     return written
 
 

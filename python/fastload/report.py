@@ -48,6 +48,9 @@ class LoadReport:
     bytes_written: int = 0
     #: bytes served as views of a shared copy-on-write mapping (``mmap="shared"``), not copied
     bytes_shared: int = 0
+    #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
+    #: 0 when nothing was staged)
+    staging_bytes: int = 0
     tensors_loaded: int = 0
     #: wall-clock seconds per phase, in order
     seconds: dict[str, float] = field(default_factory=dict)
@@ -92,6 +95,11 @@ class LoadReport:
                     f"{format_bytes(self.bytes_shared)}"
                 ]
                 if self.bytes_shared
+                else []
+            ),
+            *(
+                [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
+                if self.staging_bytes
                 else []
             ),
             *(
