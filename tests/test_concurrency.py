@@ -6,7 +6,9 @@ time: the speed of concurrent loads is a benchmark figure (``benches/gil_release
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -200,6 +202,51 @@ def test_a_signal_during_a_copy_runs_its_python_handler_and_stops_the_copy(
         finally:
             signal.signal(signal.SIGINT, old)
     assert interrupted >= 1, f"no round of {ROUNDS} was interrupted during its copy"
+
+
+CTRL_C = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    import torch
+    from fastload import _core
+    file = _core.SafetensorsFile(sys.argv[1])
+    dest = torch.empty(16 << 20)
+    total = 64 << 20
+    job = [("w", dest.data_ptr(), total, "F32", None)]
+    for _ in range(20):
+        progress = _core.Progress()
+        def press(progress=progress):
+            while progress.done == 0:
+                pass
+            if progress.done < total:
+                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+        sender = threading.Thread(target=press)
+        try:
+            sender.start()
+            try:
+                file.copy_into(job, 1, progress)
+            except KeyboardInterrupt:
+                print("interrupted", progress.cancelled, progress.done < total)
+                break
+            sender.join()
+        except KeyboardInterrupt:
+            sender.join()  # arrived after the copy had finished: try again
+    """
+)
+
+
+def test_ctrl_c_during_a_copy_raises_keyboard_interrupt_and_stops_the_copy(
+    big_file: Path,
+) -> None:
+    # Python's own SIGINT handler in a process of its own: KeyboardInterrupt comes out of the
+    # copy, which was cancelled before its end.
+    out = subprocess.run(
+        [sys.executable, "-c", CTRL_C, str(big_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "interrupted True True" in out.stdout, out.stdout + out.stderr
 
 
 # --- from_pretrained ------------------------------------------------------------------------------
