@@ -2,7 +2,8 @@
 # The suite three times in a row while other processes keep every core busy: the suite must not
 # depend on timing. Uses the `python` on PATH with fastload importable (after scripts/test.sh, or
 # a dev setup with the extension built), and stops the busy processes however it exits.
-# Usage: bash scripts/stress-test.sh [pytest args...]    (RUNS=3 and BUSY=<cores> override)
+# Usage: bash scripts/stress-test.sh [pytest args and test paths; default: tests]
+#        (RUNS=3 and BUSY=<number of cores> override the counts)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${RUNS:-3}"
@@ -17,6 +18,6 @@ done
 echo "stress-test: $busy busy processes (${pids[*]}), $runs runs" >&2
 for run in $(seq "$runs"); do
     echo "stress-test: run $run of $runs" >&2
-    python -m pytest -q -p no:cacheprovider "$@" tests
+    python -m pytest -q -p no:cacheprovider "${@:-tests}"
 done
 echo "stress-test: $runs runs passed under load" >&2
