@@ -198,3 +198,24 @@ def test_mutated_tied_metadata_is_used_ignored_or_refused_never_a_crash() -> Non
         assert all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items())
         outcomes["used" if aliases else "ignored"] += 1
     assert all(outcomes.values()), outcomes
+
+
+def test_a_config_json_bomb_is_a_checkpoint_error_when_it_names_the_class(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    st_save_file(Pair().state_dict(), str(directory / "model.safetensors"))
+    (directory / "config.json").write_text('{"architectures": ' + _nested(DEEP) + "}")
+    with pytest.raises(fastload.CheckpointError, match=r"json-too-deep"):
+        fastload.from_pretrained(None, directory)
+
+
+def test_a_json_bomb_index_beside_a_shard_given_alone_does_not_stop_its_load(
+    tmp_path: Path,
+) -> None:
+    directory = _sharded(tmp_path / "ckpt")
+    (directory / INDEX_FILE).write_text('{"weight_map": ' + _nested(DEEP) + "}")
+    tensors = fastload.load_file(directory / "s1.safetensors")
+    model = fastload.from_pretrained(
+        nn.Linear(2, 2), directory / "s1.safetensors", key_map={r"^a\.": ""}
+    )
+    assert set(tensors) == {"a.weight", "a.bias"} and isinstance(model, nn.Linear)
