@@ -92,6 +92,11 @@ pub enum Error {
     Cancelled,
     /// An operating-system error.
     Io { detail: String },
+    /// An operating-system error with its `errno` (the bindings raise the matching `OSError`
+    /// subclass, e.g. `FileNotFoundError` for `ENOENT`).
+    Os { errno: i32, detail: String },
+    /// The file is not in the safetensors format; `looks_like` says what its first bytes suggest.
+    NotSafetensors { looks_like: String },
 }
 
 impl Error {
@@ -126,7 +131,8 @@ impl Error {
             Error::NotRegularFile { .. } => "not-regular-file",
             Error::InvalidThreads { .. } => "invalid-threads",
             Error::Cancelled => "cancelled",
-            Error::Io { .. } => "io",
+            Error::Io { .. } | Error::Os { .. } => "io",
+            Error::NotSafetensors { .. } => "not-safetensors",
         }
     }
 
@@ -144,6 +150,7 @@ impl Error {
                 | Error::InvalidThreads { .. }
                 | Error::Cancelled
                 | Error::Io { .. }
+                | Error::Os { .. }
         )
     }
 }
@@ -235,7 +242,10 @@ impl fmt::Display for Error {
                 write!(f, "threads must be between 1 and {max}, got {threads}")
             }
             Error::Cancelled => write!(f, "the copy was cancelled before it finished"),
-            Error::Io { detail } => write!(f, "I/O error: {detail}"),
+            Error::Io { detail } | Error::Os { detail, .. } => write!(f, "I/O error: {detail}"),
+            Error::NotSafetensors { looks_like } => {
+                write!(f, "not a safetensors file: it looks like {looks_like}")
+            }
         }
     }
 }
@@ -244,8 +254,14 @@ impl std::error::Error for Error {}
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
-        Error::Io {
-            detail: e.to_string(),
+        match e.raw_os_error() {
+            Some(errno) => Error::Os {
+                errno,
+                detail: e.to_string(),
+            },
+            None => Error::Io {
+                detail: e.to_string(),
+            },
         }
     }
 }

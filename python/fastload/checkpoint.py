@@ -33,7 +33,13 @@ import torch
 
 from fastload import _core, json_text
 from fastload.dtypes import to_torch
-from fastload.errors import CheckpointError, FastloadIOError, PickleRefusedError, RequestError
+from fastload.errors import (
+    CheckpointError,
+    FastloadIOError,
+    PickleRefusedError,
+    RequestError,
+    from_os_error,
+)
 from fastload.pickle_file import PickleFile, is_pickle
 
 SINGLE_FILE = "model.safetensors"
@@ -63,7 +69,7 @@ class DirHandle:
         try:
             self.fd = os.open(path, flags)
         except OSError as e:
-            raise FastloadIOError(f"{path}: {e.strerror or e}") from e
+            raise from_os_error(e, path) from e
         self._close = weakref.finalize(self, os.close, self.fd)
 
     def stat(self, name: str) -> os.stat_result | None:
@@ -73,7 +79,7 @@ class DirHandle:
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP):
                 return None
-            raise FastloadIOError(f"{self.path / name}: {e.strerror or e}") from e
+            raise from_os_error(e, self.path / name) from e
 
     def is_file(self, name: str) -> bool:
         st = self.stat(name)
@@ -85,14 +91,14 @@ class DirHandle:
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError as e:
-            raise FastloadIOError(f"{where}: {e.strerror or e}") from e
+            raise from_os_error(e, where) from e
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise CheckpointError(f"{where}: [not-regular-file] not a regular file")
             try:
                 return f.read()
             except OSError as e:
-                raise FastloadIOError(f"{where}: {e.strerror or e}") from e
+                raise from_os_error(e, where) from e
 
     def replaced(self) -> bool:
         """Whether the directory's path now names another directory (or nothing)."""
@@ -169,10 +175,10 @@ def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Chec
 
     Safetensors files are preferred; pickle files (``.bin``/``.pt``..., a directory holding
     ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``) are taken only with
-    ``allow_pickle``. Raises ``FastloadIOError`` if ``path`` does not exist,
-    ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and ``CheckpointError``
-    for a directory with no checkpoint, a broken index, or a path that is not a regular file or
-    a directory (a FIFO, a device).
+    ``allow_pickle``. Raises ``FileNotFoundError`` (a ``FastloadIOError``) if ``path`` does not
+    exist, ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and
+    ``CheckpointError`` for a directory with no checkpoint, a broken index, or a path that is not
+    a regular file or a directory (a FIFO, a device).
     """
     p = Path(os.fspath(path))
     for attempt in range(_ATTEMPTS):
@@ -187,10 +193,8 @@ def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Chec
 def _resolve_once(p: Path, allow_pickle: bool) -> CheckpointFiles:
     try:
         st = os.stat(p)
-    except FileNotFoundError:
-        raise FastloadIOError(f"{p}: no such file or directory") from None
     except OSError as e:
-        raise FastloadIOError(f"{p}: {e.strerror or e}") from e
+        raise from_os_error(e, p) from None
     requested = (p, allow_pickle)
     if stat.S_ISREG(st.st_mode):
         if p.name.endswith(".index.json"):

@@ -40,11 +40,13 @@ from fastload import keys as keymod
 from fastload.checkpoint import (
     OpenCheckpoint,
 )
-from fastload.device_map import DeviceMapArg, dispatch, resolve_device_map
+from fastload.device_map import DISK, DeviceMapArg, dispatch, resolve_device_map
+from fastload.devices import parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import RequestError, UnsupportedError
 from fastload.finishing import resolve_duplicates, swap_in
 from fastload.hooks import ModelHooks, hooks_for
+from fastload.offload import dispatch_offloaded, offloaded_names, require_accelerate
 from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
@@ -131,6 +133,7 @@ def load(
     process_group: Any = None,
     allow_pickle: bool = False,
     staging_bytes: int | str | None = None,
+    offload_folder: str | os.PathLike[str] | None = None,
     seconds: dict[str, float] | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target``; the options are
@@ -139,13 +142,15 @@ def load(
     clock = _Clock()
     clock.seconds.update(seconds or {})
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
-    target_device = torch.device(device)
+    target_device = parse_device(device, where="from_pretrained", allow_meta=True)
     want = _requested_dtype(dtype)
     if max_memory is not None and device_map is None:
         device_map = "auto"  # budgets alone ask for a planned placement, as with accelerate
     if mmap not in ("copy", "shared"):
         raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
+    if target_device.type == "meta":
+        raise RequestError("from_pretrained: device 'meta' holds no data to load into")
     pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):
@@ -166,8 +171,16 @@ def load(
     with clock.phase("plan"):
         dmap = None
         if device_map is not None:
+            disk = offload_folder is not None
+            if disk:
+                require_accelerate()
+                os.makedirs(offload_folder, exist_ok=True)  # type: ignore[arg-type]
             dmap = resolve_device_map(
-                device_map, module, max_memory=max_memory, no_split=no_split_module_classes
+                device_map,
+                module,
+                max_memory=max_memory,
+                no_split=no_split_module_classes,
+                disk=disk,
             )
         tp = layout_for(tp_plan, module, process_group) if tp_plan is not None else None
         placement = Placement(
@@ -199,8 +212,10 @@ def load(
         resolve_duplicates(groups)
 
     with clock.phase("finish"):
-        swap_in(module, groups, report)
-        if dmap is not None:
+        swap_in(module, groups, report, offloaded=offloaded_names(groups))
+        if dmap is not None and dmap.has_disk:
+            dispatch_offloaded(module, dmap, groups, ckpt)
+        elif dmap is not None:
             dispatch(module, dmap)
         if tp is not None:
             _finish_tensor_parallel(module, tp, process_group, report)
@@ -222,7 +237,9 @@ def load(
     modes = "+".join(dict.fromkeys(f.mode for f in ckpt.files))
     report.read_mode = modes if mmap == "copy" else f"{modes}+shared-mmap"
     report.files = [str(f) for f in location.files]
-    report.device = str(target_device) if dmap is None else ", ".join(map(str, dmap.devices))
+    report.device = (
+        str(target_device) if dmap is None else ", ".join(dict.fromkeys(dmap.as_strings().values()))
+    )
     report.device_map = None if dmap is None else dmap.as_strings()
     report.dtype = "auto" if want is None else str(want).removeprefix("torch.")
     report.model_class = type(module).__name__
@@ -338,6 +355,14 @@ def _allocate(
                     if stored.file not in mappings:
                         mappings[stored.file] = SharedMapping(shared.files[stored.file])
                     tensor = mappings[stored.file].view(stored.name, dest.dtype)
+                if dest.device == DISK:  # stays in the file; read when its module runs
+                    if report is not None:
+                        report.bytes_read -= source_bytes(stored, dest)
+                        report.bytes_offloaded += source_bytes(stored, dest)
+                        report.tensors_loaded -= 1
+                    if i == 0:
+                        group.dest = dest
+                    continue
                 if tensor is None:
                     shape = selected_shape(stored.shape, dest.selection)
                     tensor = torch.empty(shape, dtype=dest.dtype, device=dest.device)
@@ -352,6 +377,8 @@ def _allocate(
                     group.extra.append((slot, tensor))
             continue
         dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
+        if dest.device == DISK:  # not in the file: kept in memory, served to the offload hooks
+            dest = Destination(torch.device("cpu"), dest.dtype, dest.selection)
         group.dest = dest
         shape = selected_shape(tuple(group.template.shape), dest.selection)
         if group.action == "init":

@@ -48,6 +48,8 @@ class LoadReport:
     bytes_written: int = 0
     #: bytes served as views of a shared copy-on-write mapping (``mmap="shared"``), not copied
     bytes_shared: int = 0
+    #: bytes offloaded to disk (device_map "disk"): left in the checkpoint file, read on use
+    bytes_offloaded: int = 0
     #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
     #: 0 when nothing was staged)
     staging_bytes: int = 0
@@ -100,6 +102,11 @@ class LoadReport:
             *(
                 [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
                 if self.staging_bytes
+                else []
+            ),
+            *(
+                [f"  offloaded to disk (read when used): {format_bytes(self.bytes_offloaded)}"]
+                if self.bytes_offloaded
                 else []
             ),
             *(
