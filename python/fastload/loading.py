@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -59,9 +58,6 @@ from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import tensor_slots
 
 logger = logging.getLogger("fastload")
-
-#: loads above this size show a progress bar even when stderr is not a terminal
-PROGRESS_MIN_BYTES = 64 << 20
 
 __all__ = ["Destination", "Placement", "Target", "load", "plain_target", "selected_shape"]
 
@@ -406,16 +402,6 @@ def _allocate(
     return by_file
 
 
-def _show_progress(total: int, enabled: bool) -> bool:
-    if not enabled:
-        return False
-    try:
-        tty = sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    return total > PROGRESS_MIN_BYTES or tty
-
-
 def _read(
     ckpt: OpenCheckpoint,
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]],
@@ -425,29 +411,19 @@ def _read(
     pool: StagingPool,
 ) -> int:
     """One copy call per file (all its tensors at once, so the engine parallelises across them);
-    accelerator destinations of every file share ``pool``, released at the end."""
-    from tqdm.auto import tqdm
-
+    the progress bar advances per copied piece (:mod:`fastload.progress`); accelerator
+    destinations of every file share ``pool``, released at the end."""
+    from fastload.progress import byte_progress
     from fastload.reader import fill
 
-    total = sum(b for items in by_file.values() for *_, b in items)
+    total = sum(t.numel() * t.element_size() for items in by_file.values() for _, t, *_ in items)
     written = 0
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="fastload",
-        disable=not _show_progress(total, progress),
-        file=sys.stderr,
-    ) as bar:
+    with byte_progress(total, progress) as counter:
         try:
             for index in sorted(by_file):
                 items = by_file[index]
-                written += fill(
-                    ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads, pool
-                )
-                bar.update(sum(b for *_, b in items))
+                jobs = [(n, t, s) for n, t, s, _ in items]
+                written += fill(ckpt.files[index], jobs, threads, pool, counter)
         finally:
             pool.release()
     return written
