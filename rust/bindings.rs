@@ -111,6 +111,17 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, self.inner.path(), e))
     }
 
+    /// `(name, local)` of the filesystem the file lives on ("ext4", "nfs", "fuse", ... or the
+    /// magic number in hex), or None for an in-memory file. `local` is False for network, cluster
+    /// and FUSE filesystems, where fastload copies instead of mapping by default.
+    fn filesystem(&self, py: Python<'_>) -> PyResult<Option<(String, bool)>> {
+        let fs = self
+            .inner
+            .filesystem()
+            .map_err(|e| to_py(py, self.inner.path(), e))?;
+        Ok(fs.map(|f| (f.name, f.local)))
+    }
+
     /// Tensor names, sorted.
     fn keys(&self) -> Vec<String> {
         self.inner
@@ -266,6 +277,21 @@ fn validate(py: Python<'_>, path: PathBuf) -> PyResult<usize> {
         .map_err(|e| to_py(py, &path, e))
 }
 
+/// Reads the not-yet-cached pages of the file mapping at `[address, address + length)` into it
+/// with parallel `MADV_POPULATE_READ` (see `readahead::populate`); returns the bytes read. An
+/// address range that is not mapped raises `FastloadIOError`, it never crashes.
+#[pyfunction]
+#[pyo3(signature = (address, length, threads = None))]
+fn populate(
+    py: Python<'_>,
+    address: usize,
+    length: usize,
+    threads: Option<usize>,
+) -> PyResult<u64> {
+    py.detach(|| crate::readahead::populate(address, length, threads))
+        .map_err(|e| to_py(py, std::path::Path::new("<mapping>"), e))
+}
+
 /// `{dtype name: bits}` for every safetensors dtype.
 #[pyfunction]
 fn dtype_bits() -> HashMap<&'static str, usize> {
@@ -285,6 +311,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(populate, m)?)?;
     m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
     m.add("CHUNK", copy::CHUNK)?;
     Ok(())

@@ -202,6 +202,19 @@ impl SafetensorsFile {
     }
 }
 
+impl SafetensorsFile {
+    /// The filesystem the file lives on (`None` for a file held in memory): decides whether
+    /// views of a mapping are the default (local filesystems) or private copies (network/FUSE).
+    pub fn filesystem(&self) -> Result<Option<crate::readahead::Filesystem>> {
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => {
+                crate::readahead::filesystem_of(f).map(Some)
+            }
+            Backing::Memory(_) => Ok(None),
+        }
+    }
+}
+
 /// `pread` until `dst` is full; a short file is [`Error::FileShrunk`], not a partial result.
 fn read_exact_at(
     file: &File,

@@ -44,6 +44,7 @@ from fastload.errors import CheckpointError, FastloadError, RequestError, Unsupp
 from fastload.pickle_file import is_pickle
 from fastload.report import LoadReport
 from fastload.saving import TIED_KEY
+from fastload.sharing import check_mmap_mode
 from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
 from fastload.tying import Slot, group_slots, tensor_slots
@@ -241,7 +242,7 @@ def from_pretrained(
     progress: bool = True,
     gradient_checkpointing: bool = False,
     read_mode: str = "pread",
-    mmap: str = "copy",
+    mmap: str = "auto",
     threads: int | None = None,
     config: Any = None,
     device_map: DeviceMapArg | None = None,
@@ -281,11 +282,15 @@ def from_pretrained(
         gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
             train mode (otherwise it is in eval mode).
         read_mode: ``"pread"`` (default, no page faults) or ``"mmap"``.
-        mmap: ``"copy"`` (default): every tensor is a private copy. ``"shared"``: CPU tensors whose
-            stored dtype is the wanted one become views of a copy-on-write mapping of the file, so
-            processes loading the same checkpoint share one physical copy through the page cache
-            (see :mod:`fastload.sharing` for the SIGBUS hazard of files changed in place).
-            Safetensors files only: with a pickle checkpoint it is a ``RequestError``.
+        mmap: ``"auto"`` (default): on a local filesystem, CPU tensors whose stored dtype is the
+            wanted one become views of a copy-on-write mapping of the file (no copy; processes
+            loading the same checkpoint share one physical copy through the page cache); on
+            network and FUSE filesystems, and for pickle files, every tensor is a private copy.
+            ``"shared"``: views on any filesystem (safetensors files only: with a pickle
+            checkpoint it is a ``RequestError``). ``"copy"``: every tensor is a private copy.
+            Tensors that are converted, go to an accelerator or are sharded are always copies.
+            The report's ``sharing`` says which way each file went; see :mod:`fastload.sharing`
+            for the rule and the SIGBUS hazard of files changed in place.
         threads: copy threads (default: the engine's choice).
         config: a transformers config (or a path to one) to build the model from.
         device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
@@ -319,8 +324,7 @@ def from_pretrained(
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
     target_device = torch.device(device)
     want = _requested_dtype(dtype)
-    if mmap not in ("copy", "shared"):
-        raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
+    check_mmap_mode(mmap)
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
 
     with clock.phase("resolve"):
@@ -364,7 +368,7 @@ def from_pretrained(
         )
 
     with clock.phase("allocate"):
-        by_file = _allocate(groups, placement, ckpt if mmap == "shared" else None, report)
+        by_file = _allocate(groups, placement, ckpt, report, mmap)
 
     with clock.phase("read"):
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress)
@@ -389,7 +393,7 @@ def from_pretrained(
     report.seconds = dict(clock.seconds)
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
     modes = "+".join(dict.fromkeys(f.mode for f in ckpt.files))
-    report.read_mode = modes if mmap == "copy" else f"{modes}+shared-mmap"
+    report.read_mode = f"{modes}+shared-mmap" if report.bytes_shared else modes
     report.files = [str(f) for f in location.files]
     report.device = str(target_device) if dmap is None else ", ".join(map(str, dmap.devices))
     report.device_map = None if dmap is None else dmap.as_strings()
@@ -813,15 +817,18 @@ def _allocate(
     placement: Placement,
     shared: OpenCheckpoint | None = None,
     report: LoadReport | None = None,
+    mmap: str = "shared",
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
     (tensor name, destination, selection, source bytes).
 
-    With ``shared`` (``mmap="shared"``), a whole CPU tensor stored in its wanted dtype is a view
-    of a copy-on-write mapping of its file instead, and needs no copy."""
-    from fastload.sharing import SharedMapping
+    With ``shared``, a whole CPU tensor stored in its wanted dtype in a file that ``mmap`` lets
+    be mapped (:func:`~fastload.sharing.file_sharing`) is a view of a copy-on-write mapping of its
+    file instead, and needs no copy; the views' uncached pages are then read ahead."""
+    from fastload.sharing import SharedMapping, file_sharing
 
     mappings: dict[int, SharedMapping] = {}
+    sharing = {i: file_sharing(f, mmap) for i, f in enumerate(shared.files)} if shared else {}
     viewed: set[str] = set()  # an untied alias of a stored tensor gets a copy, not a second view
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]] = {}
     for group in groups:
@@ -834,6 +841,7 @@ def _allocate(
                     and dest.device.type == "cpu"
                     and dest.selection is None
                     and stored.name not in viewed
+                    and sharing[stored.file][0]
                 ):
                     viewed.add(stored.name)
                     if stored.file not in mappings:
@@ -870,7 +878,24 @@ def _allocate(
             t = t.narrow(dim, start, stop - start)
         if t is not group.template or t.device != dest.device or t.dtype != dest.dtype:
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
+    for mapping in mappings.values():
+        mapping.prefetch()
+    if report is not None and shared is not None:
+        report.sharing = {
+            f.path: _sharing_line(why, mappings.get(i), len(by_file.get(i, ())))
+            for i, (f, (_, why)) in enumerate(zip(shared.files, sharing.values(), strict=True))
+        }
     return by_file
+
+
+def _sharing_line(why: str, mapping: Any, copies: int) -> str:
+    """How one file's tensors were loaded, for the report."""
+    views = mapping.views if mapping is not None else 0
+    if views and copies:
+        return f"{views} views, {copies} copies (converted, sharded or misaligned); {why}"
+    if views or why.startswith("copies"):
+        return why
+    return "copies (converted, sharded, misaligned or not on the CPU)"
 
 
 def _show_progress(total: int, enabled: bool) -> bool:

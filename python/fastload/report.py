@@ -46,8 +46,11 @@ class LoadReport:
     #: replicated tensors), and written into the model's tensors
     bytes_read: int = 0
     bytes_written: int = 0
-    #: bytes served as views of a shared copy-on-write mapping (``mmap="shared"``), not copied
+    #: bytes served as views of a copy-on-write mapping of the file (``mmap="auto"/"shared"``)
     bytes_shared: int = 0
+    #: file path -> how its tensors were loaded: "views of the file mapping (ext4)", "copies
+    #: (nfs is a network or FUSE filesystem)", "copies (mmap='copy')", ... (see fastload.sharing)
+    sharing: dict[str, str] = field(default_factory=dict)
     tensors_loaded: int = 0
     #: wall-clock seconds per phase, in order
     seconds: dict[str, float] = field(default_factory=dict)
@@ -76,6 +79,16 @@ class LoadReport:
             "error_msgs": [],
         }
 
+    def _sharing_lines(self) -> list[str]:
+        if len(self.sharing) == 1:
+            return [f"  tensors: {how}" for how in self.sharing.values()]
+        if len(self.sharing) <= 3:
+            return [f"  {path}: {how}" for path, how in self.sharing.items()]
+        counts: dict[str, int] = {}
+        for how in self.sharing.values():
+            counts[how] = counts.get(how, 0) + 1
+        return [f"  {n} files: {how}" for how, n in counts.items()]
+
     def summary(self, limit: int = 10) -> str:
         """A readable multi-line summary; at most ``limit`` names per list."""
         rate = self.bytes_read / self.total_seconds / 2**20 if self.total_seconds > 0 else 0.0
@@ -94,6 +107,7 @@ class LoadReport:
                 if self.bytes_shared
                 else []
             ),
+            *self._sharing_lines(),
             *(
                 [f"  tensor parallel: rank {self.rank} of {self.world_size} (bytes read: its own)"]
                 if self.world_size > 1
