@@ -122,6 +122,23 @@ impl PySafetensorsFile {
         Ok(fs.map(|f| (f.name, f.local)))
     }
 
+    /// Reads the not-yet-cached pages of `[address, address + length)`, a mapping of this file
+    /// whose byte `offset` is at `address`, with parallel `MADV_POPULATE_READ`; returns the bytes
+    /// read. A range that is not mapped raises `FastloadIOError`, it never crashes.
+    #[pyo3(signature = (address, offset, length, threads = None))]
+    fn read_ahead(
+        &self,
+        py: Python<'_>,
+        address: usize,
+        offset: u64,
+        length: usize,
+        threads: Option<usize>,
+    ) -> PyResult<u64> {
+        let file = &*self.inner;
+        py.detach(|| file.read_ahead(address, offset, length, threads))
+            .map_err(|e| to_py(py, file.path(), e))
+    }
+
     /// Tensor names, sorted.
     fn keys(&self) -> Vec<String> {
         self.inner
@@ -277,21 +294,6 @@ fn validate(py: Python<'_>, path: PathBuf) -> PyResult<usize> {
         .map_err(|e| to_py(py, &path, e))
 }
 
-/// Reads the not-yet-cached pages of the file mapping at `[address, address + length)` into it
-/// with parallel `MADV_POPULATE_READ` (see `readahead::populate`); returns the bytes read. An
-/// address range that is not mapped raises `FastloadIOError`, it never crashes.
-#[pyfunction]
-#[pyo3(signature = (address, length, threads = None))]
-fn populate(
-    py: Python<'_>,
-    address: usize,
-    length: usize,
-    threads: Option<usize>,
-) -> PyResult<u64> {
-    py.detach(|| crate::readahead::populate(address, length, threads))
-        .map_err(|e| to_py(py, std::path::Path::new("<mapping>"), e))
-}
-
 /// `{dtype name: bits}` for every safetensors dtype.
 #[pyfunction]
 fn dtype_bits() -> HashMap<&'static str, usize> {
@@ -311,7 +313,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;
-    m.add_function(wrap_pyfunction!(populate, m)?)?;
     m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
     m.add("CHUNK", copy::CHUNK)?;
     Ok(())

@@ -95,15 +95,23 @@ pub const READAHEAD_CHUNK: usize = 32 << 20;
 /// cores; eight keeps a local NVMe or virtio disk's queue full.
 pub const READAHEAD_THREADS: usize = 8;
 
-/// Faults in the pages of `[addr, addr + len)`, a file mapping, that are not in the page cache
-/// yet, with parallel `madvise(MADV_POPULATE_READ)` over [`READAHEAD_CHUNK`] pieces; returns the
-/// bytes it had to read. Resident pieces are left alone (faulting them later costs no I/O, and
-/// the first access maps them faster than populating would).
+/// Faults in the pages of `[addr, addr + len)`, a mapping of `file` whose byte `offset` is at
+/// `addr`, that are not in the page cache yet, with parallel `madvise(MADV_POPULATE_READ)` over
+/// [`READAHEAD_CHUNK`] pieces; returns the bytes of the pieces it read. Cached pieces are left
+/// alone (faulting them later costs no I/O, and the first access maps them faster than populating
+/// would). Which pieces are cached comes from `cachestat(2)` on `file` (Linux 6.5+, a fraction of
+/// a millisecond per GiB), else from `mincore(2)` on the mapping (~50 ms per GiB).
 ///
 /// Never dereferences the range: a range that is not mapped is an error from the kernel, not a
 /// crash. Kernels without `MADV_POPULATE_READ` (before 5.14) skip the read-ahead and return 0.
 /// A file truncated under the mapping is [`Error::FileShrunk`]-like: the kernel answers EFAULT.
-pub fn populate(addr: usize, len: usize, threads: Option<usize>) -> Result<u64> {
+pub fn populate(
+    file: Option<&File>,
+    addr: usize,
+    offset: u64,
+    len: usize,
+    threads: Option<usize>,
+) -> Result<u64> {
     #[cfg(target_os = "linux")]
     {
         const PAGE: usize = 4096;
@@ -115,7 +123,16 @@ pub fn populate(addr: usize, len: usize, threads: Option<usize>) -> Result<u64> 
         let pieces: Vec<(usize, usize)> = (start..end)
             .step_by(READAHEAD_CHUNK)
             .map(|s| (s, READAHEAD_CHUNK.min(end - s)))
-            .filter(|&(s, l)| !resident(s, l).unwrap_or(false))
+            .filter(|&(s, l)| {
+                // The file offset of address s: the mapping is linear from (addr, offset).
+                let at = (s as u64).wrapping_sub(addr as u64).wrapping_add(offset);
+                let cached = file.and_then(|f| cached_pages(f, at, l as u64));
+                let cached = match cached {
+                    Some(pages) => pages >= (l as u64).div_ceil(PAGE as u64),
+                    None => resident(s, l).unwrap_or(false),
+                };
+                !cached
+            })
             .collect();
         if pieces.is_empty() {
             return Ok(0);
@@ -146,9 +163,45 @@ pub fn populate(addr: usize, len: usize, threads: Option<usize>) -> Result<u64> 
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = (addr, len, threads);
+        let _ = (file, addr, offset, len, threads);
         Ok(0)
     }
+}
+
+/// Pages of `file`'s `[offset, offset + len)` in the page cache, from `cachestat(2)`; `None` where
+/// the kernel lacks it (before 6.5) or refuses.
+#[cfg(target_os = "linux")]
+fn cached_pages(file: &File, offset: u64, len: u64) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        cache: u64,
+        dirty: u64,
+        writeback: u64,
+        evicted: u64,
+        recently_evicted: u64,
+    }
+    // The syscall number is 451 on every architecture (it postdates the unified table).
+    const SYS_CACHESTAT: libc::c_long = 451;
+    let range = Range { off: offset, len };
+    let mut stat = Stat::default();
+    // SAFETY: cachestat reads `range` and writes one `Stat`, both live for the call.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            file.as_raw_fd(),
+            &range as *const Range,
+            &mut stat as *mut Stat,
+            0,
+        )
+    };
+    (rc == 0).then_some(stat.cache)
 }
 
 /// Whether every page of `[addr, addr + len)` (page-aligned) is in memory, from `mincore(2)`.
@@ -188,7 +241,7 @@ mod tests {
         let f = File::open(&path).unwrap();
         // SAFETY: the file is private to this test and not modified while mapped.
         let map = unsafe { memmap2::Mmap::map(&f).unwrap() };
-        let read = populate(map.as_ptr() as usize, map.len(), Some(4)).unwrap();
+        let read = populate(Some(&f), map.as_ptr() as usize, 0, map.len(), Some(4)).unwrap();
         assert!(read <= map.len().div_ceil(4096) as u64 * 4096);
         assert!(resident(map.as_ptr() as usize, map.len()).unwrap());
         assert_eq!(&map[..], &bytes[..]);
@@ -197,8 +250,20 @@ mod tests {
     }
 
     #[test]
+    fn the_page_cache_count_of_a_file_just_read_covers_it() {
+        let path = std::env::temp_dir().join(format!("fastload-cs-{}", std::process::id()));
+        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+        let _ = std::fs::read(&path).unwrap();
+        let f = File::open(&path).unwrap();
+        if let Some(pages) = cached_pages(&f, 0, 1 << 20) {
+            assert_eq!(pages, 256);
+        }
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
     fn populating_an_unmapped_range_is_an_error_not_a_crash() {
         // Page 0 is never mapped in a Linux process.
-        assert!(populate(0, 4096, Some(1)).is_err());
+        assert!(populate(None, 0, 0, 4096, Some(1)).is_err());
     }
 }

@@ -197,11 +197,11 @@ def test_a_file_reports_the_local_filesystem_it_is_on(checkpoint):
     assert local and name
 
 
-def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash():
-    from fastload import _core
+def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash(checkpoint):
+    from fastload.reader import open_file
 
     with pytest.raises(fastload.FastloadIOError):
-        _core.populate(0, 4096)
+        open_file(checkpoint).read_ahead(0, 0, 4096)
 
 
 def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_path):

@@ -115,10 +115,10 @@ class SharedMapping:
         read = 0
         try:
             for start, stop in _merged(self._viewed):
-                read += _core.populate(base + start, stop - start, threads)
+                read += self.file.read_ahead(base + start, start, stop - start, threads)
         except FastloadIOError as e:
             self._check_same_file()  # a file cut short under the mapping says so
-            raise FastloadIOError(f"{self.path}: reading ahead the mapped file failed: {e}") from e
+            raise FastloadIOError(f"reading ahead the mapped file failed: {e}") from e
         return read
 
 
