@@ -200,8 +200,11 @@ def test_a_file_reports_the_local_filesystem_it_is_on(checkpoint):
 def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash(checkpoint):
     from fastload.reader import open_file
 
+    opened = open_file(checkpoint)
+    # An offset past the end is never cached, so the address range (page 0, never mapped in a
+    # Linux process) is populated, and the kernel refuses.
     with pytest.raises(fastload.FastloadIOError):
-        open_file(checkpoint).read_ahead(0, 0, 4096)
+        opened.read_ahead(0, opened.file_size + (1 << 20), 4096)
 
 
 def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_path):
@@ -223,3 +226,13 @@ def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_pa
     copies = fastload.load_file(local)
     for name, view in views.items():
         assert torch.equal(view, copies[name]), name
+
+
+def test_no_read_ahead_when_the_views_exceed_half_the_available_memory(checkpoint, monkeypatch):
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping
+
+    monkeypatch.setattr("fastload.sharing._available_bytes", lambda: 1 << 20)
+    mapping = SharedMapping(open_file(checkpoint))
+    mapping.view("layers.0.weight", torch.float32)
+    assert mapping.prefetch() == 0

@@ -193,9 +193,40 @@ def run(
             }
     stem = f"llama-{size_gib:g}GiB"
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(table(results))
     plot(results, out / f"{stem}.png")
-    print(f"[bench] wrote {out / stem}.json and .png")
+    print(table(results))
+    print(f"[bench] wrote {out / stem}.json, .md and .png")
     return results
+
+
+def table(results: dict[str, Any]) -> str:
+    """The results as a markdown table: per mode and dtype, seconds, x floor, x fastest peer and
+    peak RSS above the bytes the loader produces."""
+    lines = [
+        f"{results['size_gib']:g} GiB, median of {results['repeats']}: seconds "
+        "(x its mode's floor, x the fastest peer), peak RSS above the bytes produced (MiB)",
+        "",
+    ]
+    columns = [(m, d) for m, by in results["results"].items() for d in by]
+    lines.append("| loader | " + " | ".join(f"{m} {d}" for m, d in columns) + " |")
+    lines.append("| --- |" + " --- |" * len(columns))
+    names = list(dict.fromkeys(n for m, d in columns for n in results["results"][m][d]["loaders"]))
+    for name in names:
+        cells = []
+        for m, d in columns:
+            row = results["results"][m][d]["loaders"].get(name)
+            if row is None:
+                cells.append("")
+                continue
+            ratios = f"{row['x_floor']:.2f}x" if "x_floor" in row else ""
+            if "x_fastest_peer" in row:
+                ratios += f", {row['x_fastest_peer']:.2f}x"
+            cells.append(
+                f"{row['median_seconds']:.3f} ({ratios}) {row['peak_rss_minus_produced_mib']:+.0f}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _summarize(rows: dict[str, Any], mode: str, nbytes: int) -> None:

@@ -110,16 +110,34 @@ class SharedMapping:
     def prefetch(self, threads: int | None = None) -> int:
         """Reads the pages of the views handed out that are not in the page cache yet, with
         parallel read-ahead (the disk's bandwidth, not one fault at a time on first use); returns
-        the bytes read. Cached pages are left to be mapped on first access, which is cheaper."""
+        the bytes read. Cached pages are left to be mapped on first access, which is cheaper.
+
+        Skipped when the views take more than half the memory available: pages read ahead would
+        then evict each other before their first use, and reading on first use is better."""
+        spans = _merged(self._viewed)
+        if sum(stop - start for start, stop in spans) > _available_bytes() // 2:
+            return 0
         base = self.storage.data_ptr()
         read = 0
         try:
-            for start, stop in _merged(self._viewed):
+            for start, stop in spans:
                 read += self.file.read_ahead(base + start, start, stop - start, threads)
         except FastloadIOError as e:
             self._check_same_file()  # a file cut short under the mapping says so
             raise FastloadIOError(f"reading ahead the mapped file failed: {e}") from e
         return read
+
+
+def _available_bytes() -> int:
+    """``MemAvailable`` (free memory plus reclaimable page cache); unbounded where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
