@@ -75,7 +75,8 @@ def test_bert_model_checkpoint_loads_into_masked_lm_with_pooler_authorized(bert_
             assert torch.equal(model.get_parameter(f"bert.{name}"), param), name
     assert sorted(report.authorized_unexpected) == ["pooler.dense.bias", "pooler.dense.weight"]
     assert report.unexpected == []
-    assert fastload_warnings(caplog) == []
+    # the head the checkpoint lacks is reported (initialized); the pooler is not
+    assert not any("pooler" in m for m in fastload_warnings(caplog))
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
     assert model.cls.predictions.decoder.bias is model.cls.predictions.bias
 

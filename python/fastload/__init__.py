@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "load_file": "fastload.reader",
     "safe_open": "fastload.reader",
     "SafeOpen": "fastload.reader",
-    "from_pretrained": "fastload.loading",
+    "from_pretrained": "fastload.api",
     "LoadReport": "fastload.report",
     "gradient_checkpointing_enable": "fastload.checkpointing",
     "gradient_checkpointing_disable": "fastload.checkpointing",
@@ -34,6 +34,8 @@ _EXPORTS: dict[str, str] = {
     "unused_parameters": "fastload.training",
     "save_pretrained": "fastload.saving",
     "save_file": "fastload.saving",
+    "patch_transformers": "fastload.hf.patch",
+    "unpatch_transformers": "fastload.hf.patch",
 }
 
 __all__ = [
@@ -62,14 +64,21 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
+    from fastload.api import from_pretrained as from_pretrained
     from fastload.checkpointing import (
-        gradient_checkpointing_disable,
-        gradient_checkpointing_enable,
-        is_gradient_checkpointing,
+        gradient_checkpointing_disable as gradient_checkpointing_disable,
     )
-    from fastload.loading import from_pretrained
-    from fastload.reader import SafeOpen, load_file, safe_open
-    from fastload.report import LoadReport
-    from fastload.saving import save_file, save_pretrained
-    from fastload.training import unused_parameters
+    from fastload.checkpointing import (
+        gradient_checkpointing_enable as gradient_checkpointing_enable,
+    )
+    from fastload.checkpointing import is_gradient_checkpointing as is_gradient_checkpointing
+    from fastload.hf.patch import patch_transformers as patch_transformers
+    from fastload.hf.patch import unpatch_transformers as unpatch_transformers
+    from fastload.reader import SafeOpen as SafeOpen
+    from fastload.reader import load_file as load_file
+    from fastload.reader import safe_open as safe_open
+    from fastload.report import LoadReport as LoadReport
+    from fastload.saving import save_file as save_file
+    from fastload.saving import save_pretrained as save_pretrained
+    from fastload.training import unused_parameters as unused_parameters

@@ -238,24 +238,39 @@ def _available_ram() -> int | None:
         return None
 
 
+#: device_map modes planned by accelerate's planner (when accelerate is installed)
+ACCELERATE_MODES = ("balanced", "balanced_low_0", "sequential")
+
+
 def resolve_device_map(
     device_map: DeviceMapArg,
     model: nn.Module,
     *,
     max_memory: Mapping[DeviceLike, int | str] | None = None,
     itemsize: Mapping[str, int] | None = None,
+    no_split: Iterable[str] | None = None,
 ) -> DeviceMap:
     """Checks ``device_map`` against ``model`` (whose tensors may be on meta).
 
+    ``"auto"`` is planned by :func:`plan_auto`; ``"balanced"``, ``"balanced_low_0"`` and
+    ``"sequential"`` by accelerate's planner (``infer_auto_device_map``, with
+    ``get_balanced_memory`` for the balanced modes), as transformers does. ``no_split`` names the
+    module classes kept whole on one device (default: the model's ``_no_split_modules``).
     Raises ``RequestError`` for an unknown device, a prefix that names nothing in the model, a
     tensor no prefix covers, or an "auto" plan that does not fit; ``UnsupportedError`` for
-    ``"disk"``.
+    ``"disk"``, or an accelerate mode without accelerate installed.
     """
-    if max_memory is not None and not (isinstance(device_map, str) and device_map == "auto"):
-        raise RequestError("max_memory only applies to device_map='auto'")
+    planned = isinstance(device_map, str) and device_map in ("auto", *ACCELERATE_MODES)
+    if max_memory is not None and not planned:
+        raise RequestError(
+            f"max_memory only applies to device_map='auto' or one of {ACCELERATE_MODES}"
+        )
+    if isinstance(device_map, str) and device_map in ACCELERATE_MODES:
+        return _accelerate_plan(device_map, model, max_memory, no_split)
     if isinstance(device_map, str) and device_map == "auto":
         sizes = tensor_sizes(model, itemsize)
-        plan = plan_auto(sizes, no_split_names(model), default_budgets(max_memory))
+        blocks = no_split_names(model, None if no_split is None else list(no_split))
+        plan = plan_auto(sizes, blocks, default_budgets(max_memory))
         resolved = DeviceMap({k: torch.device(v) for k, v in plan.items()})
         logger.info("device_map='auto': %s", resolved.as_strings())
         return resolved
@@ -276,6 +291,53 @@ def resolve_device_map(
         f"device_map must be 'auto', a device or a dict of module name -> device; "
         f"got {device_map!r}"
     )
+
+
+def _accelerate_plan(
+    mode: str,
+    model: nn.Module,
+    max_memory: Mapping[DeviceLike, int | str] | None,
+    no_split: Iterable[str] | None,
+) -> DeviceMap:
+    try:
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+    except ImportError:
+        raise UnsupportedError(
+            f"device_map={mode!r} is planned by accelerate, which is not installed "
+            "(pip install accelerate); device_map='auto' uses fastload's own planner"
+        ) from None
+    classes = list(no_split) if no_split is not None else _no_split_classes(model)
+    budgets: dict[int | str, int | str] | None = None
+    if max_memory is not None:
+        # accelerate names CUDA devices by index
+        budgets = {}
+        for device, size in max_memory.items():
+            dev = parse_device(device, where="max_memory")
+            key: int | str = (dev.index or 0) if dev.type == "cuda" else dev.type
+            budgets[key] = size
+    if mode != "sequential":
+        budgets = get_balanced_memory(
+            model,
+            max_memory=budgets,
+            no_split_module_classes=classes,
+            low_zero=mode == "balanced_low_0",
+        )
+    plan = infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=classes)
+    if any(str(d) == "disk" for d in plan.values()):
+        raise UnsupportedError(
+            f"device_map={mode!r}: the model does not fit in the GPUs and the CPU memory, and "
+            "fastload does not offload to disk; give more memory with max_memory"
+        )
+    resolved = DeviceMap({k: parse_device(v) for k, v in plan.items()})
+    logger.info("device_map=%r (accelerate): %s", mode, resolved.as_strings())
+    return resolved
+
+
+def _no_split_classes(model: nn.Module) -> list[str]:
+    found: set[str] = set()
+    for module in model.modules():
+        found.update(getattr(module, "_no_split_modules", None) or ())
+    return sorted(found)
 
 
 def _check_covers(device_map: DeviceMap, model: nn.Module) -> None:

@@ -1,195 +1,103 @@
-"""``fastload.from_pretrained``: a model built on the meta device, filled from safetensors files.
+"""The core load pipeline: a checkpoint into any ``nn.Module``, read top to bottom in :func:`load`.
 
 The load runs in phases, each timed in the :class:`~fastload.report.LoadReport`:
 
-1. **resolve** the checkpoint (one file, a directory, or a sharded index) and read every header;
+1. **resolve** the checkpoint (one file, a directory, a sharded index, or an in-memory state
+   dict) and read every header (:mod:`fastload.checkpoint`);
 2. build the **skeleton**: parameters on ``meta``, buffers real (:mod:`fastload.skeleton`);
 3. **plan**: map checkpoint names onto model names and apply the key policies
-   (:mod:`fastload.keys`); decide each tensor's :class:`Destination` (:class:`Placement`);
+   (:mod:`fastload.planning`); decide each tensor's destination (:mod:`fastload.placement`);
 4. **allocate** every destination once, on its final device and dtype;
 5. **read**: one Rust ``copy_into`` per file fills all of that file's destinations in parallel;
-6. **finish**: swap the new tensors into the model (every member of a tie group gets the same
-   Parameter), initialize what the checkpoint lacks, check nothing is left on ``meta``.
+6. **finish**: swap the new tensors into the model and initialize what the checkpoint lacks
+   (:mod:`fastload.finishing`), then dispatch, tensor-parallel wrapping, the model family's own
+   finishing (:mod:`fastload.hooks`), and the train/eval mode.
 
 Nothing in the model changes before every copy has succeeded, and a failure while swapping or
 initializing puts the original tensors back, so a module passed in is never left half-loaded by a
-bad checkpoint. The steps after that (transformers' own finishing, device-map dispatch,
-tensor-parallel wrapping, enabling gradient checkpointing) are not rolled back if they fail.
+bad checkpoint. The steps after that are not rolled back if they fail.
+
+This module knows torch modules only. :func:`fastload.from_pretrained` (:mod:`fastload.api`) is
+the public entry: it sends Hugging Face model ids, transformers classes and options through
+:mod:`fastload.hf`, which resolves them and then calls :func:`load`.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from fastload import keys as keymod
-from fastload.checkpoint import OpenCheckpoint, StoredTensor, open_checkpoint, resolve
-from fastload.device_map import DeviceMap, DeviceMapArg, dispatch, resolve_device_map
+from fastload.checkpoint import (
+    OpenCheckpoint,
+)
+from fastload.device_map import DeviceMapArg, dispatch, resolve_device_map
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
-from fastload.errors import CheckpointError, FastloadError, RequestError, UnsupportedError
-from fastload.pickle_file import is_pickle
+from fastload.errors import RequestError, UnsupportedError
+from fastload.finishing import resolve_duplicates, swap_in
+from fastload.hooks import ModelHooks, hooks_for
+from fastload.pickle_file import StateDictFile
+from fastload.placement import Destination, Placement, Selection, selected_shape
+from fastload.planning import Group, plan, source_bytes
 from fastload.report import LoadReport
-from fastload.saving import TIED_KEY
 from fastload.sharing import check_mmap_mode
-from fastload.skeleton import build_skeleton, initialize, is_transformers_model, mark_initialized
+from fastload.skeleton import build_skeleton
+from fastload.source import open_source
+from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
-from fastload.tying import Slot, group_slots, tensor_slots
+from fastload.tying import tensor_slots
 
 logger = logging.getLogger("fastload")
 
 #: loads above this size show a progress bar even when stderr is not a terminal
 PROGRESS_MIN_BYTES = 64 << 20
 
-Selection = list[int] | None
-
-
-# --------------------------------------------------------------------------------------------
-# Where each tensor goes: the one place that decides it.
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Destination:
-    """Where one model tensor is allocated, and which part of the stored tensor fills it.
-
-    ``selection`` is what the copy engine takes: ``None`` (the whole tensor), ``[start, stop]``
-    (flat elements) or ``[dim, start, stop]`` (a slice along ``dim``, e.g. a tensor-parallel shard).
-    """
-
-    device: torch.device
-    dtype: torch.dtype
-    selection: Selection = None
-
-
-def selected_shape(shape: tuple[int, ...], selection: Selection) -> tuple[int, ...]:
-    """The shape of the part of a ``shape``-d tensor that ``selection`` takes."""
-    if selection is None:
-        return tuple(shape)
-    if len(selection) == 2:
-        return (selection[1] - selection[0],)
-    dim, start, stop = selection
-    out = list(shape)
-    out[dim] = stop - start
-    return tuple(out)
-
-
-class Placement:
-    """Decides the :class:`Destination` of every model tensor.
-
-    This is the single place where device, dtype and the selected part of a stored tensor are
-    chosen; per-tensor placement (a device map), tensor-parallel slicing and zero-copy modes belong
-    here. Rules:
-
-    * device: ``device`` for every tensor, or with a ``device_map`` the device of the longest
-      module prefix containing its name (:mod:`fastload.device_map`);
-    * selection: with a tensor-parallel layout ``tp``, the rows or columns this rank owns of a
-      parameter the plan shards, taken from the model's full shape
-      (:mod:`fastload.tensor_parallel`);
-    * dtype ``"auto"`` (``dtype=None`` here): the stored dtype for loaded tensors, the model's for
-      the others;
-    * an explicit floating ``dtype``: loaded floating tensors are converted to it during the copy,
-      except where the model decides otherwise: names matching ``keep_fp32`` (transformers'
-      ``_keep_in_fp32_modules``) become float32, and when fastload built the skeleton under that
-      dtype (``skeleton_dtypes=True``) a float tensor the model created in another dtype keeps it
-      (what transformers does). Tensors stored in a type the copy engine cannot convert (integers,
-      float8...) keep the stored type; buffers that are not loaded keep theirs.
-    """
-
-    def __init__(
-        self,
-        *,
-        device: torch.device,
-        dtype: torch.dtype | None,
-        keep_fp32: Any | None = None,
-        skeleton_dtypes: bool = False,
-        device_map: DeviceMap | None = None,
-        tp: TPLayout | None = None,
-    ) -> None:
-        self.device = device
-        self.dtype = dtype
-        self.keep_fp32 = keep_fp32  # compiled regex (search) or None
-        self.skeleton_dtypes = skeleton_dtypes
-        self.device_map = device_map
-        self.tp = tp
-
-    def destination(
-        self,
-        name: str,
-        template: torch.Tensor,
-        stored: StoredTensor | None,
-        *,
-        is_buffer: bool,
-    ) -> Destination:
-        """The destination of model tensor ``name`` (``template`` is the tensor the model holds
-        now, possibly on meta; ``stored`` is the checkpoint tensor that fills it, if any)."""
-        device = self.device if self.device_map is None else self.device_map.device_of(name)
-        selection = None
-        if self.tp is not None and not is_buffer:
-            selection = self.tp.selection(name, tuple(template.shape))
-        return Destination(device, self._dtype(name, template, stored, is_buffer), selection)
-
-    def _dtype(
-        self, name: str, template: torch.Tensor, stored: StoredTensor | None, is_buffer: bool
-    ) -> torch.dtype:
-        if stored is not None and stored.st_dtype not in CONVERTIBLE:
-            return stored.dtype
-        base = stored.dtype if stored is not None else template.dtype
-        if self.dtype is None or not base.is_floating_point:
-            return base
-        if self.keep_fp32 is not None and self.keep_fp32.search(name) is not None:
-            return torch.float32
-        if stored is None and (is_buffer or self.skeleton_dtypes):
-            return template.dtype
-        if self.skeleton_dtypes and to_st(template.dtype) in CONVERTIBLE:
-            return template.dtype
-        return self.dtype
-
-
-# --------------------------------------------------------------------------------------------
-# The load plan.
-# --------------------------------------------------------------------------------------------
+__all__ = ["Destination", "Placement", "Target", "load", "plain_target", "selected_shape"]
 
 
 @dataclass
-class _Group:
-    """All slots holding one tensor (a tie group has several) and what happens to it."""
+class Target:
+    """What a load fills: an already-built ``module`` (loaded in place, its train/eval mode kept)
+    or a ``build`` function that makes the skeleton under a dtype (the model is then fastload's
+    and ends in eval mode)."""
 
-    slots: list[Slot]
-    template: torch.Tensor
-    # loaded members (slot, stored tensor, destination), canonical first
-    sources: list[tuple[Slot, StoredTensor, Destination]] = field(default_factory=list)
-    action: str = "keep"  # "load" | "init" | "keep"
-    dest: Destination | None = None
-    new: torch.Tensor | None = None
-    # further members also present in the checkpoint, loaded to compare with the canonical one
-    extra: list[tuple[Slot, torch.Tensor]] = field(default_factory=list)
-    untied: list[Slot] = field(default_factory=list)
+    module: nn.Module | None = None
+    build: Callable[[torch.dtype | None], nn.Module] | None = None
+    #: the model family's hooks (default: chosen by :func:`fastload.hooks.hooks_for`)
+    hooks: ModelHooks | None = None
 
-    @property
-    def is_buffer(self) -> bool:
-        return self.slots[0].is_buffer
 
-    @property
-    def names(self) -> list[str]:
-        return [s.name for s in self.slots]
+def plain_target(model: Any, config: Any, model_kwargs: dict[str, Any]) -> Target:
+    """The target for an ``nn.Module`` passed in, or any module class or factory (called with
+    ``**model_kwargs``, or ``(config, **model_kwargs)`` when ``config`` is given)."""
+    if isinstance(model, nn.Module):
+        if config is not None or model_kwargs:
+            raise RequestError(
+                "config and model keyword arguments only apply when fastload builds the model; "
+                f"got an already-built {type(model).__name__} (and {sorted(model_kwargs)})"
+            )
+        return Target(module=model)
+    if not callable(model):
+        raise RequestError(
+            "model must be an nn.Module class, a factory, a built module, a model id or "
+            f"directory, or None; got {model!r}"
+        )
+    args = () if config is None else (config,)
 
-    def keyed(self) -> list[str]:
-        """Names that belong in a state dict (parameters and persistent buffers)."""
-        return [s.name for s in self.slots if not s.is_buffer or s.persistent]
+    def build(dtype: torch.dtype | None) -> nn.Module:
+        return build_skeleton(lambda: model(*args, **model_kwargs), dtype=dtype)
+
+    return Target(build=build)
 
 
 class _Clock:
@@ -205,158 +113,76 @@ class _Clock:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
-class _Swap:
-    """Replaces tensors in module slots, and can put every original back."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[dict[str, Any], str, Any]] = []
-
-    def set(self, slot: Slot, value: torch.Tensor) -> None:
-        store = slot.module._buffers if slot.is_buffer else slot.module._parameters
-        self._undo.append((store, slot.attr, store[slot.attr]))
-        store[slot.attr] = value
-
-    def rollback(self) -> None:
-        for store, attr, old in reversed(self._undo):
-            store[attr] = old
-        self._undo.clear()
-
-
-# --------------------------------------------------------------------------------------------
-# from_pretrained
-# --------------------------------------------------------------------------------------------
-
-
-def from_pretrained(
-    model: type[nn.Module] | Callable[..., nn.Module] | nn.Module | None,
-    path: str | os.PathLike[str],
+def load(
+    target: Target,
+    checkpoint: str | os.PathLike[str] | Mapping[str, torch.Tensor],
     *,
     device: str | torch.device = "cpu",
     dtype: str | torch.dtype = "auto",
     strict: bool = False,
-    missing: str = "init",
+    missing: str = "warn",
     unexpected: str = "warn",
     ignore_mismatched_sizes: bool = False,
     key_map: keymod.KeyMap | None = None,
-    output_loading_info: bool = False,
     progress: bool = True,
     gradient_checkpointing: bool = False,
     read_mode: str = "pread",
     mmap: str = "auto",
     threads: int | None = None,
-    config: Any = None,
     device_map: DeviceMapArg | None = None,
     max_memory: dict[Any, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
     tp_plan: str | dict[str, str] | None = None,
     process_group: Any = None,
     allow_pickle: bool = False,
-    **model_kwargs: Any,
-) -> nn.Module | tuple[nn.Module, LoadReport]:
-    """Builds (or takes) a model and loads a safetensors checkpoint into it.
-
-    Args:
-        model: a transformers ``PreTrainedModel`` subclass (built from ``config`` or the
-            ``config.json`` next to the weights), any ``nn.Module`` class or factory (called with
-            ``**model_kwargs``, or ``(config, **model_kwargs)`` when ``config`` is given), an
-            already-built module (loaded in place; left unchanged if loading fails), or ``None`` to
-            use the transformers class named by ``config.json``'s ``architectures``.
-        path: a ``.safetensors`` file, a directory with ``model.safetensors``, or a sharded
-            checkpoint (its directory or its ``model.safetensors.index.json``); with
-            ``allow_pickle``, also a pickle checkpoint (see ``allow_pickle``).
-        device: where every tensor is allocated.
-        dtype: ``"auto"`` keeps each tensor's stored dtype; a floating dtype converts floating
-            tensors during the copy (see :class:`Placement`).
-        strict: makes both ``missing`` and ``unexpected`` ``"error"``.
-        missing: model tensors absent from the checkpoint: ``"error"``, ``"warn"`` (log, then
-            initialize) or ``"init"`` (initialize silently). Initialization is the model's own
-            (``_init_weights`` for transformers models, ``reset_parameters()`` otherwise); a tensor
-            nothing initializes is a ``CheckpointError``. A module passed in keeps the values of
-            parameters it already has.
-        unexpected: checkpoint tensors the model has no place for: ``"error"``, ``"warn"``,
-            ``"ignore"``. Names the model declares as expected are never reported.
-        ignore_mismatched_sizes: re-initialize tensors whose stored shape differs, instead of
-            raising ``CheckpointError``.
-        key_map: renames checkpoint names first: a callable, or ``{regex: replacement}``.
-        output_loading_info: also return the :class:`~fastload.report.LoadReport`.
-        progress: show a progress bar over bytes for large loads or on a terminal.
-        gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
-            train mode (otherwise it is in eval mode).
-        read_mode: ``"pread"`` (default, no page faults) or ``"mmap"``.
-        mmap: ``"auto"`` (default): on a local filesystem, CPU tensors whose stored dtype is the
-            wanted one become views of a copy-on-write mapping of the file (no copy; processes
-            loading the same checkpoint share one physical copy through the page cache); on
-            network and FUSE filesystems, and for pickle files, every tensor is a private copy.
-            ``"shared"``: views on any filesystem (safetensors files only: with a pickle
-            checkpoint it is a ``RequestError``). ``"copy"``: every tensor is a private copy.
-            Tensors that are converted, go to an accelerator or are sharded are always copies.
-            The report's ``sharing`` says which way each file went; see :mod:`fastload.sharing`
-            for the rule and the SIGBUS hazard of files changed in place.
-        threads: copy threads (default: the engine's choice).
-        config: a transformers config (or a path to one) to build the model from.
-        device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
-            CPU; transformer blocks kept whole), a device, or ``{module prefix: device}``. Each
-            tensor is allocated on its device and read there directly; tied parameters share one
-            tensor, on the device of the name the checkpoint stores. When several devices are
-            used, each mapped module moves its inputs to its weights' device before it runs. See
-            :mod:`fastload.device_map`.
-        max_memory: ``{device: bytes or "10GiB"}`` budgets for ``device_map="auto"``.
-        tp_plan: tensor-parallel loading over ``torch.distributed``: ``{name pattern: style}``
-            with styles ``"colwise"``, ``"rowwise"``, ``"replicate"``; ``"llama"``
-            (:data:`~fastload.tensor_parallel.LLAMA_TP_PLAN`); or ``"auto"`` (the config's
-            ``base_model_tp_plan``). Each rank reads only its rows or columns of the sharded
-            weights; row-parallel ``nn.Linear`` layers all-reduce their output. The report's
-            ``bytes_read`` is this rank's. See :mod:`fastload.tensor_parallel`.
-        process_group: the group to shard over with ``tp_plan`` (default: the world group).
-        allow_pickle: also load pickle checkpoints: a ``.bin``/``.pt`` file, a directory with
-            ``pytorch_model.bin``, or a sharded ``pytorch_model.bin.index.json`` (checked like the
-            safetensors index). They are read only with ``torch.load(weights_only=True)``, which
-            refuses a pickle naming anything but tensors and plain containers (code that would
-            run) with a ``CheckpointError``; every entry must be a tensor. The tensors then load
-            exactly as a safetensors file's; ``read_mode`` does not apply and the report says
-            ``"torch.load(weights_only)"``. Without it such checkpoints raise
-            ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
-        **model_kwargs: config overrides and ``__init__`` arguments, as in transformers.
-
-    Returns:
-        The model, or ``(model, report)`` with ``output_loading_info=True``.
-    """
+    staging_bytes: int | str | None = None,
+    seconds: dict[str, float] | None = None,
+) -> tuple[nn.Module, LoadReport]:
+    """Loads ``checkpoint`` (a local path, or a state dict) into ``target``; the options are
+    :func:`fastload.from_pretrained`'s. ``seconds`` are phases already spent by the caller
+    (resolving a model id), put first in the report."""
     clock = _Clock()
+    clock.seconds.update(seconds or {})
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
     target_device = torch.device(device)
     want = _requested_dtype(dtype)
+    if max_memory is not None and device_map is None:
+        device_map = "auto"  # budgets alone ask for a planned placement, as with accelerate
     check_mmap_mode(mmap)
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
+    pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):
-        location = resolve(path, allow_pickle=allow_pickle)
-        if mmap == "shared" and any(is_pickle(f) for f in location.files):
-            # Sharing views safetensors data at its file offsets; a pickle has no such layout.
-            raise RequestError(
-                f"{location.index or location.files[0]}: mmap='shared' needs safetensors files; "
-                "load this pickle checkpoint with mmap='copy', or convert it once with "
-                "`fastload convert`"
-            )
-        ckpt = open_checkpoint(location, read_mode)
+        ckpt = open_source(checkpoint, read_mode, mmap, allow_pickle)
+    location = ckpt.location
     source = str(location.index or location.files[0])
 
     with clock.phase("skeleton"):
-        module, built_here = _target(model, ckpt, want, config, model_kwargs, Path(path))
-    hf = is_transformers_model(module)
+        built_here = target.module is None
+        if target.module is not None:
+            module = target.module
+        else:
+            assert target.build is not None
+            module = target.build(_main_dtype(ckpt, want))
+    hooks = target.hooks or hooks_for(module)
+    was_training = module.training
 
     with clock.phase("plan"):
         dmap = None
         if device_map is not None:
-            dmap = resolve_device_map(device_map, module, max_memory=max_memory)
+            dmap = resolve_device_map(
+                device_map, module, max_memory=max_memory, no_split=no_split_module_classes
+            )
         tp = layout_for(tp_plan, module, process_group) if tp_plan is not None else None
         placement = Placement(
             device=target_device,
             dtype=want,
-            keep_fp32=_keep_fp32_pattern(module, want) if hf else None,
+            keep_fp32=hooks.keep_fp32(module, want),
             skeleton_dtypes=built_here,
             device_map=dmap,
             tp=tp,
         )
-        groups, report = _plan(
+        groups, report = plan(
             module,
             ckpt,
             placement,
@@ -365,30 +191,35 @@ def from_pretrained(
             unexpected_policy=unexpected_policy,
             ignore_mismatched_sizes=ignore_mismatched_sizes,
             source=source,
+            hooks=hooks,
         )
 
     with clock.phase("allocate"):
         by_file = _allocate(groups, placement, ckpt, report, mmap)
 
     with clock.phase("read"):
-        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress)
-        _resolve_duplicates(groups)
+        report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
+        report.staging_bytes = pool.peak_bytes
+        resolve_duplicates(groups)
 
     with clock.phase("finish"):
-        _finish(module, groups, report)
+        swap_in(module, groups, report)
         if dmap is not None:
             dispatch(module, dmap)
         if tp is not None:
             _finish_tensor_parallel(module, tp, process_group, report)
-        if hf:
-            _finish_transformers(module, location.directory, load_generation_config=built_here)
+        directory = None if isinstance(ckpt.files[0], StateDictFile) else location.directory
+        hooks.finish(
+            module, directory=directory, built_here=built_here, device_map=dmap, report=report
+        )
         if gradient_checkpointing:
             from fastload.checkpointing import gradient_checkpointing_enable
 
             gradient_checkpointing_enable(module)
             module.train()
         else:
-            module.eval()
+            # A model fastload built is ready for inference; a module passed in keeps its mode.
+            module.train(was_training and not built_here)
 
     report.seconds = dict(clock.seconds)
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
@@ -400,7 +231,7 @@ def from_pretrained(
     report.dtype = "auto" if want is None else str(want).removeprefix("torch.")
     report.model_class = type(module).__name__
     logger.info("%s", report.summary())
-    return (module, report) if output_loading_info else module
+    return module, report
 
 
 def _check_parallel_options(
@@ -444,9 +275,26 @@ def _requested_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
     return want
 
 
-# --------------------------------------------------------------------------------------------
-# Building the target model.
-# --------------------------------------------------------------------------------------------
+def _finish_tensor_parallel(
+    module: nn.Module, tp: TPLayout, process_group: Any, report: LoadReport
+) -> None:
+    parallelize(module, tp, process_group)
+    unused = tp.unused_patterns(s.name for s in tensor_slots(module))
+    if unused:
+        logger.warning("tp_plan: patterns %s match no parameter of the model", unused)
+    report.rank, report.world_size = tp.rank, tp.world_size
+
+
+def _requested_dtype(dtype: str | torch.dtype) -> torch.dtype | None:
+    if isinstance(dtype, str) and dtype == "auto":
+        return None
+    want = parse_dtype(dtype)
+    if to_st(want) not in CONVERTIBLE:
+        raise RequestError(
+            f"dtype must be 'auto' or a floating-point type (float32/float16/bfloat16/float64), "
+            f"got {want}"
+        )
+    return want
 
 
 def _main_dtype(ckpt: OpenCheckpoint, want: torch.dtype | None) -> torch.dtype | None:
@@ -463,357 +311,8 @@ def _main_dtype(ckpt: OpenCheckpoint, want: torch.dtype | None) -> torch.dtype |
     return parse_dtype(max(totals, key=lambda k: totals[k]))
 
 
-def _target(
-    model: Any,
-    ckpt: OpenCheckpoint,
-    want: torch.dtype | None,
-    config: Any,
-    model_kwargs: dict[str, Any],
-    path: Path,
-) -> tuple[nn.Module, bool]:
-    """The module to load into, and whether fastload built it."""
-    if isinstance(model, nn.Module):
-        if config is not None or model_kwargs:
-            raise RequestError(
-                "config and model keyword arguments only apply when fastload builds the model; "
-                f"got an already-built {type(model).__name__}"
-            )
-        return model, False
-    directory = ckpt.location.directory
-    if isinstance(model, (str, os.PathLike)):
-        # A directory (or its config.json) naming the architecture, as in the design.
-        arch_dir = Path(model)
-        arch_dir = arch_dir.parent if arch_dir.name == "config.json" else arch_dir
-        if config is None and arch_dir.resolve() != directory.resolve():
-            config = str(arch_dir)
-        model = _architecture_class(arch_dir)
-    elif model is None:
-        model = _architecture_class(directory)
-    main = _main_dtype(ckpt, want)
-    if is_transformers_model(model):
-        cfg, init_kwargs = _transformers_config(model, directory, config, model_kwargs, path)
-        if main is not None:
-            # As transformers records it: the dtype the model was built in, sub-configs included.
-            cfg.dtype = main
-            for key in getattr(cfg, "sub_configs", None) or {}:
-                sub = getattr(cfg, key, None)
-                if sub is not None:
-                    sub.dtype = main
-        skeleton = build_skeleton(
-            lambda: model(cfg, **init_kwargs), dtype=main, transformers_model=True
-        )
-        return skeleton, True
-    if callable(model):
-        if config is not None:
-            return build_skeleton(lambda: model(config, **model_kwargs), dtype=main), True
-        return build_skeleton(lambda: model(**model_kwargs), dtype=main), True
-    raise RequestError(
-        "model must be an nn.Module class, a factory, a built module, a directory with a "
-        f"config.json, or None; got {model!r}"
-    )
-
-
-def _architecture_class(directory: Path) -> type[nn.Module]:
-    config_path = directory / "config.json"
-    try:
-        data = json.loads(config_path.read_text(encoding="utf-8"))
-        name = data["architectures"][0]
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise CheckpointError(
-            f"{config_path}: cannot tell the model class (no readable 'architectures' entry: {e}); "
-            "pass the model class to from_pretrained"
-        ) from e
-    import transformers
-
-    cls = getattr(transformers, name, None)
-    if not isinstance(cls, type):
-        raise UnsupportedError(f"{config_path}: transformers has no model class {name!r}")
-    return cls
-
-
-def _transformers_config(
-    cls: type[nn.Module],
-    directory: Path,
-    config: Any,
-    model_kwargs: dict[str, Any],
-    path: Path,
-) -> tuple[Any, dict[str, Any]]:
-    """The config to build ``cls`` from, and the remaining ``__init__`` keyword arguments."""
-    config_class = cls.config_class  # type: ignore[attr-defined]
-    if config is None or isinstance(config, (str, os.PathLike)):
-        where = Path(config) if config is not None else directory
-        if config is None and not (directory / "config.json").is_file():
-            raise CheckpointError(
-                f"{directory}: no config.json to build {cls.__name__} from; pass config="
-            )
-        cfg, init_kwargs = config_class.from_pretrained(
-            str(where), return_unused_kwargs=True, **model_kwargs
-        )
-    else:
-        cfg, init_kwargs = copy.deepcopy(config), dict(model_kwargs)
-    attn = init_kwargs.pop("attn_implementation", None)
-    if attn is not None:
-        cfg._attn_implementation = attn
-    # A legacy config key; transformers would switch checkpointing on from it. fastload never
-    # does: checkpointing is a run-time choice (gradient_checkpointing=True).
-    if "gradient_checkpointing" in cfg.__dict__:
-        if cfg.__dict__["gradient_checkpointing"]:
-            logger.warning(
-                "%s: the config's legacy 'gradient_checkpointing' key is ignored; pass "
-                "gradient_checkpointing=True to enable it",
-                directory / "config.json",
-            )
-        del cfg.__dict__["gradient_checkpointing"]
-    cfg.name_or_path = str(path)
-    return cfg, init_kwargs
-
-
-def _keep_fp32_pattern(model: nn.Module, want: torch.dtype | None) -> Any | None:
-    """transformers' ``_keep_in_fp32_modules`` (for float16) and ``..._strict`` (float16 and
-    bfloat16) as one regex, searched in model names as transformers does."""
-    patterns: list[str] = []
-    if want == torch.float16:
-        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or ())
-    if want in (torch.float16, torch.bfloat16):
-        patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
-    return keymod.compile_patterns(p.replace("*", ".*") for p in patterns)
-
-
-# --------------------------------------------------------------------------------------------
-# Planning.
-# --------------------------------------------------------------------------------------------
-
-
-def _transformers_renames(model: nn.Module, source: str) -> list[keymod.Rename]:
-    """The renamings transformers registers for this architecture (legacy ``LayerNorm.gamma``
-    included); a checkpoint that needs one of its tensor-merging conversions is refused."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-    except ImportError:  # a transformers without registered conversions: nothing to apply
-        return []
-
-    transforms = get_model_conversion_mapping(model)
-    renames: list[keymod.Rename] = [
-        (lambda name, t=t: t.rename_source_key(name)[0])
-        for t in transforms
-        if isinstance(t, WeightRenaming)
-    ]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    if converters:
-
-        def refuse(name: str) -> str:
-            for c in converters:
-                if c.rename_source_key(name)[1] is not None:
-                    raise UnsupportedError(
-                        f"{source}: tensor {name!r} needs transformers' conversion "
-                        f"{c.source_patterns} -> {c.target_patterns}, which merges or splits "
-                        "tensors; fastload only renames. Load it once with transformers and save "
-                        "it with save_pretrained"
-                    )
-            return name
-
-        renames.append(refuse)
-    return renames
-
-
-def _authorization(model: nn.Module, hf: bool, slots: list[Slot]) -> keymod.Authorization:
-    unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    if hf:
-        # What transformers adds for buffers that used to be persistent (position_ids) or moved
-        # (per-layer rotary inv_freq).
-        buffers = [s.name for s in slots if s.is_buffer]
-        if any(b.endswith("rotary_emb.inv_freq") for b in buffers):
-            unexpected.append(r"rotary_emb\.inv_freq")
-        if any(b.endswith("position_ids") for b in buffers):
-            unexpected.append(r"(^|\.)position_ids$")
-    return keymod.Authorization(
-        missing=keymod.compile_patterns(getattr(model, "_keys_to_ignore_on_load_missing", None)),
-        unexpected=keymod.compile_patterns(unexpected),
-    )
-
-
-def _plan(
-    model: nn.Module,
-    ckpt: OpenCheckpoint,
-    placement: Placement,
-    *,
-    key_map: keymod.Rename | None,
-    missing_policy: str,
-    unexpected_policy: str,
-    ignore_mismatched_sizes: bool,
-    source: str,
-) -> tuple[list[_Group], LoadReport]:
-    hf = is_transformers_model(model)
-    slots = tensor_slots(model)
-    groups = [_Group(slots=g, template=g[0].tensor) for g in group_slots(slots)]
-    group_of = {s.name: g for g in groups for s in g.slots}
-    slot_of = {s.name: s for s in slots}
-    position = {s.name: i for g in groups for i, s in enumerate(g.slots)}
-    model_keys = {n for g in groups for n in g.keyed()}
-    computed = {s.name for s in slots if s.is_buffer and not s.persistent}
-    prefix = getattr(model, "base_model_prefix", None) or None
-
-    options: dict[str, Any] = {
-        "base_model_prefix": prefix,
-        "key_map": key_map,
-        "renames": functools.partial(_transformers_renames, model, source) if hf else (),
-        "source": source,
-        "computed": computed,
-    }
-    mapping = keymod.map_keys(ckpt.tensors, model_keys, **options)
-    report = LoadReport(renamed=mapping.renamed)
-    pairs = list(mapping.to_model.items())
-    pairs += _alias_pairs(ckpt, mapping, model_keys, group_of, options)
-
-    # Sources, with shapes checked against the model before anything is allocated.
-    wrong: list[str] = []
-    for ckpt_name, model_name in pairs:
-        stored = ckpt.tensors[ckpt_name]
-        group, slot = group_of[model_name], slot_of[model_name]
-        dest = placement.destination(model_name, group.template, stored, is_buffer=slot.is_buffer)
-        # A selection (a tensor-parallel shard) is taken from the model's full shape: the stored
-        # tensor must have that full shape.
-        got, want = tuple(stored.shape), tuple(group.template.shape)
-        if got != want:
-            report.mismatched.append((model_name, got, want))
-            wrong.append(
-                f"{ckpt.file_path(stored)}: tensor {ckpt_name!r} has shape {list(got)}, the "
-                f"model's {model_name!r} has shape {list(want)}"
-            )
-            continue
-        _check_dtype(ckpt, stored, model_name, group.template)
-        group.sources.append((slot, stored, dest))
-    if wrong and not ignore_mismatched_sizes:
-        shown = "\n  ".join(wrong[:20]) + (
-            f"\n  ... ({len(wrong) - 20} more)" if len(wrong) > 20 else ""
-        )
-        raise CheckpointError(
-            f"{len(wrong)} checkpoint tensors do not have the model's shape (pass "
-            f"ignore_mismatched_sizes=True to re-initialize them instead):\n  {shown}"
-        )
-    mismatched = {m[0] for m in report.mismatched}
-
-    # Unexpected checkpoint tensors.
-    auth = _authorization(model, hf, slots)
-    for ckpt_name, mapped in mapping.unmatched.items():
-        ok = (
-            mapped in computed
-            or ckpt_name in computed
-            or auth.unexpected_ok(model, ckpt_name, mapped, prefix)
-        )
-        (report.authorized_unexpected if ok else report.unexpected).append(ckpt_name)
-
-    # What each group does, and missing model tensors.
-    for group in groups:
-        group.sources.sort(key=lambda s: position[s[0].name])
-        if group.sources:
-            group.action = "load"
-            continue
-        reinit = any(n in mismatched for n in group.names)
-        if not reinit:  # a mismatched tensor is reported as such, not as missing
-            for name in group.keyed():
-                listed = report.authorized_missing if auth.missing_ok(name) else report.missing
-                listed.append(name)
-        if group.template.device.type == "meta" or (reinit and not group.is_buffer):
-            group.action = "init"
-
-    _apply_policies(report, missing_policy, unexpected_policy, source)
-    report.tensors_loaded = sum(len(g.sources) for g in groups)
-    report.bytes_read = sum(
-        _source_bytes(stored, dest) for g in groups for _, stored, dest in g.sources
-    )
-    return groups, report
-
-
-def _alias_pairs(
-    ckpt: OpenCheckpoint,
-    mapping: keymod.KeyMapping,
-    model_keys: set[str],
-    group_of: dict[str, _Group],
-    options: dict[str, Any],
-) -> list[tuple[str, str]]:
-    """(stored name, model name) for model tensors the checkpoint holds only under their
-    canonical name, as fastload's saver records it (``fastload.tied``). A model that ties them
-    loads them with the canonical one already; a model that does not gets a copy for each."""
-    records = [(f.path, (f.metadata() or {}).get(TIED_KEY)) for f in ckpt.files]
-    index_meta = ckpt.location.index_metadata or {}
-    records.append((str(ckpt.location.index), index_meta.get(TIED_KEY)))
-    aliases = keymod.recorded_aliases(r for r in records if r[1] is not None)
-    stored_only = [a for a, canonical in aliases.items() if canonical in ckpt.tensors]
-    if not stored_only:
-        return []
-    loaded = {id(group_of[m]) for m in mapping.to_model.values()}
-    pairs = []
-    for alias, model_name in keymod.map_keys(stored_only, model_keys, **options).to_model.items():
-        group = group_of[model_name]
-        if id(group) not in loaded:  # one source per group: its other names share it
-            loaded.add(id(group))
-            pairs.append((aliases[alias], model_name))
-    return pairs
-
-
-def _check_dtype(
-    ckpt: OpenCheckpoint, stored: StoredTensor, model_name: str, template: torch.Tensor
-) -> None:
-    """Integer, boolean and float8 tensors load only into tensors of their own dtype: the copy
-    engine converts between F32/F16/BF16/F64 only, and reinterpreting would corrupt values."""
-    model_st = to_st(template.dtype)
-    if stored.st_dtype == model_st:
-        return
-    if stored.st_dtype in CONVERTIBLE and model_st in CONVERTIBLE:
-        return
-    raise CheckpointError(
-        f"{ckpt.file_path(stored)}: tensor {stored.name!r} is stored as {stored.st_dtype} but the "
-        f"model's {model_name!r} is {model_st}; fastload converts only between F32, F16, BF16 "
-        "and F64"
-    )
-
-
-def _source_bytes(stored: StoredTensor, dest: Destination) -> int:
-    if dest.selection is None:
-        return stored.nbytes
-    total = math.prod(stored.shape) or 1
-    return stored.nbytes * math.prod(selected_shape(stored.shape, dest.selection)) // total
-
-
-def _apply_policies(report: LoadReport, missing: str, unexpected: str, source: str) -> None:
-    if report.unexpected:
-        names = keymod.format_names(report.unexpected)
-        if unexpected == "error":
-            raise CheckpointError(
-                f"{source}: {len(report.unexpected)} checkpoint tensors have no place in the "
-                f"model: {names}"
-            )
-        if unexpected == "warn":
-            logger.warning(
-                "%s: %d checkpoint tensors are not used by the model: %s",
-                source,
-                len(report.unexpected),
-                names,
-            )
-    if report.missing:
-        names = keymod.format_names(report.missing)
-        if missing == "error":
-            raise CheckpointError(
-                f"{source}: {len(report.missing)} model tensors are not in the checkpoint: {names}"
-            )
-        log = logger.warning if missing == "warn" else logger.info
-        log(
-            "%s: %d model tensors are not in the checkpoint and are initialized: %s",
-            source,
-            len(report.missing),
-            names,
-        )
-
-
-# --------------------------------------------------------------------------------------------
-# Allocating and reading.
-# --------------------------------------------------------------------------------------------
-
-
 def _allocate(
-    groups: list[_Group],
+    groups: list[Group],
     placement: Placement,
     shared: OpenCheckpoint | None = None,
     report: LoadReport | None = None,
@@ -851,7 +350,7 @@ def _allocate(
                     shape = selected_shape(stored.shape, dest.selection)
                     tensor = torch.empty(shape, dtype=dest.dtype, device=dest.device)
                     by_file.setdefault(stored.file, []).append(
-                        (stored.name, tensor, dest.selection, _source_bytes(stored, dest))
+                        (stored.name, tensor, dest.selection, source_bytes(stored, dest))
                     )
                 elif report is not None:
                     report.bytes_shared += tensor.numel() * tensor.element_size()
@@ -914,8 +413,10 @@ def _read(
     *,
     threads: int | None,
     progress: bool,
+    pool: StagingPool,
 ) -> int:
-    """One copy call per file (all its tensors at once, so the engine parallelises across them)."""
+    """One copy call per file (all its tensors at once, so the engine parallelises across them);
+    accelerator destinations of every file share ``pool``, released at the end."""
     from tqdm.auto import tqdm
 
     from fastload.reader import fill
@@ -931,99 +432,13 @@ def _read(
         disable=not _show_progress(total, progress),
         file=sys.stderr,
     ) as bar:
-        for index in sorted(by_file):
-            items = by_file[index]
-            written += fill(ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads)
-            bar.update(sum(b for *_, b in items))
-    return written
-
-
-def _resolve_duplicates(groups: list[_Group]) -> None:
-    """A tie group stored more than once: equal copies stay tied; different ones are untied, as
-    transformers does (the checkpoint, not the config, is the truth about the values)."""
-    for group in groups:
-        if not group.extra or group.new is None:
-            continue
-        canonical = group.sources[0][0]
-        for slot, tensor in group.extra:
-            if slot.key == canonical.key:
-                continue  # the same storage place under two names: nothing to untie
-            same = tensor.shape == group.new.shape and torch.equal(
-                tensor.to(group.new.device, group.new.dtype), group.new
-            )
-            if not same:
-                logger.warning(
-                    "%s and %s are tied in the model but stored with different values; "
-                    "they are loaded untied",
-                    canonical.name,
-                    slot.name,
+        try:
+            for index in sorted(by_file):
+                items = by_file[index]
+                written += fill(
+                    ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads, pool
                 )
-                group.untied.append(slot)
-
-
-# --------------------------------------------------------------------------------------------
-# Finishing.
-# --------------------------------------------------------------------------------------------
-
-
-def _as_parameter(tensor: torch.Tensor, template: torch.Tensor) -> nn.Parameter:
-    param = nn.Parameter(tensor, requires_grad=template.requires_grad)
-    extra = {k: v for k, v in template.__dict__.items() if k != "_is_hf_initialized"}
-    param.__dict__.update(extra)
-    return param
-
-
-def _wrap(group: _Group, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if group.is_buffer else _as_parameter(tensor, group.template)
-
-
-def _finish(model: nn.Module, groups: list[_Group], report: LoadReport) -> None:
-    """Swaps the new tensors in (all together), initializes, and checks nothing is on meta; on
-    any failure the model's original tensors are put back."""
-    swap = _Swap()
-    try:
-        targets: dict[str, torch.Tensor] = {}
-        for group in groups:
-            if group.new is None:
-                continue
-            value = _wrap(group, group.new)
-            # An untied member gets its own loaded tensor; names sharing its storage place follow.
-            extras = dict((s.name, t) for s, t in group.extra)
-            own = {s.key: _wrap(group, extras[s.name]) for s in group.untied}
-            for slot in group.slots:
-                swap.set(slot, own.get(slot.key, value))
-            if group.action == "init":
-                targets[group.slots[0].name] = value
-        initialize(model, targets)
-        _check_no_meta(model)
-    except BaseException:
-        swap.rollback()
-        raise
-    report.initialized = [n for g in groups if g.action == "init" for n in g.names]
-    report.tied = [[s.name for s in g] for g in group_slots(tensor_slots(model)) if len(g) > 1]
-
-
-def _check_no_meta(model: nn.Module) -> None:
-    left = [s.name for s in tensor_slots(model) if s.tensor.device.type == "meta"]
-    if left:
-        raise FastloadError(
-            f"{type(model).__name__}: {len(left)} tensors are still on the meta device after "
-            f"loading: {keymod.format_names(left)}; they are neither in the checkpoint nor "
-            "computed by the model's __init__"
-        )
-
-
-def _finish_transformers(
-    model: nn.Module, directory: Path, *, load_generation_config: bool
-) -> None:
-    """Leaves the state transformers' from_pretrained leaves: tensors flagged as initialized and,
-    for a model fastload built, the generation config of the checkpoint directory."""
-    mark_initialized(model)
-    if not load_generation_config:
-        return
-    generation = directory / "generation_config.json"
-    can_generate = getattr(model, "can_generate", None)
-    if generation.is_file() and callable(can_generate) and can_generate():
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(str(directory))
+                bar.update(sum(b for *_, b in items))
+        finally:
+            pool.release()
+    return written

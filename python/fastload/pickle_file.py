@@ -130,7 +130,10 @@ class PickleFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._path = os.fspath(path)
-        self._tensors = load_state_dict(self._path)
+        self._index(load_state_dict(self._path))
+
+    def _index(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._tensors = tensors
         self._info: dict[str, tuple[str, list[int], int, int]] = {}
         offset = 0
         for name, t in self._tensors.items():
@@ -227,3 +230,32 @@ class PickleFile:
 
     def __repr__(self) -> str:
         return f"PickleFile({self._path!r}, tensors={len(self._info)})"
+
+
+class StateDictFile(PickleFile):
+    """An in-memory state dict (``from_pretrained(state_dict=...)``) behaving like a checkpoint
+    file, so its tensors take the same pipeline as a file's (key mapping, policies, placement,
+    dtype conversion, tying). The tensors are copied into the model, never aliased."""
+
+    mode = "state_dict"
+
+    def __init__(self, state_dict: object, name: str = "state_dict") -> None:
+        self._path = name
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                f"state_dict must be a dict of name -> tensor, got {type(state_dict).__name__}"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"state_dict must map str names to tensors; entry {key!r} is a "
+                    f"{type(value).__name__}"
+                )
+            if value.layout != torch.strided:
+                raise CheckpointError(f"{name}: tensor {key!r} is a {value.layout} tensor")
+            tensors[key] = value.detach().cpu()
+        self._index(tensors)
+
+    def __repr__(self) -> str:
+        return f"StateDictFile(tensors={len(self._info)})"

@@ -16,6 +16,7 @@ import torch
 from fastload import _core
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch
 from fastload.errors import RequestError
+from fastload.streaming import StagingPool
 
 READ_MODES = ("pread", "mmap")
 
@@ -30,12 +31,18 @@ def open_file(path: str | os.PathLike[str], read_mode: str = "pread") -> _core.S
     return _core.SafetensorsFile(os.fspath(path), read_mode)
 
 
-def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | None = None) -> int:
+def fill(
+    file: _core.SafetensorsFile,
+    items: Iterable[FillItem],
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+) -> int:
     """Fills destination tensors from ``file``; returns bytes written.
 
     CPU destinations are written in place (a non-contiguous one through a contiguous temporary),
     all in one Rust call that validates every one of them before writing a byte; destinations on
-    other devices then go through :func:`fastload.streaming.stream_into`, one call per device.
+    other devices then go through :func:`fastload.streaming.stream_into`, one call per device,
+    all staged through ``pool`` (default: one default-sized pool for this call).
     The caller must not free or resize a destination until this returns.
     """
     if threads is not None and (
@@ -72,8 +79,9 @@ def fill(file: _core.SafetensorsFile, items: Iterable[FillItem], threads: int | 
     if remote:
         from fastload.streaming import stream_into
 
+        pool = pool if pool is not None else StagingPool()
         for device_items in remote.values():
-            written += stream_into(file, device_items, threads=threads)
+            written += stream_into(file, device_items, pool=pool, threads=threads)
     return written
 
 
@@ -91,11 +99,15 @@ class SafeOpen:
         device: str | torch.device = "cpu",
         read_mode: str = "pread",
         threads: int | None = None,
+        staging_bytes: int | str | None = None,
     ) -> None:
         self._file: _core.SafetensorsFile | None = open_file(path, read_mode)
         self.path = os.fspath(path)
         self.device = torch.device(device)
         self.threads = threads
+        # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
+        # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
+        self.staging = StagingPool.sized(staging_bytes)
 
     @property
     def file(self) -> _core.SafetensorsFile:
@@ -132,7 +144,7 @@ class SafeOpen:
         device = torch.device(device) if device is not None else self.device
         direct = want == stored or (st_dtype in CONVERTIBLE and to_st(want) in CONVERTIBLE)
         out = torch.empty(shape, dtype=want if direct else stored, device=device)
-        fill(self.file, [(name, out, None)], self.threads)
+        fill(self.file, [(name, out, None)], self.threads, self.staging)
         return out if direct else out.to(want)
 
     def load_into(self, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -140,10 +152,13 @@ class SafeOpen:
 
         Each destination's dtype decides the conversion; its number of elements must match.
         """
-        return fill(self.file, [(k, t, None) for k, t in tensors.items()], self.threads)
+        return fill(
+            self.file, [(k, t, None) for k, t in tensors.items()], self.threads, self.staging
+        )
 
     def close(self) -> None:
         self._file = None
+        self.staging.release()
 
     def __enter__(self) -> SafeOpen:
         return self
@@ -167,11 +182,17 @@ def safe_open(
     *,
     read_mode: str = "pread",
     threads: int | None = None,
+    staging_bytes: int | str | None = None,
 ) -> SafeOpen:
-    """Drop-in for ``safetensors.safe_open`` (framework ``"pt"`` only)."""
+    """Drop-in for ``safetensors.safe_open`` (framework ``"pt"`` only).
+
+    ``staging_bytes`` sizes the host staging pool used for accelerator destinations
+    (default :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned)."""
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
-    return SafeOpen(path, device=device, read_mode=read_mode, threads=threads)
+    return SafeOpen(
+        path, device=device, read_mode=read_mode, threads=threads, staging_bytes=staging_bytes
+    )
 
 
 def load_file(
@@ -181,12 +202,15 @@ def load_file(
     *,
     read_mode: str = "pread",
     threads: int | None = None,
+    staging_bytes: int | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a file, like ``safetensors.torch.load_file`` (same keys, bitwise equal).
 
     ``dtype`` converts floating-point tensors (F32/F16/BF16/F64) during the copy; other tensors
-    keep their stored dtype.
+    keep their stored dtype. Accelerator destinations are staged through one host pool of
+    ``staging_bytes`` (default 128 MiB, pinned), so host memory stays bounded by it.
     """
+    pool = StagingPool.sized(staging_bytes)
     want = parse_dtype(dtype) if dtype is not None else None
     if want is not None and to_st(want) not in CONVERTIBLE:
         raise RequestError(f"dtype must be a floating-point type (F32/F16/BF16/F64), got {want}")
@@ -198,5 +222,5 @@ def load_file(
         stored = to_torch(st_dtype, where=f"{os.fspath(path)}: tensor {name!r}")
         target = want if want is not None and st_dtype in CONVERTIBLE else stored
         out[name] = torch.empty(shape, dtype=target, device=device)
-    fill(file, [(k, t, None) for k, t in out.items()], threads)
+    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
     return out

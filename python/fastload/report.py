@@ -51,6 +51,9 @@ class LoadReport:
     #: file path -> how its tensors were loaded: "views of the file mapping (ext4)", "copies
     #: (nfs is a network or FUSE filesystem)", "copies (mmap='copy')", ... (see fastload.sharing)
     sharing: dict[str, str] = field(default_factory=dict)
+    #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
+    #: 0 when nothing was staged)
+    staging_bytes: int = 0
     tensors_loaded: int = 0
     #: wall-clock seconds per phase, in order
     seconds: dict[str, float] = field(default_factory=dict)
@@ -108,6 +111,11 @@ class LoadReport:
                 else []
             ),
             *self._sharing_lines(),
+            *(
+                [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
+                if self.staging_bytes
+                else []
+            ),
             *(
                 [f"  tensor parallel: rank {self.rank} of {self.world_size} (bytes read: its own)"]
                 if self.world_size > 1

@@ -55,7 +55,7 @@ def file_sharing(file: object, mmap: str) -> tuple[bool, str]:
     if mmap == "copy":
         return False, "copies (mmap='copy')"
     if not isinstance(file, _core.SafetensorsFile):
-        return False, "copies (pickle file: no safetensors layout to map)"
+        return False, "copies (not a safetensors file: no layout to map)"
     fs = filesystem(file)
     if fs is None:
         return False, "copies (file held in memory)"

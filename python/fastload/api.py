@@ -1,0 +1,331 @@
+"""``fastload.from_pretrained``: the public entry of every load.
+
+It accepts the call shapes users bring (a model id or path alone, a class or Auto class and a
+path, a built module, ``None`` with ``config`` and ``state_dict``) and sends each to the layer that
+serves it: Hugging Face names, classes and options to :mod:`fastload.hf` (imported only then),
+anything else straight to the core loader (:func:`fastload.loading.load`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar, overload
+
+import torch
+from torch import nn
+
+from fastload.device_map import DeviceMapArg
+from fastload.keys import KeyMap
+from fastload.loading import load, plain_target
+from fastload.report import LoadReport
+from fastload.skeleton import is_transformers_model
+
+M = TypeVar("M", bound=nn.Module)
+PathArg = str | os.PathLike[str]
+Missing = Literal["error", "warn", "init"]
+Unexpected = Literal["error", "warn", "ignore"]
+ReadMode = Literal["pread", "mmap"]
+MmapMode = Literal["auto", "shared", "copy"]
+DeviceMapMode = Literal["auto", "balanced", "balanced_low_0", "sequential"]
+
+__all__ = ["from_pretrained"]
+
+
+@overload
+def from_pretrained(
+    model: type[M] | Callable[..., M] | M,
+    path: PathArg | None = ...,
+    *,
+    output_loading_info: Literal[False] = ...,
+    device: str | torch.device = ...,
+    dtype: str | torch.dtype = ...,
+    strict: bool = ...,
+    missing: Missing = ...,
+    unexpected: Unexpected = ...,
+    ignore_mismatched_sizes: bool = ...,
+    key_map: KeyMap | None = ...,
+    progress: bool = ...,
+    gradient_checkpointing: bool = ...,
+    read_mode: ReadMode = ...,
+    mmap: MmapMode = ...,
+    threads: int | None = ...,
+    config: Any = ...,
+    state_dict: Mapping[str, torch.Tensor] | None = ...,
+    device_map: DeviceMapArg | DeviceMapMode | None = ...,
+    max_memory: dict[Any, int | str] | None = ...,
+    no_split_module_classes: list[str] | None = ...,
+    tp_plan: str | dict[str, str] | None = ...,
+    process_group: Any = ...,
+    allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
+    **model_kwargs: Any,
+) -> M: ...
+
+
+@overload
+def from_pretrained(
+    model: type[M] | Callable[..., M] | M,
+    path: PathArg | None = ...,
+    *,
+    output_loading_info: Literal[True],
+    device: str | torch.device = ...,
+    dtype: str | torch.dtype = ...,
+    strict: bool = ...,
+    missing: Missing = ...,
+    unexpected: Unexpected = ...,
+    ignore_mismatched_sizes: bool = ...,
+    key_map: KeyMap | None = ...,
+    progress: bool = ...,
+    gradient_checkpointing: bool = ...,
+    read_mode: ReadMode = ...,
+    mmap: MmapMode = ...,
+    threads: int | None = ...,
+    config: Any = ...,
+    state_dict: Mapping[str, torch.Tensor] | None = ...,
+    device_map: DeviceMapArg | DeviceMapMode | None = ...,
+    max_memory: dict[Any, int | str] | None = ...,
+    no_split_module_classes: list[str] | None = ...,
+    tp_plan: str | dict[str, str] | None = ...,
+    process_group: Any = ...,
+    allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
+    **model_kwargs: Any,
+) -> tuple[M, LoadReport]: ...
+
+
+@overload
+def from_pretrained(
+    model: str | os.PathLike[str] | type | None,
+    path: PathArg | None = ...,
+    *,
+    output_loading_info: Literal[False] = ...,
+    device: str | torch.device = ...,
+    dtype: str | torch.dtype = ...,
+    strict: bool = ...,
+    missing: Missing = ...,
+    unexpected: Unexpected = ...,
+    ignore_mismatched_sizes: bool = ...,
+    key_map: KeyMap | None = ...,
+    progress: bool = ...,
+    gradient_checkpointing: bool = ...,
+    read_mode: ReadMode = ...,
+    mmap: MmapMode = ...,
+    threads: int | None = ...,
+    config: Any = ...,
+    state_dict: Mapping[str, torch.Tensor] | None = ...,
+    device_map: DeviceMapArg | DeviceMapMode | None = ...,
+    max_memory: dict[Any, int | str] | None = ...,
+    no_split_module_classes: list[str] | None = ...,
+    tp_plan: str | dict[str, str] | None = ...,
+    process_group: Any = ...,
+    allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
+    **model_kwargs: Any,
+) -> nn.Module: ...
+
+
+@overload
+def from_pretrained(
+    model: str | os.PathLike[str] | type | None,
+    path: PathArg | None = ...,
+    *,
+    output_loading_info: Literal[True],
+    device: str | torch.device = ...,
+    dtype: str | torch.dtype = ...,
+    strict: bool = ...,
+    missing: Missing = ...,
+    unexpected: Unexpected = ...,
+    ignore_mismatched_sizes: bool = ...,
+    key_map: KeyMap | None = ...,
+    progress: bool = ...,
+    gradient_checkpointing: bool = ...,
+    read_mode: ReadMode = ...,
+    mmap: MmapMode = ...,
+    threads: int | None = ...,
+    config: Any = ...,
+    state_dict: Mapping[str, torch.Tensor] | None = ...,
+    device_map: DeviceMapArg | DeviceMapMode | None = ...,
+    max_memory: dict[Any, int | str] | None = ...,
+    no_split_module_classes: list[str] | None = ...,
+    tp_plan: str | dict[str, str] | None = ...,
+    process_group: Any = ...,
+    allow_pickle: bool = ...,
+    staging_bytes: int | str | None = ...,
+    **model_kwargs: Any,
+) -> tuple[nn.Module, LoadReport]: ...
+
+
+def from_pretrained(
+    model: Any = None,
+    path: PathArg | None = None,
+    *,
+    output_loading_info: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    strict: bool = False,
+    missing: Missing = "warn",
+    unexpected: Unexpected = "warn",
+    ignore_mismatched_sizes: bool = False,
+    key_map: KeyMap | None = None,
+    progress: bool = True,
+    gradient_checkpointing: bool = False,
+    read_mode: ReadMode = "pread",
+    mmap: MmapMode = "auto",
+    threads: int | None = None,
+    config: Any = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    device_map: DeviceMapArg | DeviceMapMode | None = None,
+    max_memory: dict[Any, int | str] | None = None,
+    no_split_module_classes: list[str] | None = None,
+    tp_plan: str | dict[str, str] | None = None,
+    process_group: Any = None,
+    allow_pickle: bool = False,
+    staging_bytes: int | str | None = None,
+    **model_kwargs: Any,
+) -> Any:
+    """Builds (or takes) a model and loads a safetensors checkpoint into it.
+
+    Call shapes: ``from_pretrained("org/name" or path, **options)`` (the class named by
+    ``config.json``'s ``architectures``), ``from_pretrained(ModelClass or AutoClass, "org/name"
+    or path)``, ``from_pretrained(module, path)`` (loaded in place),
+    ``from_pretrained(None, config=cfg, state_dict=sd)``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` subclass or Auto class (built from ``config``
+            or the ``config.json`` next to the weights), any ``nn.Module`` class or factory
+            (called with ``**model_kwargs``, or ``(config, **model_kwargs)`` when ``config`` is
+            given), an already-built module (loaded in place, its train/eval mode kept; left
+            unchanged if loading fails), ``None`` to use the transformers class named by
+            ``config.json``'s ``architectures`` (only a ``PreTrainedModel`` subclass; code of the
+            repository only with ``trust_remote_code=True``), or the model id / path itself.
+        path: a ``.safetensors`` file, a directory with ``model.safetensors``, a sharded
+            checkpoint (its directory or its ``model.safetensors.index.json``), or a Hugging Face
+            model id resolved through ``huggingface_hub`` (its cache first; see
+            :mod:`fastload.hf.hub`); with ``allow_pickle``, also a pickle checkpoint.
+        device: where every tensor is allocated.
+        dtype: ``"auto"`` keeps each tensor's stored dtype; a floating dtype converts floating
+            tensors during the copy (see :class:`fastload.placement.Placement`).
+        strict: makes both ``missing`` and ``unexpected`` ``"error"``.
+        missing: model tensors absent from the checkpoint: ``"error"``, ``"warn"`` (default:
+            log a warning listing them, then initialize) or ``"init"`` (initialize silently).
+            Initialization is the model's own (``_init_weights`` for transformers models,
+            ``reset_parameters()`` otherwise); a tensor nothing initializes is a
+            ``CheckpointError``. A module passed in keeps the values of parameters it already
+            has. A load where no checkpoint tensor matches the model is a ``CheckpointError``.
+        unexpected: checkpoint tensors the model has no place for: ``"error"``, ``"warn"``,
+            ``"ignore"``. Names the model declares as expected are never reported.
+        ignore_mismatched_sizes: re-initialize tensors whose stored shape differs, instead of
+            raising ``CheckpointError``.
+        key_map: renames checkpoint names first: a callable, or ``{regex: replacement}``.
+        output_loading_info: also return the :class:`~fastload.report.LoadReport`.
+        progress: show a progress bar over bytes for large loads or on a terminal.
+        gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
+            train mode (otherwise it is in eval mode).
+        read_mode: ``"pread"`` (default, no page faults) or ``"mmap"``.
+        mmap: ``"auto"`` (default): on a local filesystem, CPU tensors whose stored dtype is the
+            wanted one become views of a copy-on-write mapping of the file (no copy; processes
+            loading the same checkpoint share one physical copy through the page cache); on
+            network and FUSE filesystems, and for pickle files and state dicts, every tensor is a
+            private copy. ``"shared"``: views on any filesystem (safetensors files only: otherwise
+            a ``RequestError``). ``"copy"``: every tensor is a private copy. Tensors that are
+            converted, go to an accelerator or are sharded are always copies. The report's
+            ``sharing`` says which way each file went; see :mod:`fastload.sharing` for the rule
+            and the SIGBUS hazard of files changed in place.
+        threads: copy threads (default: the engine's choice).
+        config: a transformers config (or a path to one) to build the model from.
+        device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
+            CPU; transformer blocks kept whole), ``"balanced"``, ``"balanced_low_0"``,
+            ``"sequential"`` (accelerate's planner), a device, or ``{module prefix: device}``. Each
+            tensor is allocated on its device and read there directly; tied parameters share one
+            tensor, on the device of the name the checkpoint stores. When several devices are
+            used, each mapped module moves its inputs to its weights' device before it runs. See
+            :mod:`fastload.device_map`.
+        max_memory: ``{device: bytes or "10GiB"}`` budgets for a planned ``device_map`` (alone,
+            it implies ``device_map="auto"``).
+        no_split_module_classes: module class names kept whole on one device by the planner
+            (default: the model's ``_no_split_modules``).
+        tp_plan: tensor-parallel loading over ``torch.distributed``: ``{name pattern: style}``
+            with styles ``"colwise"``, ``"rowwise"``, ``"replicate"``; ``"llama"``
+            (:data:`~fastload.tensor_parallel.LLAMA_TP_PLAN`); or ``"auto"`` (the config's
+            ``base_model_tp_plan``). Each rank reads only its rows or columns of the sharded
+            weights; row-parallel ``nn.Linear`` layers all-reduce their output. The report's
+            ``bytes_read`` is this rank's. See :mod:`fastload.tensor_parallel`.
+        process_group: the group to shard over with ``tp_plan`` (default: the world group).
+        allow_pickle: also load pickle checkpoints: a ``.bin``/``.pt`` file, a directory with
+            ``pytorch_model.bin``, or a sharded ``pytorch_model.bin.index.json`` (checked like the
+            safetensors index). They are read only with ``torch.load(weights_only=True)``, which
+            refuses a pickle naming anything but tensors and plain containers (code that would
+            run) with a ``CheckpointError``; every entry must be a tensor. The tensors then load
+            exactly as a safetensors file's; ``read_mode`` does not apply and the report says
+            ``"torch.load(weights_only)"``. Without it such checkpoints raise
+            ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
+        staging_bytes: host memory for staging tensors bound for an accelerator: one pool of
+            pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
+            first use and shared by every shard and device of the load, so host memory during a
+            GPU load stays bounded by it. Unused for CPU destinations.
+        state_dict: tensors to load instead of files (with ``config``).
+        **model_kwargs: transformers' ``from_pretrained`` options (``revision``, ``torch_dtype``,
+            ``subfolder``...: each honoured with transformers' meaning or refused with
+            ``UnsupportedError``, see :mod:`fastload.hf.options`), then config overrides and
+            ``__init__`` arguments, as in transformers.
+
+    Returns:
+        The model, or ``(model, report)`` with ``output_loading_info=True``.
+    """
+    core: dict[str, Any] = {
+        "device": device,
+        "dtype": dtype,
+        "strict": strict,
+        "missing": missing,
+        "unexpected": unexpected,
+        "ignore_mismatched_sizes": ignore_mismatched_sizes,
+        "key_map": key_map,
+        "progress": progress,
+        "gradient_checkpointing": gradient_checkpointing,
+        "read_mode": read_mode,
+        "mmap": mmap,
+        "threads": threads,
+        "device_map": device_map,
+        "max_memory": max_memory,
+        "no_split_module_classes": no_split_module_classes,
+        "tp_plan": tp_plan,
+        "process_group": process_group,
+        "allow_pickle": allow_pickle,
+        "staging_bytes": staging_bytes,
+    }
+    if _hugging_face_call(model, path, state_dict, model_kwargs):
+        from fastload.hf.front import load_hf
+
+        module, report = load_hf(
+            model, path, config=config, state_dict=state_dict, core=core, kwargs=model_kwargs
+        )
+    else:
+        assert path is not None  # _hugging_face_call takes every call without one
+        module, report = load(plain_target(model, config, model_kwargs), path, **core)
+    return (module, report) if output_loading_info else module
+
+
+def _hugging_face_call(
+    model: Any, path: Any, state_dict: Any, model_kwargs: dict[str, Any]
+) -> bool:
+    """Whether the call needs the Hugging Face layer: a model id or directory instead of a
+    class, a transformers class or model, an Auto class, a path that is not local (a model id),
+    a state dict, or one of transformers' option names."""
+    if model is None or isinstance(model, (str, os.PathLike)) or path is None:
+        return True
+    if state_dict is not None or is_transformers_model(model) or _is_auto_class(model):
+        return True
+    if isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path)):
+        return "/" in os.fspath(path) and not os.path.isabs(os.fspath(path))
+    return False
+
+
+def _is_auto_class(obj: Any) -> bool:
+    factory = sys.modules.get("transformers.models.auto.auto_factory")
+    return (
+        factory is not None
+        and isinstance(obj, type)
+        and issubclass(obj, factory._BaseAutoModelClass)
+    )

@@ -1,0 +1,55 @@
+"""Leaving a loaded transformers model in the state transformers' ``from_pretrained`` leaves it.
+
+Tensors flagged as initialized (so a later ``initialize_weights`` keeps them), the generation
+config of the checkpoint directory (or the one the caller passed), and ``hf_device_map`` when a
+device map placed the model (pipelines, ``generate`` and PEFT read it).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from fastload.device_map import DeviceMap
+from fastload.skeleton import mark_initialized
+
+logger = logging.getLogger("fastload")
+
+
+def hf_device_map(device_map: DeviceMap) -> dict[str, int | str]:
+    """``{module prefix: device}`` as transformers and accelerate write it: CUDA devices by
+    index, other devices by type (``"cpu"``)."""
+    out: dict[str, int | str] = {}
+    for prefix, device in device_map.prefixes.items():
+        out[prefix] = (device.index or 0) if device.type == "cuda" else str(device)
+    return out
+
+
+def finish_transformers(
+    model: nn.Module,
+    *,
+    directory: Path | None,
+    load_generation_config: bool,
+    generation_config: Any = None,
+    device_map: DeviceMap | None = None,
+) -> None:
+    mark_initialized(model)
+    if device_map is not None:
+        model.hf_device_map = hf_device_map(device_map)
+    if generation_config is not None:
+        model.generation_config = generation_config
+        return
+    if not load_generation_config or directory is None:
+        return
+    generation = directory / "generation_config.json"
+    can_generate = getattr(model, "can_generate", None)
+    if generation.is_file() and callable(can_generate) and can_generate():
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(directory))
+        except Exception as e:  # the weights are fine: keep the config's generation defaults
+            logger.warning("%s: not used (%s: %s)", generation, type(e).__name__, e)

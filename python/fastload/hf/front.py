@@ -1,0 +1,169 @@
+"""A Hugging Face load, from a name to the core loader.
+
+1. transformers' options are sorted out (:mod:`fastload.hf.options`): hub arguments, core options
+   they map onto, config settings; an option fastload cannot honour is refused here, before
+   anything is read;
+2. the name (a model id or a path) is resolved to local files (:mod:`fastload.hf.hub`);
+3. the class and config are decided (:mod:`fastload.hf.auto`) and the skeleton is built the way
+   transformers builds it;
+4. the core loader (:func:`fastload.loading.load`) does the rest, with transformers' hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.errors import CheckpointError, FastloadError, RequestError
+from fastload.hf import hub as hubmod
+from fastload.hf.auto import is_auto_class, resolve_class
+from fastload.hf.hooks import TransformersHooks
+from fastload.hf.options import split_options
+from fastload.loading import Target, load, plain_target
+from fastload.report import LoadReport
+from fastload.skeleton import build_skeleton, is_transformers_model
+
+logger = logging.getLogger("fastload")
+
+
+def load_hf(
+    model: Any,
+    path: str | os.PathLike[str] | None,
+    *,
+    config: Any,
+    state_dict: Mapping[str, torch.Tensor] | None,
+    core: dict[str, Any],
+    kwargs: dict[str, Any],
+) -> tuple[nn.Module, LoadReport]:
+    """Loads a model named the Hugging Face way; ``core`` are the core loader's options, and
+    ``kwargs`` transformers' options and config / ``__init__`` arguments."""
+    start = time.perf_counter()
+    kwargs = dict(kwargs)
+    opts = split_options(kwargs)
+    for name, value in opts.core.items():
+        # transformers' spelling of a core option (torch_dtype, key_mapping): fastload's own
+        # spelling wins when both are given, as dtype wins over torch_dtype in transformers
+        unset = core.get(name) in (None, "auto", False) or (name == "read_mode")
+        if unset:
+            core[name] = value
+
+    # Call shapes: (None|class|Auto|module, path), ("org/name" or dir), legacy (arch dir, weights).
+    if isinstance(model, (str, os.PathLike)):
+        if path is None:
+            model, path = None, model
+        else:  # a directory (or its config.json) naming the architecture, weights elsewhere
+            arch = Path(os.fspath(model))
+            arch = arch.parent if arch.name == "config.json" else arch
+            if config is None:
+                config = arch
+            model = None
+    if state_dict is not None:
+        if path is not None:
+            raise RequestError("pass either a checkpoint path or state_dict=, not both")
+        if config is None:
+            raise RequestError("state_dict= needs config= to build the model from")
+    elif path is None:
+        raise RequestError("from_pretrained needs a model id or path (or config= and state_dict=)")
+
+    resolved = None
+    if path is not None:
+        resolved = hubmod.resolve_checkpoint(
+            path,
+            hub=opts.hub,
+            subfolder=opts.subfolder,
+            variant=opts.variant,
+            use_safetensors=opts.use_safetensors,
+            allow_pickle=bool(core.get("allow_pickle")),
+            remote_code=opts.trust_remote_code,
+        )
+    hooks = TransformersHooks(generation_config=opts.generation_config)
+
+    if isinstance(model, nn.Module):
+        if config is not None or kwargs:
+            raise RequestError(
+                "config and model keyword arguments only apply when fastload builds the model; "
+                f"got an already-built {type(model).__name__} (and {sorted(kwargs)})"
+            )
+        target = Target(module=model, hooks=hooks)
+    elif model is None or is_auto_class(model) or is_transformers_model(model):
+        source = resolved.directory if resolved is not None else config
+        cls, cfg, init_kwargs = resolve_class(
+            model,
+            config,
+            source,
+            kwargs,
+            trust_remote_code=opts.trust_remote_code,
+            code_revision=opts.code_revision,
+        )
+        _prepare_config(cfg, opts.config_attrs, init_kwargs, source)
+        cfg.name_or_path = os.fspath(path) if path is not None else cfg.name_or_path
+        target = Target(build=_builder(cls, cfg, init_kwargs), hooks=hooks)
+    else:  # any nn.Module class or factory, its checkpoint found by model id
+        target = plain_target(model, config, kwargs)
+
+    checkpoint: Any = state_dict if resolved is None else resolved.weights
+    seconds = {"resolve": time.perf_counter() - start}
+    return load(target, checkpoint, seconds=seconds, **core)
+
+
+def _prepare_config(
+    cfg: Any, attrs: dict[str, Any], init_kwargs: dict[str, Any], source: Any
+) -> None:
+    for name in ("attn_implementation", "experts_implementation"):
+        if name in init_kwargs:  # passed to a config that did not take it as an attribute
+            attrs[f"_{name}"] = init_kwargs.pop(name)
+    for name, value in attrs.items():
+        setattr(cfg, name, value)
+    # A legacy config key; transformers would switch checkpointing on from it. fastload never
+    # does: checkpointing is a run-time choice (gradient_checkpointing=True).
+    if "gradient_checkpointing" in cfg.__dict__:
+        if cfg.__dict__["gradient_checkpointing"]:
+            logger.warning(
+                "%s: the config's legacy 'gradient_checkpointing' key is ignored; pass "
+                "gradient_checkpointing=True to enable it",
+                Path(os.fspath(source)) / "config.json",
+            )
+        del cfg.__dict__["gradient_checkpointing"]
+
+
+def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:
+    def build(dtype: torch.dtype | None) -> nn.Module:
+        if dtype is not None:
+            # As transformers records it: the dtype the model was built in, sub-configs included.
+            cfg.dtype = dtype
+            for key in getattr(cfg, "sub_configs", None) or {}:
+                sub = getattr(cfg, key, None)
+                if sub is not None:
+                    sub.dtype = dtype
+        try:
+            return build_skeleton(
+                lambda: cls(cfg, **init_kwargs), dtype=dtype, transformers_model=True
+            )
+        except FastloadError:
+            raise
+        except TypeError:
+            if init_kwargs:  # the caller's own keyword arguments: a wrong argument
+                raise
+            raise _bad_config(cls, cfg) from None
+        except Exception:  # a config from a file that the model cannot be built from
+            raise _bad_config(cls, cfg) from None
+
+    return build
+
+
+def _bad_config(cls: type, cfg: Any) -> CheckpointError:
+    import sys
+
+    error = sys.exc_info()[1]
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return CheckpointError(
+        f"{cfg.name_or_path or 'config'}: {cls.__name__} cannot be built from this config "
+        f"({type(error).__name__}: {text})"
+    )

@@ -1,0 +1,132 @@
+"""Patch mode: transformers' own ``from_pretrained`` served by fastload, callers unchanged.
+
+:func:`patch_transformers` replaces ``PreTrainedModel.from_pretrained``; every model class and
+every path to it (``AutoModel*.from_pretrained`` calls it, and so do ``pipeline(model=...)`` and
+``SentenceTransformer(path)``) then loads through fastload. A call fastload cannot honour (an
+option it refuses, positional ``__init__`` arguments, a pickle checkpoint) goes to transformers'
+own implementation, with one log line saying why. The patch is undone by
+:func:`unpatch_transformers`, or at the end of ``with patch_transformers():``.
+
+What the caller gets is what transformers returns: the model, or ``(model, loading_info)`` with
+``output_loading_info=True`` where ``loading_info`` is the dict transformers returns
+(:meth:`LoadReport.to_dict`). The full :class:`~fastload.report.LoadReport` of the latest patched
+load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import TracebackType
+from typing import Any
+
+from fastload.errors import PickleRefusedError, UnsupportedError
+from fastload.report import LoadReport
+
+logger = logging.getLogger("fastload")
+
+_LOCK = threading.Lock()
+_original: Any = None  # the classmethod object patched over, while patched
+#: the report of the latest load served by fastload under the patch
+last_report: LoadReport | None = None
+
+
+class Patch:
+    """The handle :func:`patch_transformers` returns; as a context manager it undoes the patch
+    on exit (if this call installed it)."""
+
+    def __init__(self, installed: bool) -> None:
+        self.installed = installed
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.installed:
+            unpatch_transformers()
+
+
+def is_patched() -> bool:
+    """Whether ``PreTrainedModel.from_pretrained`` is fastload's."""
+    return _original is not None
+
+
+def patch_transformers() -> Patch:
+    """Routes ``transformers.PreTrainedModel.from_pretrained`` through fastload (idempotent)."""
+    global _original
+    from transformers.modeling_utils import PreTrainedModel
+
+    with _LOCK:
+        if _original is not None:
+            return Patch(installed=False)
+        _original = PreTrainedModel.__dict__["from_pretrained"]
+        PreTrainedModel.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]
+    return Patch(installed=True)
+
+
+def unpatch_transformers() -> None:
+    """Puts transformers' own ``from_pretrained`` back (nothing happens if it is not patched)."""
+    global _original
+    from transformers.modeling_utils import PreTrainedModel
+
+    with _LOCK:
+        if _original is None:
+            return
+        PreTrainedModel.from_pretrained = _original  # type: ignore[method-assign]
+        _original = None
+
+
+def _transformers_own(cls: type, name: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    original = _original if _original is not None else None
+    if original is None:  # unpatched meanwhile: the class's own method is transformers'
+        return cls.from_pretrained(name, *args, **kwargs)  # type: ignore[attr-defined]
+    return original.__func__(cls, name, *args, **kwargs)
+
+
+def _from_pretrained(
+    cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
+) -> Any:
+    global last_report
+    if args:
+        reason = "positional __init__ arguments"
+    elif pretrained_model_name_or_path is None and kwargs.get("state_dict") is None:
+        reason = "no model name or state_dict"
+    else:
+        from fastload.hf.front import load_hf
+
+        options = dict(kwargs)
+        info = bool(options.pop("output_loading_info", False))
+        config = options.pop("config", None)
+        state_dict = options.pop("state_dict", None)
+        core: dict[str, Any] = {}
+        try:
+            model, report = load_hf(
+                cls,
+                pretrained_model_name_or_path,
+                config=config,
+                state_dict=state_dict,
+                core=core,
+                kwargs=options,
+            )
+        except (UnsupportedError, PickleRefusedError) as e:
+            reason = str(e)
+        else:
+            last_report = report
+            logger.info(
+                "fastload served %s.from_pretrained(%r)",
+                cls.__name__,
+                pretrained_model_name_or_path,
+            )
+            return (model, report.to_dict()) if info else model
+    logger.warning(
+        "fastload: %s.from_pretrained(%r) is left to transformers: %s",
+        cls.__name__,
+        pretrained_model_name_or_path,
+        reason,
+    )
+    return _transformers_own(cls, pretrained_model_name_or_path, args, kwargs)
