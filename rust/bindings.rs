@@ -16,6 +16,15 @@ use crate::write::{self, Source};
 
 /// Raises `err` as the matching `fastload.errors` class, prefixed with the file name.
 fn to_py(py: Python<'_>, path: &std::path::Path, err: Error) -> PyErr {
+    if let Error::Os { errno, detail } = &err {
+        // The OSError subclass of the errno (FileNotFoundError ...), built by fastload.errors.
+        let made = py
+            .import("fastload.errors")
+            .and_then(|m| m.getattr("os_error"))
+            .and_then(|f| f.call1((path.display().to_string(), *errno, detail.clone())))
+            .map(PyErr::from_value);
+        return made.unwrap_or_else(|e| e);
+    }
     let class = match &err {
         Error::UnknownTensor { .. } => "TensorNotFoundError",
         Error::UnsupportedConversion { .. } => "UnsupportedError",
@@ -66,14 +75,33 @@ struct PySafetensorsFile {
 
 #[pymethods]
 impl PySafetensorsFile {
+    /// Opens `path`; `strict` also refuses what only strict reading refuses
+    /// (see `Header::strict_violation`).
     #[new]
-    #[pyo3(signature = (path, mode = "pread"))]
-    fn new(py: Python<'_>, path: PathBuf, mode: &str) -> PyResult<Self> {
+    #[pyo3(signature = (path, mode = "pread", *, strict = false))]
+    fn new(py: Python<'_>, path: PathBuf, mode: &str, strict: bool) -> PyResult<Self> {
         let read_mode = ReadMode::parse(mode).ok_or_else(|| {
             PyValueError::new_err(format!("mode must be 'pread' or 'mmap', got '{mode}'"))
         })?;
         let opened = py.detach(|| SafetensorsFile::open(&path, read_mode));
-        let inner = opened.map_err(|e| to_py(py, &path, e))?;
+        let inner = opened
+            .and_then(|f| check_strict(f, strict))
+            .map_err(|e| to_py(py, &path, e))?;
+        Ok(PySafetensorsFile {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Validates a whole file held in `data` (`safetensors.torch.load`); `label` stands for the
+    /// path in messages.
+    #[staticmethod]
+    #[pyo3(signature = (label, data, *, strict = false))]
+    fn from_bytes(py: Python<'_>, label: PathBuf, data: &[u8], strict: bool) -> PyResult<Self> {
+        let data = data.to_vec();
+        let opened = py.detach(|| SafetensorsFile::from_bytes(label.clone(), data));
+        let inner = opened
+            .and_then(|f| check_strict(f, strict))
+            .map_err(|e| to_py(py, &label, e))?;
         Ok(PySafetensorsFile {
             inner: Arc::new(inner),
         })
@@ -239,6 +267,14 @@ impl PySafetensorsFile {
     }
 }
 
+/// `file`, unless `strict` and its header has something only strict reading refuses.
+fn check_strict(file: SafetensorsFile, strict: bool) -> Result<SafetensorsFile, Error> {
+    match file.header().strict_violation() {
+        Some(e) if strict => Err(e.clone()),
+        _ => Ok(file),
+    }
+}
+
 struct SendPlan(copy::Plan);
 // SAFETY: a Plan holds destination addresses that the caller guarantees valid during the call.
 unsafe impl Send for SendPlan {}
@@ -256,6 +292,35 @@ fn write_file(
     metadata: Option<HashMap<String, String>>,
     threads: Option<usize>,
 ) -> PyResult<u64> {
+    let sources = sources_of(tensors)?;
+    let meta = sorted_metadata(metadata);
+    let sources = SendSources(sources);
+    let p = path.clone();
+    // SAFETY: the Python caller keeps the source tensors alive during the call.
+    let done = py.detach(move || {
+        let s = sources;
+        unsafe { write::write_file(&p, &s.0, meta.as_deref(), threads) }
+    });
+    done.map_err(|e| to_py(py, &path, e))
+}
+
+/// The safetensors bytes of `tensors` (a file's whole content, built in memory).
+#[pyfunction]
+#[pyo3(signature = (tensors, metadata = None))]
+fn serialize<'py>(
+    py: Python<'py>,
+    tensors: Vec<SourceSpec>,
+    metadata: Option<HashMap<String, String>>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let sources = sources_of(tensors)?;
+    let meta = sorted_metadata(metadata);
+    // SAFETY: the Python caller keeps the source tensors alive during the call.
+    let bytes = unsafe { write::serialize(&sources, meta.as_deref()) }
+        .map_err(|e| to_py(py, std::path::Path::new("<bytes>"), e))?;
+    Ok(pyo3::types::PyBytes::new(py, &bytes))
+}
+
+fn sources_of(tensors: Vec<SourceSpec>) -> PyResult<Vec<Source>> {
     let mut sources = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, ptr, len) in tensors {
         let dtype = parse_dtype(&dtype)?;
@@ -267,18 +332,15 @@ fn write_file(
             len,
         });
     }
+    Ok(sources)
+}
+
+fn sorted_metadata(metadata: Option<HashMap<String, String>>) -> Option<Vec<(String, String)>> {
     let mut meta: Option<Vec<(String, String)>> = metadata.map(|m| m.into_iter().collect());
     if let Some(m) = meta.as_mut() {
         m.sort();
     }
-    let sources = SendSources(sources);
-    let p = path.clone();
-    // SAFETY: the Python caller keeps the source tensors alive during the call.
-    let done = py.detach(move || {
-        let s = sources;
-        unsafe { write::write_file(&p, &s.0, meta.as_deref(), threads) }
-    });
-    done.map_err(|e| to_py(py, &path, e))
+    meta
 }
 
 struct SendSources(Vec<Source>);
@@ -287,9 +349,11 @@ unsafe impl Send for SendSources {}
 
 /// Validates a whole file without reading tensor data; returns the number of tensors.
 #[pyfunction]
-fn validate(py: Python<'_>, path: PathBuf) -> PyResult<usize> {
+#[pyo3(signature = (path, *, strict = false))]
+fn validate(py: Python<'_>, path: PathBuf, strict: bool) -> PyResult<usize> {
     let opened = py.detach(|| SafetensorsFile::open(&path, ReadMode::Pread));
     opened
+        .and_then(|f| check_strict(f, strict))
         .map(|f| f.header().tensors().len())
         .map_err(|e| to_py(py, &path, e))
 }
@@ -310,6 +374,7 @@ fn default_threads() -> usize {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
+    m.add_function(wrap_pyfunction!(serialize, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;

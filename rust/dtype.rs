@@ -17,6 +17,9 @@ pub enum Dtype {
     F8E5M2,
     F8E4M3,
     F8E8M0,
+    /// AMD's fp8 variants (finite, no negative zero, unsigned-zero NaN).
+    F8E4M3FNUZ,
+    F8E5M2FNUZ,
     I16,
     U16,
     F16,
@@ -31,7 +34,7 @@ pub enum Dtype {
 }
 
 /// Every dtype, in the order of the safetensors specification.
-pub const ALL_DTYPES: [Dtype; 20] = [
+pub const ALL_DTYPES: [Dtype; 22] = [
     Dtype::Bool,
     Dtype::F4,
     Dtype::F6E2M3,
@@ -41,6 +44,8 @@ pub const ALL_DTYPES: [Dtype; 20] = [
     Dtype::F8E5M2,
     Dtype::F8E4M3,
     Dtype::F8E8M0,
+    Dtype::F8E4M3FNUZ,
+    Dtype::F8E5M2FNUZ,
     Dtype::I16,
     Dtype::U16,
     Dtype::F16,
@@ -67,6 +72,8 @@ impl Dtype {
             Dtype::F8E5M2 => "F8_E5M2",
             Dtype::F8E4M3 => "F8_E4M3",
             Dtype::F8E8M0 => "F8_E8M0",
+            Dtype::F8E4M3FNUZ => "F8_E4M3FNUZ",
+            Dtype::F8E5M2FNUZ => "F8_E5M2FNUZ",
             Dtype::I16 => "I16",
             Dtype::U16 => "U16",
             Dtype::F16 => "F16",
@@ -93,6 +100,7 @@ impl Dtype {
             Dtype::F6E2M3 | Dtype::F6E3M2 => 6,
             Dtype::Bool | Dtype::U8 | Dtype::I8 => 8,
             Dtype::F8E5M2 | Dtype::F8E4M3 | Dtype::F8E8M0 => 8,
+            Dtype::F8E4M3FNUZ | Dtype::F8E5M2FNUZ => 8,
             Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 16,
             Dtype::I32 | Dtype::U32 | Dtype::F32 => 32,
             Dtype::C64 | Dtype::F64 | Dtype::I64 | Dtype::U64 => 64,
@@ -135,6 +143,8 @@ mod tests {
         }
         assert_eq!(Dtype::parse("bf16"), None);
         assert_eq!(Dtype::parse("F128"), None);
+        assert_eq!(Dtype::parse("F8_E4M3FNUZ"), Some(Dtype::F8E4M3FNUZ));
+        assert_eq!(Dtype::F8E5M2FNUZ.bits(), 8);
     }
 
     #[test]

@@ -83,6 +83,11 @@ pub enum Error {
     FileShrunk { expected: u64, actual: u64 },
     /// An operating-system error.
     Io { detail: String },
+    /// An operating-system error with its `errno` (the bindings raise the matching `OSError`
+    /// subclass, e.g. `FileNotFoundError` for `ENOENT`).
+    Os { errno: i32, detail: String },
+    /// The file is not in the safetensors format; `looks_like` says what its first bytes suggest.
+    NotSafetensors { looks_like: String },
 }
 
 impl Error {
@@ -113,7 +118,8 @@ impl Error {
             Error::UnsupportedConversion { .. } => "unsupported-conversion",
             Error::InvalidSelection { .. } => "invalid-selection",
             Error::FileShrunk { .. } => "file-shrunk",
-            Error::Io { .. } => "io",
+            Error::Io { .. } | Error::Os { .. } => "io",
+            Error::NotSafetensors { .. } => "not-safetensors",
         }
     }
 
@@ -129,6 +135,7 @@ impl Error {
                 | Error::UnsupportedConversion { .. }
                 | Error::InvalidSelection { .. }
                 | Error::Io { .. }
+                | Error::Os { .. }
         )
     }
 }
@@ -208,7 +215,10 @@ impl fmt::Display for Error {
                 f,
                 "file changed on disk while loading: expected {expected} bytes, found {actual}"
             ),
-            Error::Io { detail } => write!(f, "I/O error: {detail}"),
+            Error::Io { detail } | Error::Os { detail, .. } => write!(f, "I/O error: {detail}"),
+            Error::NotSafetensors { looks_like } => {
+                write!(f, "not a safetensors file: it looks like {looks_like}")
+            }
         }
     }
 }
@@ -217,8 +227,14 @@ impl std::error::Error for Error {}
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
-        Error::Io {
-            detail: e.to_string(),
+        match e.raw_os_error() {
+            Some(errno) => Error::Os {
+                errno,
+                detail: e.to_string(),
+            },
+            None => Error::Io {
+                detail: e.to_string(),
+            },
         }
     }
 }

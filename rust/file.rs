@@ -15,6 +15,7 @@ use memmap2::{Advice, Mmap};
 
 use crate::error::{Error, Result};
 use crate::header::{parse_buffer, parse_header, read_header_len, Header, LEN_PREFIX};
+use crate::sniff;
 
 /// How tensor bytes are read from the file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,10 +69,9 @@ impl SafetensorsFile {
         let file = File::open(path)?;
         let len = file.metadata()?.len();
         let mut prefix = [0u8; LEN_PREFIX as usize];
-        if len >= LEN_PREFIX {
-            read_exact_at(&file, &mut prefix, 0, len)?;
-        }
-        let n = read_header_len(&prefix, len)?;
+        let head = len.min(LEN_PREFIX) as usize;
+        read_exact_at(&file, &mut prefix[..head], 0, len)?;
+        let n = read_header_len(&prefix, len).map_err(|e| sniff::explain(e, &prefix[..head]))?;
         let mut json = vec![0u8; n as usize];
         read_exact_at(&file, &mut json, LEN_PREFIX, len)?;
         let header = parse_header(&json, len)?;
@@ -108,7 +108,8 @@ impl SafetensorsFile {
     /// in-place read path); planning and copying are the same as for a file on disk, which is
     /// what lets tests and the fuzzers drive the copy engine without touching the disk.
     pub fn from_bytes(label: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
-        let header = parse_buffer(&bytes)?;
+        let head = &bytes[..bytes.len().min(LEN_PREFIX as usize)];
+        let header = parse_buffer(&bytes).map_err(|e| sniff::explain(e, head))?;
         Ok(SafetensorsFile {
             path: label.into(),
             len: bytes.len() as u64,

@@ -50,6 +50,8 @@ pub struct Header {
     tensors: Vec<TensorInfo>,
     by_name: HashMap<String, usize>,
     metadata: Option<Vec<(String, String)>>,
+    /// The first thing that only strict reading refuses (see [`Header::strict_violation`]).
+    strict_violation: Option<Error>,
     /// Length of the JSON part.
     pub json_len: u64,
 }
@@ -80,6 +82,13 @@ impl Header {
     /// Absolute file offset of the data section.
     pub fn data_start(&self) -> u64 {
         LEN_PREFIX + self.json_len
+    }
+
+    /// What a strict reader refuses in this header, which the default reading accepts as the
+    /// safetensors crate does: an unknown field in a tensor entry (ignored) or
+    /// `"__metadata__": null` (no metadata). Neither can make two readers disagree on a tensor.
+    pub fn strict_violation(&self) -> Option<&Error> {
+        self.strict_violation.as_ref()
     }
 }
 
@@ -121,19 +130,26 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
     let mut by_name = HashMap::with_capacity(entries.len());
     let mut metadata = None;
     let mut seen_metadata = false;
+    let mut strict_violation = None;
     for (name, value) in entries {
         if name == "__metadata__" {
             if seen_metadata {
                 return Err(Error::DuplicateName { tensor: name });
             }
             seen_metadata = true;
+            if matches!(value, Entry::Other(Value::Null)) {
+                strict_violation.get_or_insert(Error::InvalidMetadata {
+                    detail: "is null (strict reading wants an object or no __metadata__)".into(),
+                });
+                continue;
+            }
             metadata = Some(parse_metadata(value)?);
             continue;
         }
         if by_name.contains_key(&name) {
             return Err(Error::DuplicateName { tensor: name });
         }
-        let info = parse_tensor(name, value, data_len)?;
+        let info = parse_tensor(name, value, data_len, &mut strict_violation)?;
         by_name.insert(info.name.clone(), tensors.len());
         tensors.push(info);
     }
@@ -142,6 +158,7 @@ pub fn parse_header(json: &[u8], file_len: u64) -> Result<Header> {
         tensors,
         by_name,
         metadata,
+        strict_violation,
         json_len,
     })
 }
@@ -303,7 +320,12 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
-fn parse_tensor(name: String, value: Entry, data_len: u64) -> Result<TensorInfo> {
+fn parse_tensor(
+    name: String,
+    value: Entry,
+    data_len: u64,
+    strict_violation: &mut Option<Error>,
+) -> Result<TensorInfo> {
     let entry_err = |detail: String| Error::InvalidTensorEntry {
         tensor: name.clone(),
         detail,
@@ -317,7 +339,9 @@ fn parse_tensor(name: String, value: Entry, data_len: u64) -> Result<TensorInfo>
     let mut obj = serde_json::Map::new();
     for (field, v) in fields {
         if !matches!(field.as_str(), "dtype" | "shape" | "data_offsets") {
-            return Err(entry_err(format!("unknown field '{field}'")));
+            // Ignored, as the safetensors crate does; only strict reading refuses it.
+            strict_violation.get_or_insert_with(|| entry_err(format!("unknown field '{field}'")));
+            continue;
         }
         if obj.insert(field.clone(), v).is_some() {
             return Err(entry_err(format!("field '{field}' appears twice")));
@@ -452,18 +476,23 @@ pub fn build_header(
     tensors: &[(String, Dtype, Vec<u64>)],
     metadata: Option<&[(String, String)]>,
 ) -> Result<BuiltHeader> {
-    let mut obj = serde_json::Map::new();
+    // Written by hand rather than through a JSON map so that the bytes are those of the
+    // safetensors writer: `__metadata__` first, tensors in the given order, fields in the order
+    // dtype, shape, data_offsets.
+    let quote = |s: &str| serde_json::to_string(s).expect("a string always serializes");
+    let mut parts = Vec::with_capacity(tensors.len() + 1);
     if let Some(meta) = metadata {
-        let m: serde_json::Map<String, Value> = meta
+        let m: Vec<String> = meta
             .iter()
-            .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+            .map(|(k, v)| format!("{}:{}", quote(k), quote(v)))
             .collect();
-        obj.insert("__metadata__".into(), Value::Object(m));
+        parts.push(format!("\"__metadata__\":{{{}}}", m.join(",")));
     }
+    let mut seen = std::collections::HashSet::with_capacity(tensors.len());
     let mut offsets = Vec::with_capacity(tensors.len());
     let mut pos = 0u64;
     for (name, dtype, shape) in tensors {
-        if name == "__metadata__" || obj.contains_key(name) {
+        if name == "__metadata__" || !seen.insert(name.as_str()) {
             return Err(Error::DuplicateName {
                 tensor: name.clone(),
             });
@@ -475,17 +504,21 @@ pub fn build_header(
                 tensor: name.clone(),
                 detail: format!("{shape:?} of {dtype} overflows or is not whole bytes"),
             })?;
-        let end = pos + nbytes;
-        obj.insert(
-            name.clone(),
-            serde_json::json!({"dtype": dtype.name(), "shape": shape, "data_offsets": [pos, end]}),
-        );
+        let end = pos.checked_add(nbytes).ok_or_else(|| Error::InvalidShape {
+            tensor: name.clone(),
+            detail: "the tensors' total size overflows".into(),
+        })?;
+        let dims: Vec<String> = shape.iter().map(u64::to_string).collect();
+        parts.push(format!(
+            "{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{pos},{end}]}}",
+            quote(name),
+            dtype.name(),
+            dims.join(",")
+        ));
         offsets.push((pos, end));
         pos = end;
     }
-    let mut json = serde_json::to_vec(&Value::Object(obj)).map_err(|e| Error::InvalidJson {
-        detail: e.to_string(),
-    })?;
+    let mut json = format!("{{{}}}", parts.join(",")).into_bytes();
     while json.len() % 8 != 0 {
         json.push(b' ');
     }
@@ -571,16 +604,9 @@ mod tests {
     }
 
     #[test]
-    fn rejects_entries_with_missing_unknown_or_mistyped_fields() {
+    fn rejects_entries_with_missing_or_mistyped_fields() {
         assert_eq!(
             rule(&file(r#"{"a":{"dtype":"F32","shape":[1]}}"#, 4)),
-            "invalid-tensor-entry"
-        );
-        assert_eq!(
-            rule(&file(
-                r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#,
-                4
-            )),
             "invalid-tensor-entry"
         );
         assert_eq!(rule(&file(r#"{"a":3}"#, 0)), "invalid-tensor-entry");
@@ -598,6 +624,29 @@ mod tests {
             )),
             "invalid-tensor-entry"
         );
+    }
+
+    #[test]
+    fn accepts_unknown_entry_fields_and_null_metadata_but_notes_them_for_strict_reading() {
+        let h = parse_buffer(&file(
+            r#"{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}"#,
+            4,
+        ))
+        .unwrap();
+        assert_eq!(h.get("a").unwrap().shape, vec![1]);
+        let v = h.strict_violation().unwrap();
+        assert_eq!(v.rule(), "invalid-tensor-entry");
+        assert!(v.to_string().contains("unknown field 'x'"));
+
+        let h = parse_buffer(&file(r#"{"__metadata__":null}"#, 0)).unwrap();
+        assert!(h.metadata().is_none());
+        assert_eq!(h.strict_violation().unwrap().rule(), "invalid-metadata");
+
+        let ok = r#"{"__metadata__":{},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}"#;
+        assert!(parse_buffer(&file(ok, 4))
+            .unwrap()
+            .strict_violation()
+            .is_none());
     }
 
     #[test]
@@ -756,5 +805,18 @@ mod tests {
         assert_eq!(h.get("w").unwrap().begin, 0);
         assert_eq!(h.get("b").unwrap().end, 26);
         assert!(build_header(&[tensors[0].clone(), tensors[0].clone()], None).is_err());
+    }
+
+    #[test]
+    fn built_headers_are_byte_identical_to_the_safetensors_writer() {
+        let tensors = vec![("test1".to_string(), Dtype::I32, vec![2, 2])];
+        let meta = [("framework".to_string(), "pt".to_string())];
+        let (prefix, _) = build_header(&tensors, Some(&meta)).unwrap();
+        let json = r#"{"__metadata__":{"framework":"pt"},"test1":{"dtype":"I32","shape":[2,2],"data_offsets":[0,16]}}"#;
+        assert_eq!(&prefix[..8], &96u64.to_le_bytes());
+        assert_eq!(
+            std::str::from_utf8(&prefix[8..]).unwrap(),
+            format!("{json} ")
+        );
     }
 }

@@ -5,6 +5,7 @@
 //! One module per concern:
 //! * [`dtype`]: the element types of the format.
 //! * [`header`]: parsing and validating the header.
+//! * [`sniff`]: naming the format of a file that is not safetensors.
 //! * [`file`]: opening a file and reading its bytes (pread or mmap).
 //! * [`convert`]: F32 / F16 / BF16 / F64 conversion.
 //! * [`copy`]: planning and running the parallel copy.
@@ -19,6 +20,7 @@ pub mod error;
 pub mod file;
 pub mod header;
 pub mod readahead;
+pub mod sniff;
 pub mod write;
 
 #[cfg(feature = "python")]

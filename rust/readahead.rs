@@ -143,6 +143,7 @@ pub fn populate(
             // them from Rust and fails (does not fault) on an unmapped range.
             let rc = unsafe { libc::madvise(s as *mut libc::c_void, l, libc::MADV_POPULATE_READ) };
             if rc == 0 {
+                touch(s, l);
                 return Ok(l as u64);
             }
             let err = std::io::Error::last_os_error();
@@ -165,6 +166,19 @@ pub fn populate(
     {
         let _ = (file, addr, offset, len, threads);
         Ok(0)
+    }
+}
+
+/// Reads one byte of every page of `[s, s + l)`, just populated: under a hypervisor the guest's
+/// first access to a page the disk was just read into still costs a trap to the host (no guest
+/// page fault; ~1-2 us per page, 0.2-0.6 s per GiB measured here), and paying it here, while the
+/// other threads' reads are in flight, hides it behind the disk instead of the first forward pass.
+#[cfg(target_os = "linux")]
+fn touch(s: usize, l: usize) {
+    for page in (s..s + l).step_by(4096) {
+        // SAFETY: MADV_POPULATE_READ just succeeded on this range, so it is mapped readable and
+        // its pages are present; volatile so the read is not optimized away.
+        unsafe { std::ptr::read_volatile(page as *const u8) };
     }
 }
 

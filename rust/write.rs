@@ -49,22 +49,7 @@ pub unsafe fn write_file(
     let (prefix, offsets) = build_header(&spec, metadata)?;
     let mut pieces = Vec::new();
     for (s, &(begin, end)) in sources.iter().zip(&offsets) {
-        if end - begin != s.len as u64 {
-            return Err(Error::InvalidSource {
-                tensor: s.name.clone(),
-                detail: format!(
-                    "its shape and dtype need {} bytes but {} were given",
-                    end - begin,
-                    s.len
-                ),
-            });
-        }
-        if s.len > 0 && s.ptr.is_null() {
-            return Err(Error::InvalidSource {
-                tensor: s.name.clone(),
-                detail: "its data pointer is null".into(),
-            });
-        }
+        check_source(s, end - begin)?;
         let mut done = 0u64;
         while done < s.len as u64 {
             let k = CHUNK.min(s.len as u64 - done);
@@ -93,6 +78,52 @@ pub unsafe fn write_file(
     }
     file.sync_all()?;
     Ok(total)
+}
+
+/// The whole file as bytes (`safetensors.torch.save`): header, then each source's bytes.
+///
+/// # Safety
+/// Every source must be valid for reads of `len` bytes until this returns.
+pub unsafe fn serialize(
+    sources: &[Source],
+    metadata: Option<&[(String, String)]>,
+) -> Result<Vec<u8>> {
+    let spec: Vec<(String, Dtype, Vec<u64>)> = sources
+        .iter()
+        .map(|s| (s.name.clone(), s.dtype, s.shape.clone()))
+        .collect();
+    let (prefix, offsets) = build_header(&spec, metadata)?;
+    let data_len = offsets.last().map_or(0, |o| o.1) as usize;
+    let mut out = Vec::with_capacity(prefix.len() + data_len);
+    out.extend_from_slice(&prefix);
+    for (s, &(begin, end)) in sources.iter().zip(&offsets) {
+        check_source(s, end - begin)?;
+        if s.len > 0 {
+            // SAFETY: the caller guarantees the source is readable for its length.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(s.ptr, s.len) });
+        }
+    }
+    Ok(out)
+}
+
+/// A source must hold exactly the bytes its shape and dtype need, from a non-null pointer.
+fn check_source(s: &Source, expected: u64) -> Result<()> {
+    if expected != s.len as u64 {
+        return Err(Error::InvalidSource {
+            tensor: s.name.clone(),
+            detail: format!(
+                "its shape and dtype need {expected} bytes but {} were given",
+                s.len
+            ),
+        });
+    }
+    if s.len > 0 && s.ptr.is_null() {
+        return Err(Error::InvalidSource {
+            tensor: s.name.clone(),
+            detail: "its data pointer is null".into(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -155,6 +186,23 @@ mod tests {
             "io"
         );
         std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn serialized_bytes_parse_back_with_the_data_in_place() {
+        let a = [1u8, 2, 3, 4];
+        let s = [Source {
+            name: "a".into(),
+            dtype: Dtype::U8,
+            shape: vec![2, 2],
+            ptr: a.as_ptr(),
+            len: 4,
+        }];
+        let bytes = unsafe { serialize(&s, None) }.unwrap();
+        let f = SafetensorsFile::from_bytes("mem", bytes.clone()).unwrap();
+        let start = f.header().data_start() as usize;
+        assert_eq!(&bytes[start..], &a);
+        assert_eq!(f.header().get("a").unwrap().shape, vec![2, 2]);
     }
 
     #[test]

@@ -2,7 +2,10 @@
 
 Each case is written from bytes built here (no safetensors writer involved, so the corpus can hold
 what no writer would produce) and names the rule of the Rust core's validation that must reject
-it: the ``[rule-name]`` that ``fastload.CheckpointError`` messages carry.
+it: the ``[rule-name]`` that ``fastload.CheckpointError`` messages carry. A case marked
+``strict_only`` is a file the safetensors crate reads (an unknown entry field, null metadata):
+fastload reads it by default too and refuses it only when asked to read strictly
+(``strict=True``).
 
 Importable (``write_corpus(directory)`` -> ``[(name, path, rule)]``) and runnable as a script::
 
@@ -48,6 +51,7 @@ class Case:
     rule: str
     build: Callable[[], bytes]
     description: str
+    strict_only: bool = False
 
 
 CASES: list[Case] = [
@@ -178,6 +182,26 @@ CASES: list[Case] = [
         "invalid-tensor-entry",
         lambda: _file({"a": {**_A, "device": "cuda"}, "b": _B}),
         "an extra 'device' field",
+        strict_only=True,
+    ),
+    Case(
+        "metadata-null",
+        "invalid-metadata",
+        lambda: _file({"__metadata__": None, "a": _A, "b": _B}),
+        "__metadata__ is null",
+        strict_only=True,
+    ),
+    Case(
+        "json-config-as-weights",
+        "not-safetensors",
+        lambda: json.dumps({"architectures": ["BertModel"], "hidden_size": 32}).encode(),
+        "a config.json passed as the weights file",
+    ),
+    Case(
+        "zip-checkpoint-as-weights",
+        "not-safetensors",
+        lambda: b"PK\x03\x04" + bytes(60),
+        "a torch.save zip archive passed as a safetensors file",
     ),
     Case(
         "entry-not-an-object",

@@ -229,11 +229,11 @@ def test_every_subcommand_has_help(command: str) -> None:
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["inspect", "no/such/file.safetensors"], "no such file"),
-        (["verify", "no/such/dir"], "no such file"),
+        (["inspect", "no/such/file.safetensors"], "No such file or directory"),
+        (["verify", "no/such/dir"], "No such file or directory"),
         (["inspect"], "required"),
         (["frobnicate"], "invalid choice"),
-        (["convert", "no/such.bin", "out"], "no such file"),
+        (["convert", "no/such.bin", "out"], "No such file or directory"),
         (["bench", "--loaders", "nope"], "unknown loader"),
     ],
 )

@@ -28,13 +28,19 @@ from fastload.errors import CheckpointError
 CASES = {case.name: case for case in malformed_corpus.CASES}
 RULES = sorted({case.rule for case in malformed_corpus.CASES})
 
+# Cases that only strict reading refuses (the safetensors crate reads them).
+STRICT_ONLY = [case.name for case in malformed_corpus.CASES if case.strict_only]
+ALWAYS_REFUSED = [case.name for case in malformed_corpus.CASES if not case.strict_only]
+
 # The ways a caller can open a file with fastload; each must refuse a malformed one.
-ENTRY_POINTS: dict[str, Callable[[str], object]] = {
-    "load_file": fastload.load_file,
-    "load_file-mmap": lambda path: fastload.load_file(path, read_mode="mmap"),
-    "safe_open": lambda path: fastload.safe_open(path),
-    "safe_open-mmap": lambda path: fastload.safe_open(path, read_mode="mmap"),
-    "validate": _core.validate,
+ENTRY_POINTS: dict[str, Callable[[str, bool], object]] = {
+    "load_file": lambda path, strict: fastload.load_file(path, strict=strict),
+    "load_file-mmap": lambda path, strict: fastload.load_file(
+        path, read_mode="mmap", strict=strict
+    ),
+    "safe_open": lambda path, strict: fastload.safe_open(path, strict=strict),
+    "safe_open-mmap": lambda path, strict: fastload.safe_open(path, backend="mmap", strict=strict),
+    "validate": lambda path, strict: _core.validate(path, strict=strict),
 }
 
 # Every rule of the core's header validation that a file alone can break.
@@ -56,6 +62,7 @@ FILE_RULES = {
     "gap",
     "trailing-bytes",
     "invalid-metadata",
+    "not-safetensors",
 }
 
 
@@ -73,9 +80,9 @@ def _rule_of(message: str) -> str:
     return found.group(1)
 
 
-def _refusal(entry: str, path: Path) -> CheckpointError:
+def _refusal(entry: str, path: Path, strict: bool = True) -> CheckpointError:
     with pytest.raises(CheckpointError) as info:
-        ENTRY_POINTS[entry](str(path))
+        ENTRY_POINTS[entry](str(path), strict)
     return info.value
 
 
@@ -84,7 +91,7 @@ def _refusal(entry: str, path: Path) -> CheckpointError:
 def test_malformed_file_is_refused_with_a_checkpoint_error_naming_file_and_rule(
     corpus: dict[str, Path], name: str, entry: str
 ) -> None:
-    err = _refusal(entry, corpus[name])
+    err = _refusal(entry, corpus[name], strict=CASES[name].strict_only)
     assert type(err) is CheckpointError
     assert isinstance(err, ValueError)
     message = str(err)
@@ -96,6 +103,29 @@ def test_malformed_file_is_refused_with_a_checkpoint_error_naming_file_and_rule(
 def test_each_rule_is_reported_by_its_exact_name(corpus: dict[str, Path], rule: str) -> None:
     for case in (c for c in malformed_corpus.CASES if c.rule == rule):
         assert _rule_of(str(_refusal("load_file", corpus[case.name]))) == rule, case.name
+
+
+@pytest.mark.parametrize("name", STRICT_ONLY)
+def test_a_file_only_strict_reading_refuses_loads_by_default_as_safetensors_loads_it(
+    corpus: dict[str, Path], name: str
+) -> None:
+    from safetensors import safe_open as st_safe_open
+    from safetensors.torch import load_file as st_load_file
+
+    ours = fastload.load_file(corpus[name])
+    theirs = st_load_file(str(corpus[name]))
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    with fastload.safe_open(corpus[name]) as f, st_safe_open(str(corpus[name]), "pt") as g:
+        assert f.metadata() == g.metadata()
+
+
+def test_a_config_json_passed_as_weights_is_called_json_not_a_huge_header(
+    corpus: dict[str, Path],
+) -> None:
+    message = str(_refusal("load_file", corpus["json-config-as-weights"]))
+    assert "[not-safetensors]" in message and "JSON" in message
+    assert "header length" not in message
 
 
 def test_the_corpus_breaks_every_file_rule_of_the_core() -> None:
@@ -161,7 +191,7 @@ def _assert_unchanged(module: nn.Module, before: dict[str, torch.Tensor]) -> Non
         assert torch.equal(after[name], tensor), name
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ALWAYS_REFUSED)
 def test_from_pretrained_refuses_the_malformed_file_and_leaves_the_callers_module_unchanged(
     corpus: dict[str, Path], name: str
 ) -> None:
@@ -175,7 +205,7 @@ def test_from_pretrained_refuses_the_malformed_file_and_leaves_the_callers_modul
     _assert_unchanged(module, before)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", ALWAYS_REFUSED)
 def test_from_pretrained_refuses_the_malformed_file_when_it_builds_the_model(
     corpus: dict[str, Path], name: str
 ) -> None:

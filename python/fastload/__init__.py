@@ -12,10 +12,17 @@ from typing import TYPE_CHECKING, Any
 from fastload.errors import (
     CheckpointError,
     FastloadError,
+    FastloadFileNotFoundError,
     FastloadIOError,
+    FastloadIsADirectoryError,
+    FastloadNotADirectoryError,
+    FastloadPermissionError,
+    ModelMismatchError,
     PickleRefusedError,
     RequestError,
+    SafetensorError,
     TensorNotFoundError,
+    TensorRefusedError,
     UnsupportedError,
 )
 
@@ -34,6 +41,10 @@ _EXPORTS: dict[str, str] = {
     "unused_parameters": "fastload.training",
     "save_pretrained": "fastload.saving",
     "save_file": "fastload.saving",
+    "load": "fastload.serialize",
+    "save": "fastload.serialize",
+    "save_model": "fastload.serialize",
+    "load_model": "fastload.serialize",
     "patch_transformers": "fastload.hf.patch",
     "unpatch_transformers": "fastload.hf.patch",
 }
@@ -46,6 +57,13 @@ __all__ = [
     "TensorNotFoundError",
     "RequestError",
     "FastloadIOError",
+    "FastloadFileNotFoundError",
+    "FastloadPermissionError",
+    "FastloadIsADirectoryError",
+    "FastloadNotADirectoryError",
+    "TensorRefusedError",
+    "ModelMismatchError",
+    "SafetensorError",
     "__version__",
     *_EXPORTS,
 ]
@@ -81,4 +99,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X
     from fastload.report import LoadReport as LoadReport
     from fastload.saving import save_file as save_file
     from fastload.saving import save_pretrained as save_pretrained
+    from fastload.serialize import load as load
+    from fastload.serialize import load_model as load_model
+    from fastload.serialize import save as save
+    from fastload.serialize import save_model as save_model
     from fastload.training import unused_parameters as unused_parameters

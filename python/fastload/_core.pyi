@@ -13,10 +13,17 @@ class SafetensorsFile:
     """An open safetensors file whose header has been read and validated.
 
     Raises ``fastload.CheckpointError`` naming the file and the broken rule for a malformed file,
-    ``fastload.FastloadIOError`` when the file cannot be read.
+    ``fastload.FastloadIOError`` (``FileNotFoundError`` ... with ``errno`` set) when the file
+    cannot be read. ``strict`` also refuses an unknown tensor-entry field and a null
+    ``__metadata__``, which are read by default as the safetensors crate reads them.
     """
 
-    def __init__(self, path: str | PathLike[str], mode: str = "pread") -> None: ...
+    def __init__(
+        self, path: str | PathLike[str], mode: str = "pread", *, strict: bool = False
+    ) -> None: ...
+    @staticmethod
+    def from_bytes(label: str, data: bytes, *, strict: bool = False) -> SafetensorsFile:
+        """A whole file held in memory; ``label`` stands for the path in messages."""
     @property
     def path(self) -> str: ...
     @property
@@ -54,6 +61,12 @@ def write_file(
 ) -> int:
     """Write (name, dtype, shape, pointer, nbytes) tensors to a new file, fsynced; bytes written."""
 
-def validate(path: str | PathLike[str]) -> int: ...
+def serialize(
+    tensors: list[tuple[str, str, list[int], int, int]],
+    metadata: dict[str, str] | None = None,
+) -> bytes:
+    """The bytes of a safetensors file of (name, dtype, shape, pointer, nbytes) tensors."""
+
+def validate(path: str | PathLike[str], *, strict: bool = False) -> int: ...
 def dtype_bits() -> dict[str, int]: ...
 def default_threads() -> int: ...

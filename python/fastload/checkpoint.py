@@ -13,6 +13,7 @@ checked by the same rules.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import posixpath
@@ -24,7 +25,13 @@ import torch
 
 from fastload import _core
 from fastload.dtypes import to_torch
-from fastload.errors import CheckpointError, FastloadIOError, PickleRefusedError, RequestError
+from fastload.errors import (
+    CheckpointError,
+    PickleRefusedError,
+    RequestError,
+    from_os_error,
+    os_error,
+)
 from fastload.pickle_file import PickleFile, is_pickle
 
 SINGLE_FILE = "model.safetensors"
@@ -90,13 +97,13 @@ def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Chec
 
     Safetensors files are preferred; pickle files (``.bin``/``.pt``..., a directory holding
     ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``) are taken only with
-    ``allow_pickle``. Raises ``FastloadIOError`` if ``path`` does not exist,
-    ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and ``CheckpointError``
-    for a directory with no checkpoint or a broken index.
+    ``allow_pickle``. Raises ``FileNotFoundError`` (a ``FastloadIOError``) if ``path`` does not
+    exist, ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and
+    ``CheckpointError`` for a directory with no checkpoint or a broken index.
     """
     p = Path(os.fspath(path))
     if not p.exists():
-        raise FastloadIOError(f"{p}: no such file or directory")
+        raise os_error(p, errno.ENOENT)
     if p.is_file():
         if p.name.endswith(".index.json"):
             return _resolve_index(p, allow_pickle)
@@ -165,7 +172,7 @@ def _resolve_index(index: Path, allow_pickle: bool = False) -> CheckpointFiles:
     try:
         text = index.read_text(encoding="utf-8")
     except OSError as e:
-        raise FastloadIOError(f"{index}: {e.strerror or e}") from e
+        raise from_os_error(e, index) from e
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{index}: not UTF-8 text ({e.reason})") from e
     try:

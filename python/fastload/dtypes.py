@@ -29,6 +29,10 @@ def _build() -> dict[str, torch.dtype]:
         "F8_E5M2": "float8_e5m2",
         "F8_E4M3": "float8_e4m3fn",
         "F8_E8M0": "float8_e8m0fnu",
+        "F8_E4M3FNUZ": "float8_e4m3fnuz",
+        "F8_E5M2FNUZ": "float8_e5m2fnuz",
+        # Two 4-bit values per torch element; see torch_shape / st_shape for the shapes.
+        "F4": "float4_e2m1fn_x2",
     }
     # Older torch builds lack some of these; they are simply unsupported there.
     return {st: getattr(torch, tn) for st, tn in names.items() if hasattr(torch, tn)}
@@ -36,6 +40,38 @@ def _build() -> dict[str, torch.dtype]:
 
 ST_TO_TORCH: dict[str, torch.dtype] = _build()
 TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
+
+
+#: safetensors dtypes stored packed, several values to one torch element: safetensors' header
+#: shape counts values (the last dimension is ``PACKED[dtype]`` times torch's), as its writer does.
+PACKED: dict[str, int] = {"F4": 2}
+
+
+def torch_shape(st_dtype: str, shape: list[int], *, where: str = "") -> list[int]:
+    """The torch shape of a tensor stored with header ``shape``: the same, except for packed
+    dtypes (F4), whose last dimension holds ``PACKED[dtype]`` values per torch element."""
+    per = PACKED.get(st_dtype)
+    if per is None:
+        return list(shape)
+    if not shape or shape[-1] % per:
+        prefix = f"{where}: " if where else ""
+        raise UnsupportedError(
+            f"{prefix}{st_dtype} shape {list(shape)}: torch packs {per} values per element, so the "
+            f"last dimension must be a multiple of {per}"
+        )
+    return [*shape[:-1], shape[-1] // per]
+
+
+def st_shape(dtype: torch.dtype, shape: torch.Size | list[int], *, where: str = "") -> list[int]:
+    """The header shape of a torch tensor: its shape, with the last dimension of packed dtypes
+    counted in values (a ``float4_e2m1fn_x2`` tensor of shape ``[2, 2]`` holds ``[2, 4]``)."""
+    per = PACKED.get(TORCH_TO_ST.get(dtype, ""))
+    if per is None:
+        return list(shape)
+    if len(shape) == 0:
+        prefix = f"{where}: " if where else ""
+        raise UnsupportedError(f"{prefix}a 0-d {dtype} tensor has no safetensors shape")
+    return [*shape[:-1], shape[-1] * per]
 
 
 def to_torch(st_dtype: str, *, where: str = "") -> torch.dtype:

@@ -7,6 +7,9 @@ built-in exception a caller would naturally catch (``ValueError`` for bad input 
 
 from __future__ import annotations
 
+import errno as _errno
+import os
+
 
 class FastloadError(Exception):
     """Base class of every error fastload raises on purpose."""
@@ -38,11 +41,90 @@ class RequestError(FastloadError, ValueError):
 
 
 class FastloadIOError(FastloadError, OSError):
-    """The operating system refused a read or write (missing file, permissions, disk full)."""
+    """The operating system refused a read or write (missing file, permissions, disk full).
+
+    ``errno``, ``strerror`` and ``filename`` are set where the operating system gave an error
+    number; the subclasses below are also the matching built-in (``FileNotFoundError`` ...).
+    """
+
+    def __str__(self) -> str:  # OSError would re-format it from errno and filename
+        return str(self.args[0]) if self.args else super().__str__()
 
 
 class PickleRefusedError(CheckpointError):
     """A pickle-based checkpoint (``.bin``/``.pt``) was given without ``allow_pickle=True``."""
+
+
+class TensorRefusedError(RequestError, RuntimeError):
+    """``save_file`` refuses a tensor it cannot store faithfully: tensors sharing memory (a tie
+    would be lost) or a tensor on the meta device (no data). A ``RuntimeError`` too, as
+    safetensors raises for these."""
+
+
+class ModelMismatchError(CheckpointError, RuntimeError):
+    """``load_model`` found a tensor whose shape differs from the model's, or (``strict=True``)
+    missing or unexpected names. A ``RuntimeError`` too, as ``load_state_dict`` and safetensors
+    raise."""
+
+
+class FastloadFileNotFoundError(FastloadIOError, FileNotFoundError):
+    """A path that does not exist (``errno.ENOENT``)."""
+
+
+class FastloadPermissionError(FastloadIOError, PermissionError):
+    """The operating system denied access (``errno.EACCES``/``EPERM``, a read-only filesystem)."""
+
+
+class FastloadIsADirectoryError(FastloadIOError, IsADirectoryError):
+    """A directory where a file was needed (``errno.EISDIR``)."""
+
+
+class FastloadNotADirectoryError(FastloadIOError, NotADirectoryError):
+    """A path component that is not a directory (``errno.ENOTDIR``)."""
+
+
+_OS_ERRORS: dict[int, type[FastloadIOError]] = {
+    _errno.ENOENT: FastloadFileNotFoundError,
+    _errno.EACCES: FastloadPermissionError,
+    _errno.EPERM: FastloadPermissionError,
+    _errno.EROFS: FastloadPermissionError,
+    _errno.EISDIR: FastloadIsADirectoryError,
+    _errno.ENOTDIR: FastloadNotADirectoryError,
+}
+
+
+def os_error(
+    path: str | os.PathLike[str], errno: int | None, detail: str = "", *, doing: str = ""
+) -> FastloadIOError:
+    """The :class:`FastloadIOError` for an operating-system error on ``path``: the subclass that
+    is also the matching built-in (``FileNotFoundError`` for ``ENOENT`` ...), with ``errno``,
+    ``strerror`` and ``filename`` set as ``OSError`` has them.
+
+    The message reads like safetensors' and Python's own: ``"No such file or directory: PATH"``
+    (``doing`` adds what fastload was doing, e.g. ``"cannot write the checkpoint"``).
+    """
+    path = os.fspath(path)
+    strerror = os.strerror(errno) if errno else (detail or "I/O error")
+    message = f"{strerror}: {path}" + (f" ({doing})" if doing else "")
+    err = _OS_ERRORS.get(errno or 0, FastloadIOError)(message)
+    err.errno = errno
+    err.strerror = strerror
+    err.filename = path
+    return err
+
+
+def from_os_error(exc: OSError, path: str | os.PathLike[str], doing: str = "") -> FastloadIOError:
+    """``exc`` (a plain ``OSError``) as the matching :class:`FastloadIOError`, naming ``path``."""
+    if isinstance(exc, FastloadIOError):
+        return exc
+    err = os_error(path, exc.errno, str(exc), doing=doing)
+    err.__cause__ = exc
+    return err
+
+
+#: safetensors' exception name: ``except SafetensorError`` written for safetensors catches every
+#: error fastload raises on purpose once the import names ``fastload.SafetensorError``.
+SafetensorError = FastloadError
 
 
 __all__ = [
@@ -53,4 +135,13 @@ __all__ = [
     "RequestError",
     "FastloadIOError",
     "PickleRefusedError",
+    "TensorRefusedError",
+    "ModelMismatchError",
+    "FastloadFileNotFoundError",
+    "FastloadPermissionError",
+    "FastloadIsADirectoryError",
+    "FastloadNotADirectoryError",
+    "SafetensorError",
+    "os_error",
+    "from_os_error",
 ]

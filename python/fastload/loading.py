@@ -42,6 +42,7 @@ from fastload.checkpoint import (
     OpenCheckpoint,
 )
 from fastload.device_map import DeviceMapArg, dispatch, resolve_device_map
+from fastload.devices import parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import RequestError, UnsupportedError
 from fastload.finishing import resolve_duplicates, swap_in
@@ -144,12 +145,14 @@ def load(
     clock = _Clock()
     clock.seconds.update(seconds or {})
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
-    target_device = torch.device(device)
+    target_device = parse_device(device, where="from_pretrained", allow_meta=True)
     want = _requested_dtype(dtype)
     if max_memory is not None and device_map is None:
         device_map = "auto"  # budgets alone ask for a planned placement, as with accelerate
     check_mmap_mode(mmap)
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
+    if target_device.type == "meta":
+        raise RequestError("from_pretrained: device 'meta' holds no data to load into")
     pool = StagingPool.sized(staging_bytes)  # validated now; buffers allocated on first use
 
     with clock.phase("resolve"):

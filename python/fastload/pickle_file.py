@@ -23,10 +23,10 @@ import torch
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import (
     CheckpointError,
-    FastloadIOError,
     RequestError,
     TensorNotFoundError,
     UnsupportedError,
+    from_os_error,
 )
 
 #: file name endings of pickle checkpoints
@@ -87,7 +87,7 @@ def load_state_dict(
             f"containers only: {_reason(e)}"
         ) from None
     except OSError as e:
-        raise FastloadIOError(f"{where}: {e.strerror or e}") from None
+        raise from_os_error(e, where) from None
     except Exception as e:  # a file from a stranger: any failure to parse is a bad checkpoint
         raise CheckpointError(
             f"{where}: not a checkpoint torch.load(weights_only=True) can read "

@@ -1,5 +1,10 @@
 """Reading safetensors files into torch tensors: ``safe_open`` and ``load_file``.
 
+The API and semantics are those of ``safetensors`` (``safe_open(path, framework="pt",
+device=..., backend=...)`` with ``keys``, ``offset_keys``, ``metadata``, ``get_tensor``,
+``get_tensors``, ``get_slice``), plus fastload's extras: ``dtype=`` conversion during the copy,
+``threads=``, ``strict=`` and ``load_into``.
+
 Every read goes through the Rust copy engine (:mod:`fastload._core`): the destination tensor is
 allocated once, on its final dtype, and filled in parallel with the GIL released. Destinations on
 an accelerator are filled through the bounded staging pipeline of :mod:`fastload.streaming`.
@@ -14,8 +19,10 @@ from types import TracebackType
 import torch
 
 from fastload import _core
-from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch
-from fastload.errors import RequestError
+from fastload.devices import DeviceArg, parse_device
+from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch, torch_shape
+from fastload.errors import RequestError, UnsupportedError
+from fastload.slices import SafeSlice
 from fastload.streaming import StagingPool
 
 READ_MODES = ("pread", "mmap")
@@ -24,11 +31,49 @@ READ_MODES = ("pread", "mmap")
 FillItem = tuple[str, torch.Tensor, "list[int] | None"]
 
 
-def open_file(path: str | os.PathLike[str], read_mode: str = "pread") -> _core.SafetensorsFile:
-    """Opens and validates one file; ``read_mode`` is ``"pread"`` (default) or ``"mmap"``."""
+def resolve_read_mode(read_mode: str | None, backend: str | None) -> str:
+    """The read path from fastload's ``read_mode`` or safetensors' name for it, ``backend``
+    (``"mmap"`` or ``"pread"`` in both); fastload's default is ``"pread"``."""
+    for option, value in (("read_mode", read_mode), ("backend", backend)):
+        if value is not None and value not in READ_MODES:
+            raise RequestError(f"{option} must be one of {READ_MODES}, got {value!r}")
+    if read_mode is not None and backend is not None and read_mode != backend:
+        raise RequestError(f"read_mode={read_mode!r} and backend={backend!r} disagree; pass one")
+    return read_mode or backend or "pread"
+
+
+def open_file(
+    path: str | os.PathLike[str], read_mode: str = "pread", *, strict: bool = False
+) -> _core.SafetensorsFile:
+    """Opens and validates one file; ``read_mode`` is ``"pread"`` (default) or ``"mmap"``.
+
+    ``strict`` also refuses what the safetensors crate accepts and fastload reads by default
+    (an unknown field in a tensor entry, ``"__metadata__": null``).
+    """
     if read_mode not in READ_MODES:
         raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
-    return _core.SafetensorsFile(os.fspath(path), read_mode)
+    return _core.SafetensorsFile(os.fspath(path), read_mode, strict=strict)
+
+
+def _check_destination(where: str, name: str, dest: object) -> torch.Tensor:
+    """A destination the engine can fill: a dense tensor whose elements do not share memory."""
+    if not isinstance(dest, torch.Tensor):
+        raise UnsupportedError(
+            f"{where}: tensor {name!r}: the destination is a {type(dest).__name__}, not a tensor"
+        )
+    if dest.layout != torch.strided or dest.is_nested:
+        raise UnsupportedError(
+            f"{where}: tensor {name!r}: the destination has layout {dest.layout}; only dense "
+            "tensors can be filled"
+        )
+    if dest.numel() > 1 and dest.device.type != "meta":
+        reach = sum((n - 1) * abs(s) for n, s in zip(dest.shape, dest.stride(), strict=True))
+        if reach + 1 < dest.numel():
+            raise RequestError(
+                f"{where}: tensor {name!r}: the destination's elements share memory (an "
+                ".expand()ed tensor?); fill a tensor of its own, e.g. .clone() it"
+            )
+    return dest
 
 
 def fill(
@@ -54,6 +99,7 @@ def fill(
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
     remote: dict[torch.device, list[FillItem]] = {}
     for name, dest, selection in items:
+        _check_destination(file.path, name, dest)
         if dest.device.type == "meta":
             raise RequestError(f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill")
         if dest.device.type != "cpu":
@@ -85,25 +131,56 @@ def fill(
     return written
 
 
+def _read_all(
+    file: _core.SafetensorsFile,
+    device: torch.device,
+    want: torch.dtype | None,
+    threads: int | None,
+    pool: StagingPool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``file`` in data order (as safetensors returns them), floating-point
+    ones converted to ``want`` during the copy when it is given."""
+    out: dict[str, torch.Tensor] = {}
+    for name, st_dtype, shape, _, _ in sorted(file.tensors(), key=lambda t: (t[3], t[4])):
+        where = f"{file.path}: tensor {name!r}"
+        stored = to_torch(st_dtype, where=where)
+        target = want if want is not None and st_dtype in CONVERTIBLE else stored
+        out[name] = torch.empty(
+            torch_shape(st_dtype, shape, where=where), dtype=target, device=device
+        )
+    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
+    return out
+
+
+def _float_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    want = parse_dtype(dtype) if dtype is not None else None
+    if want is not None and to_st(want) not in CONVERTIBLE:
+        raise RequestError(f"dtype must be a floating-point type (F32/F16/BF16/F64), got {want}")
+    return want
+
+
 class SafeOpen:
     """An open safetensors file, like ``safetensors.safe_open(path, framework="pt")``.
 
     The header is validated on open (``CheckpointError`` names the file and the broken rule).
-    Use as a context manager or call :meth:`close`.
+    Use as a context manager or call :meth:`close`; a closed file raises ``RequestError``.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         *,
-        device: str | torch.device = "cpu",
-        read_mode: str = "pread",
+        device: DeviceArg = "cpu",
+        read_mode: str | None = None,
+        backend: str | None = None,
         threads: int | None = None,
+        strict: bool = False,
         staging_bytes: int | str | None = None,
     ) -> None:
-        self._file: _core.SafetensorsFile | None = open_file(path, read_mode)
         self.path = os.fspath(path)
-        self.device = torch.device(device)
+        self.device = parse_device(device, where=self.path)
+        mode = resolve_read_mode(read_mode, backend)
+        self._file: _core.SafetensorsFile | None = open_file(path, mode, strict=strict)
         self.threads = threads
         # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
@@ -119,6 +196,10 @@ class SafeOpen:
         """Tensor names, sorted."""
         return self.file.keys()
 
+    def offset_keys(self) -> list[str]:
+        """Tensor names in the order of their data in the file."""
+        return [t[0] for t in sorted(self.file.tensors(), key=lambda t: (t[3], t[4]))]
+
     def metadata(self) -> dict[str, str] | None:
         """The ``__metadata__`` dict of the header, or ``None``."""
         return self.file.metadata()
@@ -128,33 +209,54 @@ class SafeOpen:
         return to_torch(self.file.info(name)[0], where=f"{self.path}: tensor {name!r}")
 
     def shape(self, name: str) -> torch.Size:
-        """The shape of tensor ``name``."""
+        """The shape of tensor ``name`` as the header stores it."""
         return torch.Size(self.file.info(name)[1])
 
     def get_tensor(
         self,
         name: str,
-        device: str | torch.device | None = None,
+        device: DeviceArg | None = None,
         dtype: torch.dtype | str | None = None,
     ) -> torch.Tensor:
         """Tensor ``name`` on ``device`` (default: the file's), converted to ``dtype`` if given."""
         st_dtype, shape, _, _ = self.file.info(name)
-        stored = to_torch(st_dtype, where=f"{self.path}: tensor {name!r}")
+        where = f"{self.path}: tensor {name!r}"
+        stored = to_torch(st_dtype, where=where)
         want = parse_dtype(dtype) if dtype is not None else stored
-        device = torch.device(device) if device is not None else self.device
+        device = parse_device(device, where=self.path) if device is not None else self.device
         direct = want == stored or (st_dtype in CONVERTIBLE and to_st(want) in CONVERTIBLE)
-        out = torch.empty(shape, dtype=want if direct else stored, device=device)
-        fill(self.file, [(name, out, None)], self.threads, self.staging)
+        out = torch.empty(
+            torch_shape(st_dtype, shape, where=where),
+            dtype=want if direct else stored,
+            device=device,
+        )
+        self.fill([(name, out, None)])
         return out if direct else out.to(want)
+
+    def get_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, in the order of their data in the file, read in one parallel pass."""
+        return _read_all(self.file, self.device, None, self.threads, self.staging)
+
+    def get_slice(self, name: str) -> SafeSlice:
+        """A lazy view of tensor ``name``: ``get_shape()``, ``get_dtype()``, and indexing
+        (``f.get_slice("w")[:, 0:128]``) that reads only the selected part from the file."""
+        return SafeSlice(self, name)
+
+    def fill(self, items: Iterable[FillItem]) -> int:
+        """Fills ``(name, destination, selection)`` items with this file's thread setting."""
+        return fill(self.file, items, self.threads, self.staging)
 
     def load_into(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Fills existing tensors (by name) from the file in one parallel pass; returns bytes.
 
         Each destination's dtype decides the conversion; its number of elements must match.
         """
-        return fill(
-            self.file, [(k, t, None) for k, t in tensors.items()], self.threads, self.staging
-        )
+        if not isinstance(tensors, Mapping):
+            raise TypeError(f"load_into takes a dict of name to tensor, got {type(tensors)}")
+        return self.fill([(k, t, None) for k, t in tensors.items()])
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self.file
 
     def close(self) -> None:
         self._file = None
@@ -178,49 +280,55 @@ class SafeOpen:
 def safe_open(
     path: str | os.PathLike[str],
     framework: str = "pt",
-    device: str | torch.device = "cpu",
+    device: DeviceArg = "cpu",
     *,
-    read_mode: str = "pread",
+    backend: str | None = None,
+    read_mode: str | None = None,
     threads: int | None = None,
+    strict: bool = False,
     staging_bytes: int | str | None = None,
 ) -> SafeOpen:
-    """Drop-in for ``safetensors.safe_open`` (framework ``"pt"`` only).
+    """``safetensors.safe_open`` for torch (``framework="pt"``).
 
-    ``staging_bytes`` sizes the host staging pool used for accelerator destinations
-    (default :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned)."""
+    ``backend`` (safetensors' name) or ``read_mode``: ``"pread"`` (fastload's default) or
+    ``"mmap"``. ``strict=True`` refuses what fastload otherwise reads as safetensors does (an
+    unknown field in a tensor entry, ``"__metadata__": null``). ``staging_bytes`` sizes the host
+    staging pool used for accelerator destinations (default
+    :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned).
+    """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
     return SafeOpen(
-        path, device=device, read_mode=read_mode, threads=threads, staging_bytes=staging_bytes
+        path,
+        device=device,
+        read_mode=read_mode,
+        backend=backend,
+        threads=threads,
+        strict=strict,
+        staging_bytes=staging_bytes,
     )
 
 
 def load_file(
     path: str | os.PathLike[str],
-    device: str | torch.device = "cpu",
+    device: DeviceArg = "cpu",
     dtype: torch.dtype | str | None = None,
     *,
-    read_mode: str = "pread",
+    backend: str | None = None,
+    read_mode: str | None = None,
     threads: int | None = None,
+    strict: bool = False,
     staging_bytes: int | str | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a file, like ``safetensors.torch.load_file`` (same keys, bitwise equal).
 
     ``dtype`` converts floating-point tensors (F32/F16/BF16/F64) during the copy; other tensors
-    keep their stored dtype. Accelerator destinations are staged through one host pool of
-    ``staging_bytes`` (default 128 MiB, pinned), so host memory stays bounded by it.
+    keep their stored dtype. ``backend``/``read_mode`` and ``strict`` as in :func:`safe_open`.
+    Accelerator destinations are staged through one host pool of ``staging_bytes`` (default
+    128 MiB, pinned), so host memory stays bounded by it.
     """
+    want = _float_dtype(dtype)
+    device = parse_device(device, where=os.fspath(path))
     pool = StagingPool.sized(staging_bytes)
-    want = parse_dtype(dtype) if dtype is not None else None
-    if want is not None and to_st(want) not in CONVERTIBLE:
-        raise RequestError(f"dtype must be a floating-point type (F32/F16/BF16/F64), got {want}")
-    file = open_file(path, read_mode)
-    device = torch.device(device)
-    out: dict[str, torch.Tensor] = {}
-    # Data order, as safetensors.torch.load_file returns them.
-    for name, st_dtype, shape, _, _ in sorted(file.tensors(), key=lambda t: (t[3], t[4])):
-        stored = to_torch(st_dtype, where=f"{os.fspath(path)}: tensor {name!r}")
-        target = want if want is not None and st_dtype in CONVERTIBLE else stored
-        out[name] = torch.empty(shape, dtype=target, device=device)
-    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
-    return out
+    file = open_file(path, resolve_read_mode(read_mode, backend), strict=strict)
+    return _read_all(file, device, want, threads, pool)

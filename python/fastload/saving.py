@@ -40,8 +40,14 @@ from torch import nn
 from fastload import _core
 from fastload.checkpoint import INDEX_FILE as INDEX_NAME
 from fastload.checkpoint import SINGLE_FILE as WEIGHTS_NAME
-from fastload.dtypes import to_st
-from fastload.errors import FastloadIOError, RequestError, UnsupportedError
+from fastload.dtypes import st_shape, to_st
+from fastload.errors import (
+    FastloadError,
+    FastloadIOError,
+    RequestError,
+    TensorRefusedError,
+    from_os_error,
+)
 from fastload.skeleton import is_transformers_model
 from fastload.tying import find_tie_groups
 from fastload.units import parse_bytes
@@ -53,8 +59,9 @@ _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
 # every tensor's data stays aligned to its element size.
 _DTYPE_ORDER = [
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
-    "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64",
+    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+    "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64",
+    "I64", "U64",
 ]  # fmt: skip
 _DTYPE_RANK = {name: i for i, name in enumerate(_DTYPE_ORDER)}
 
@@ -104,7 +111,7 @@ def _refuse_shared(tensors: Mapping[str, torch.Tensor], where: str) -> None:
         spans.sort()
         for (_, prev_end, prev), (start, _, name) in zip(spans, spans[1:], strict=False):
             if start < prev_end:
-                raise RequestError(
+                raise TensorRefusedError(
                     f"{where}: tensors {prev!r} and {name!r} share memory; a file stores each "
                     "tensor's bytes separately, so the tie would be lost. Save one of them (or "
                     "use fastload.save_pretrained, which records ties), or .clone() the other"
@@ -112,28 +119,53 @@ def _refuse_shared(tensors: Mapping[str, torch.Tensor], where: str) -> None:
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor], where: str) -> list[_Prepared]:
-    """Validates the tensors and returns CPU contiguous versions, in the file's layout order."""
+    """Validates the tensors and returns CPU contiguous versions, in the file's layout order.
+
+    The refusals use safetensors' exception classes (and, for a wrong argument, its words):
+    ``ValueError`` for a non-dict, a non-tensor or a sparse tensor, ``RuntimeError`` for shared
+    memory or a meta tensor, each also a ``fastload.FastloadError``.
+    """
     if not isinstance(tensors, Mapping):
-        raise RequestError(f"{where}: expected a dict of str to torch.Tensor, got {type(tensors)}")
+        raise RequestError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    sparse = []
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise RequestError(f"{where}: tensor names must be str, got {name!r}")
-        if not isinstance(t, torch.Tensor):
-            raise RequestError(f"{where}: {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        if t.layout != torch.strided:
-            raise UnsupportedError(
-                f"{where}: tensor {name!r} has layout {t.layout}; only dense tensors can be "
-                "saved (call .to_dense() first)"
+        if name == "__metadata__":
+            raise RequestError(
+                f"{where}: a tensor cannot be named '__metadata__': the format reserves that key "
+                "for the metadata (pass metadata={...} instead)"
             )
+        if not isinstance(t, torch.Tensor):
+            raise RequestError(
+                f"Key `{name}` is invalid, expected torch.Tensor but received {type(t)}"
+            )
+        if t.is_nested:
+            raise RequestError(
+                f"{where}: tensor {name!r} is a nested tensor, which a safetensors file cannot "
+                "hold; save its components, or .to_padded_tensor(0.0)"
+            )
+        if t.layout != torch.strided:
+            sparse.append(name)
+    if sparse:
+        raise RequestError(
+            f"You are trying to save a sparse tensors: `{sparse}` which this library does not "
+            "support. You can make it a dense tensor before saving with `.to_dense()` but be "
+            "aware this might make a much larger file than needed."
+        )
+    for name, t in tensors.items():
         if t.device.type == "meta":
-            raise RequestError(f"{where}: tensor {name!r} is on the meta device: it has no data")
+            raise TensorRefusedError(
+                f"{where}: tensor {name!r} is on the meta device: Cannot copy out of meta tensor; "
+                "no data!"
+            )
     _refuse_shared(tensors, where)
     out: list[_Prepared] = []
     for name, t in tensors.items():
         st = to_st(t.dtype)
         # resolve_conj/neg: lazy conjugate/negative views hold un-applied bytes.
         data = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-        out.append((name, st, list(t.shape), data))
+        out.append((name, st, st_shape(t.dtype, t.shape, where=where), data))
     out.sort(key=lambda p: (-_DTYPE_RANK.get(p[1], -1), p[0]))
     return out
 
@@ -188,7 +220,16 @@ def _replace(tmp: Path, final: Path) -> None:
         os.replace(tmp, final)
     except OSError as exc:
         _remove_quietly(tmp)
-        raise FastloadIOError(f"{final}: cannot move the written file into place: {exc}") from exc
+        raise from_os_error(exc, final, "cannot move the written file into place") from exc
+
+
+def _naming(exc: FastloadError, tmp: Path, final: Path) -> FastloadError:
+    """``exc``, raised about the hidden temporary file, re-worded to name ``final``: the caller
+    never asked for the temporary name."""
+    err = type(exc)(str(exc).replace(os.fspath(tmp), os.fspath(final)))
+    if isinstance(exc, OSError) and isinstance(err, OSError):
+        err.errno, err.strerror, err.filename = exc.errno, exc.strerror, os.fspath(final)
+    return err
 
 
 def save_file(
@@ -206,9 +247,12 @@ def save_file(
     instead of refused. Tensors that share memory are refused as safetensors does.
 
     Raises:
-        RequestError: a non-tensor value, non-str metadata, a meta tensor, or shared tensors.
-        UnsupportedError: a dtype or layout safetensors cannot store.
-        FastloadIOError: the file cannot be written.
+        RequestError: a non-dict, a non-tensor value, a sparse or nested tensor, a tensor named
+            ``__metadata__``, non-str metadata (each a ``ValueError``, as in safetensors).
+        TensorRefusedError: tensors sharing memory, a meta tensor (each a ``RuntimeError``, as in
+            safetensors).
+        UnsupportedError: a dtype safetensors cannot store.
+        FastloadIOError: the file cannot be written (``PermissionError`` ... with ``errno``).
     """
     path = Path(os.fspath(path))
     where = os.fspath(path)
@@ -216,7 +260,10 @@ def save_file(
     prepared = _prepare(tensors, where)
     directory = path.parent if str(path.parent) else Path(".")
     tmp = _temp_path(directory, path.name)
-    _write_new(tmp, prepared, meta, threads)
+    try:
+        _write_new(tmp, prepared, meta, threads)
+    except FastloadError as exc:
+        raise _naming(exc, tmp, path) from exc
     _replace(tmp, path)
     _fsync_dir(directory)
 
@@ -309,6 +356,32 @@ def _stage_config(model: nn.Module, staging: Path) -> list[str]:
 
 
 def save_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, str] | None = None,
+    threads: int | None = None,
+) -> None:
+    """Saves ``model`` to ``directory`` in the transformers layout (see :func:`_save_pretrained`).
+
+    Raises ``TypeError`` when ``model`` is not an ``nn.Module``; an operating-system error (a
+    read-only directory ...) is a :class:`FastloadIOError` that is also the matching built-in
+    (``PermissionError`` ...), naming the path.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_pretrained needs an nn.Module, got {type(model).__name__}")
+    try:
+        _save_pretrained(
+            model, directory, max_shard_size=max_shard_size, metadata=metadata, threads=threads
+        )
+    except FastloadError:
+        raise
+    except OSError as exc:
+        raise from_os_error(exc, directory, "cannot save the checkpoint") from exc
+
+
+def _save_pretrained(
     model: nn.Module,
     directory: str | os.PathLike[str],
     *,
