@@ -3,12 +3,14 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
+use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::copy::{self, Request, Selection};
+use crate::copy::{self, Progress, Request, Selection};
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::Error;
 use crate::file::{ReadMode, SafetensorsFile};
@@ -29,6 +31,7 @@ fn to_py(py: Python<'_>, path: &std::path::Path, err: Error) -> PyErr {
         Error::UnknownTensor { .. } => "TensorNotFoundError",
         Error::UnsupportedConversion { .. } => "UnsupportedError",
         Error::Io { .. } => "FastloadIOError",
+        Error::Cancelled => "LoadCancelledError",
         e if e.is_file_error() => "CheckpointError",
         _ => "RequestError",
     };
@@ -75,15 +78,27 @@ struct PySafetensorsFile {
 
 #[pymethods]
 impl PySafetensorsFile {
-    /// Opens `path`; `strict` also refuses what only strict reading refuses
-    /// (see `Header::strict_violation`).
+    /// Opens `path`; with `dir_fd`, opens `name` relative to that open directory instead
+    /// (`openat`) and shows `path` in messages. `strict` also refuses what only strict reading
+    /// refuses (see `Header::strict_violation`).
     #[new]
-    #[pyo3(signature = (path, mode = "pread", *, strict = false))]
-    fn new(py: Python<'_>, path: PathBuf, mode: &str, strict: bool) -> PyResult<Self> {
+    #[pyo3(signature = (path, mode = "pread", dir_fd = None, name = None, *, strict = false))]
+    fn new(
+        py: Python<'_>,
+        path: PathBuf,
+        mode: &str,
+        dir_fd: Option<i32>,
+        name: Option<PathBuf>,
+        strict: bool,
+    ) -> PyResult<Self> {
         let read_mode = ReadMode::parse(mode).ok_or_else(|| {
             PyValueError::new_err(format!("mode must be 'pread' or 'mmap', got '{mode}'"))
         })?;
-        let opened = py.detach(|| SafetensorsFile::open(&path, read_mode));
+        let name = name.unwrap_or_else(|| path.clone());
+        if dir_fd.is_none() && name != path {
+            return Err(PyValueError::new_err("name is only meaningful with dir_fd"));
+        }
+        let opened = py.detach(|| SafetensorsFile::open_at(dir_fd, &name, &path, read_mode));
         let inner = opened
             .and_then(|f| check_strict(f, strict))
             .map_err(|e| to_py(py, &path, e))?;
@@ -167,6 +182,11 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, file.path(), e))
     }
 
+    /// The open file descriptor (None for an in-memory file), valid while this object lives.
+    fn fileno(&self) -> Option<i32> {
+        self.inner.raw_fd()
+    }
+
     /// Tensor names, sorted.
     fn keys(&self) -> Vec<String> {
         self.inner
@@ -228,10 +248,19 @@ impl PySafetensorsFile {
 
     /// Fills destinations given as `(name, ptr, nbytes, dtype, selection)`; returns bytes written.
     ///
-    /// Every job is validated before any byte is written. The GIL is released while copying.
-    /// The caller must keep each destination alive and untouched until this returns.
-    #[pyo3(signature = (jobs, threads = None))]
-    fn copy_into(&self, py: Python<'_>, jobs: Vec<Job>, threads: Option<usize>) -> PyResult<u64> {
+    /// Every job is validated before any byte is written. The GIL is released while copying;
+    /// a long copy (or one given `progress`) is watched from the calling thread, which re-takes
+    /// the GIL every few tens of milliseconds to run signal handlers (Ctrl-C cancels the copy and
+    /// raises `KeyboardInterrupt`) and `progress`'s callback. The caller must keep each
+    /// destination alive and untouched until this returns.
+    #[pyo3(signature = (jobs, threads = None, progress = None))]
+    fn copy_into(
+        &self,
+        py: Python<'_>,
+        jobs: Vec<Job>,
+        threads: Option<usize>,
+        progress: Option<Bound<'_, PyProgress>>,
+    ) -> PyResult<u64> {
         let mut requests = Vec::with_capacity(jobs.len());
         for (name, ptr, len, dtype, sel) in jobs {
             let selection = parse_selection(&name, sel)?;
@@ -245,16 +274,31 @@ impl PySafetensorsFile {
             });
         }
         let file = &*self.inner;
-        let plan = copy::plan(file, &requests).map_err(|e| to_py(py, file.path(), e))?;
+        let err = |e| to_py(py, file.path(), e);
+        copy::check_threads(threads).map_err(err)?;
+        let plan = copy::plan(file, &requests).map_err(err)?;
         // Raw pointers are not Send; the plan only holds them as addresses.
         let plan = SendPlan(plan);
-        // SAFETY: the Python caller owns the destinations (torch tensors it keeps referenced for the
-        // duration of the call) and `plan` checked each one's length.
-        let done = py.detach(move || {
-            let p = plan;
-            unsafe { copy::execute(file, &p.0, threads) }
-        });
-        done.map_err(|e| to_py(py, file.path(), e))
+        let progress = match progress {
+            Some(p) => Some(p),
+            None if plan.0.dst_bytes() >= WATCH_BYTES => {
+                Some(Bound::new(py, PyProgress::create(None))?)
+            }
+            None => None,
+        };
+        let Some(progress) = progress else {
+            // SAFETY: the Python caller owns the destinations (torch tensors it keeps referenced
+            // for the duration of the call) and `plan` checked each one's length.
+            let done = py.detach(move || {
+                let p = plan;
+                unsafe { copy::execute(file, &p.0, threads, None, None) }
+            });
+            return done.map_err(err);
+        };
+        let state = progress.get().inner.clone();
+        let callback = progress.get().callback.as_ref().map(|c| c.clone_ref(py));
+        // SAFETY: as above; `watched` returns only once the copy has stopped.
+        watched(py, file, plan, threads, &state, callback)
     }
 
     fn __repr__(&self) -> String {
@@ -278,6 +322,147 @@ fn check_strict(file: SafetensorsFile, strict: bool) -> Result<SafetensorsFile, 
 struct SendPlan(copy::Plan);
 // SAFETY: a Plan holds destination addresses that the caller guarantees valid during the call.
 unsafe impl Send for SendPlan {}
+// SAFETY: as Send: the addresses are only written through `execute`'s disjoint pieces.
+unsafe impl Sync for SendPlan {}
+
+/// Copies at least this many bytes are watched for Ctrl-C (smaller ones finish in milliseconds
+/// and skip the watcher's thread).
+const WATCH_BYTES: u64 = 16 << 20;
+
+/// How often a watched copy re-takes the GIL for signals and the progress callback.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
+
+/// What the copy thread tells the watching thread.
+enum Event {
+    /// A task finished; the progress counter then read this many bytes.
+    Task(u64),
+    /// The copy stopped with this result.
+    Finished(crate::error::Result<u64>),
+}
+
+/// Runs `plan` on a scoped thread while the calling thread, GIL released, waits for it. After
+/// each task (about `CHUNK` bytes) and every [`WATCH_EVERY`] at least, the calling thread re-takes
+/// the GIL to run signal handlers and `callback(bytes done)`. An exception from either cancels
+/// the copy; it is raised once the copy has stopped (destinations are never written after this
+/// returns).
+fn watched(
+    py: Python<'_>,
+    file: &SafetensorsFile,
+    plan: SendPlan,
+    threads: Option<usize>,
+    progress: &Progress,
+    callback: Option<Py<PyAny>>,
+) -> PyResult<u64> {
+    let (result, raised) = py.detach(|| {
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let plan = &plan;
+            let done_tx = tx.clone();
+            s.spawn(move || {
+                let tick = move |done: u64| {
+                    let _ = tx.send(Event::Task(done));
+                };
+                // SAFETY: forwarded from `copy_into`; the scope outlives the copy.
+                let r =
+                    unsafe { copy::execute(file, &plan.0, threads, Some(progress), Some(&tick)) };
+                let _ = done_tx.send(Event::Finished(r));
+            });
+            let mut raised: Option<PyErr> = None;
+            let mut seen = 0u64;
+            loop {
+                let done = match rx.recv_timeout(WATCH_EVERY) {
+                    Ok(Event::Finished(r)) => return (r, raised),
+                    Ok(Event::Task(done)) => done,
+                    Err(RecvTimeoutError::Timeout) => progress.done(),
+                    Err(RecvTimeoutError::Disconnected) => {
+                        let lost = Error::Io {
+                            detail: "the copy thread stopped without a result".into(),
+                        };
+                        return (Err(lost), raised);
+                    }
+                };
+                // Tasks finish out of order on several threads: report the largest count seen.
+                seen = seen.max(done);
+                if raised.is_some() {
+                    continue;
+                }
+                raised = Python::attach(|py| {
+                    py.check_signals()?;
+                    if let Some(cb) = &callback {
+                        cb.call1(py, (seen,))?;
+                    }
+                    Ok::<(), PyErr>(())
+                })
+                .err();
+                if raised.is_some() {
+                    progress.cancel();
+                }
+            }
+        })
+    });
+    if let Some(e) = raised {
+        return Err(e);
+    }
+    result.map_err(|e| to_py(py, file.path(), e))
+}
+
+/// Progress of copies, shared with Python: `done` bytes so far, `cancel()` to stop them between
+/// pieces (they raise `LoadCancelledError`), and an optional `callback(done)` that a copy calls
+/// with the GIL held after each task of about `CHUNK` bytes and every few tens of milliseconds
+/// (an exception from it cancels the copy).
+#[pyclass(frozen, module = "fastload._core", name = "Progress")]
+struct PyProgress {
+    inner: Arc<Progress>,
+    callback: Option<Py<PyAny>>,
+}
+
+impl PyProgress {
+    fn create(callback: Option<Py<PyAny>>) -> Self {
+        PyProgress {
+            inner: Arc::new(Progress::new()),
+            callback,
+        }
+    }
+}
+
+#[pymethods]
+impl PyProgress {
+    #[new]
+    #[pyo3(signature = (callback = None))]
+    fn new(callback: Option<Py<PyAny>>) -> Self {
+        Self::create(callback)
+    }
+
+    /// Destination bytes written so far by the copies given this object.
+    #[getter]
+    fn done(&self) -> u64 {
+        self.inner.done()
+    }
+
+    /// Whether `cancel()` was called.
+    #[getter]
+    fn cancelled(&self) -> bool {
+        self.inner.is_cancelled()
+    }
+
+    /// Stops running copies at their next piece; later copies given this object do not start.
+    fn cancel(&self) {
+        self.inner.cancel();
+    }
+
+    /// Counts `nbytes` written by a copy outside the engine (pickle files).
+    fn add(&self, nbytes: u64) {
+        self.inner.add_external(nbytes);
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Progress(done={}, cancelled={})",
+            self.inner.done(),
+            self.inner.is_cancelled()
+        )
+    }
+}
 
 /// One source: (name, dtype, shape, pointer, byte length).
 type SourceSpec = (String, String, Vec<u64>, usize, usize);
@@ -373,6 +558,7 @@ fn default_threads() -> usize {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
+    m.add_class::<PyProgress>()?;
     m.add_function(wrap_pyfunction!(write_file, m)?)?;
     m.add_function(wrap_pyfunction!(serialize, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
@@ -380,5 +566,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;
     m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
     m.add("CHUNK", copy::CHUNK)?;
+    m.add("MAX_THREADS", copy::MAX_THREADS)?;
     Ok(())
 }

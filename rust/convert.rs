@@ -4,6 +4,9 @@
 //! elements is decoded into an aligned scratch array, converted, and written back as bytes. Rounding
 //! is round-to-nearest-even, as torch's `Tensor.to`. Conversions that involve F64 go through f64 so
 //! that nothing is rounded twice; the others go through f32, which holds F16 and BF16 exactly.
+//!
+//! The one exception is the target BF16 ([`to_bf16`]): it reproduces torch bit for bit, which
+//! rounds F64 through F32 (twice) and writes NaNs its own way.
 
 use half::{bf16, f16};
 
@@ -25,7 +28,9 @@ pub fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype) {
         (Dtype::F16, Dtype::F32) => return f16_to_f32(&src[..2 * n], &mut dst[..4 * n]),
         _ => {}
     }
-    if from == Dtype::F64 || to == Dtype::F64 {
+    if to == Dtype::BF16 {
+        to_bf16(src, from, dst, n);
+    } else if from == Dtype::F64 || to == Dtype::F64 {
         run::<f64>(src, from, dst, to, n);
     } else {
         run::<f32>(src, from, dst, to, n);
@@ -176,6 +181,46 @@ impl Wide for f64 {
     }
 }
 
+/// BF16 bits of a non-NaN f32, rounded to nearest even (overflow rounds to infinity).
+fn bf16_rne(x: f32) -> u16 {
+    let bits = x.to_bits();
+    ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// Conversion to BF16 exactly as torch's `Tensor.to(torch.bfloat16)` on CPU: F64 is rounded to
+/// F32 first (torch has no direct F64 -> BF16 rounding; a value just past a BF16 midpoint can
+/// land on it and round to even), and a NaN becomes `0xFFFF` from F32 or F64 (torch's vectorized
+/// loop) and `0x7FC0` from F16, whatever its sign and payload.
+fn to_bf16(src: &[u8], from: Dtype, dst: &mut [u8], n: usize) {
+    let nan = if from == Dtype::F16 {
+        0x7FC0u16
+    } else {
+        0xFFFF
+    };
+    let mut scratch = [0f32; BLOCK];
+    let mut done = 0;
+    while done < n {
+        let k = BLOCK.min(n - done);
+        let vals = &mut scratch[..k];
+        let bytes = &src[done * from.itemsize().unwrap_or(1)..];
+        if from == Dtype::F64 {
+            for (o, c) in vals.iter_mut().zip(bytes.chunks_exact(8)) {
+                *o = f64::from_le_bytes(c.try_into().expect("chunks of 8")) as f32;
+            }
+        } else {
+            f32::decode(&bytes[..k * from.itemsize().unwrap_or(1)], from, vals);
+        }
+        put(
+            &mut dst[done * 2..(done + k) * 2],
+            vals.iter().map(|&v| {
+                let b = if v.is_nan() { nan } else { bf16_rne(v) };
+                b.to_le_bytes()
+            }),
+        );
+        done += k;
+    }
+}
+
 fn run<W: Wide>(src: &[u8], from: Dtype, dst: &mut [u8], to: Dtype, n: usize) {
     let (si, di) = (from.itemsize().unwrap_or(1), to.itemsize().unwrap_or(1));
     let mut scratch = [W::default(); BLOCK];
@@ -259,6 +304,33 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn f64_to_bf16_rounds_through_f32_as_torch_does() {
+        // 1 + 2^-8 is the midpoint between BF16 1.0 and 1.0078125; 2^-40 above it is lost in
+        // F32, and the midpoint then rounds to even.
+        let src = (1.0f64 + 2f64.powi(-8) + 2f64.powi(-40)).to_le_bytes();
+        let mut out = [0u8; 2];
+        convert(&src, Dtype::F64, &mut out, Dtype::BF16);
+        assert_eq!(u16::from_le_bytes(out), 0x3F80);
+    }
+
+    #[test]
+    fn nans_become_torchs_bf16_nans() {
+        for (from, bytes, want) in [
+            (Dtype::F32, 0xFF80_0001u32.to_le_bytes().to_vec(), 0xFFFF),
+            (
+                Dtype::F64,
+                0x7FF0_0000_0000_0001u64.to_le_bytes().to_vec(),
+                0xFFFF,
+            ),
+            (Dtype::F16, 0xFC01u16.to_le_bytes().to_vec(), 0x7FC0),
+        ] {
+            let mut out = [0u8; 2];
+            convert(&bytes, from, &mut out, Dtype::BF16);
+            assert_eq!(u16::from_le_bytes(out), want, "{from}");
         }
     }
 

@@ -81,6 +81,15 @@ pub enum Error {
     InvalidSelection { tensor: String, detail: String },
     /// The file got shorter after its header was read.
     FileShrunk { expected: u64, actual: u64 },
+    /// The file's size or modification time changed after it was opened: it was rewritten in
+    /// place, and bytes read from it may mix two versions.
+    FileChanged { detail: String },
+    /// The path names something other than a regular file (a FIFO, a device, a directory).
+    NotRegularFile { kind: String },
+    /// A thread count of 0 or above the cap.
+    InvalidThreads { threads: u64, max: usize },
+    /// The copy was cancelled through its progress object (or by Ctrl-C).
+    Cancelled,
     /// An operating-system error.
     Io { detail: String },
     /// An operating-system error with its `errno` (the bindings raise the matching `OSError`
@@ -118,6 +127,10 @@ impl Error {
             Error::UnsupportedConversion { .. } => "unsupported-conversion",
             Error::InvalidSelection { .. } => "invalid-selection",
             Error::FileShrunk { .. } => "file-shrunk",
+            Error::FileChanged { .. } => "file-changed",
+            Error::NotRegularFile { .. } => "not-regular-file",
+            Error::InvalidThreads { .. } => "invalid-threads",
+            Error::Cancelled => "cancelled",
             Error::Io { .. } | Error::Os { .. } => "io",
             Error::NotSafetensors { .. } => "not-safetensors",
         }
@@ -134,6 +147,8 @@ impl Error {
                 | Error::InvalidSource { .. }
                 | Error::UnsupportedConversion { .. }
                 | Error::InvalidSelection { .. }
+                | Error::InvalidThreads { .. }
+                | Error::Cancelled
                 | Error::Io { .. }
                 | Error::Os { .. }
         )
@@ -215,6 +230,18 @@ impl fmt::Display for Error {
                 f,
                 "file changed on disk while loading: expected {expected} bytes, found {actual}"
             ),
+            Error::FileChanged { detail } => write!(
+                f,
+                "file was rewritten in place while loading ({detail}); the bytes read may mix two versions"
+            ),
+            Error::NotRegularFile { kind } => write!(
+                f,
+                "not a regular file ({kind}); a checkpoint must be a regular file"
+            ),
+            Error::InvalidThreads { threads, max } => {
+                write!(f, "threads must be between 1 and {max}, got {threads}")
+            }
+            Error::Cancelled => write!(f, "the copy was cancelled before it finished"),
             Error::Io { detail } | Error::Os { detail, .. } => write!(f, "I/O error: {detail}"),
             Error::NotSafetensors { looks_like } => {
                 write!(f, "not a safetensors file: it looks like {looks_like}")

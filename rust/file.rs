@@ -7,8 +7,11 @@
 //! * [`ReadMode::Mmap`]: copies out of a read-only memory map, which lets conversions read the source
 //!   in place.
 
-use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::ffi::CString;
+use std::fs::{File, Metadata};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use memmap2::{Advice, Mmap};
@@ -59,15 +62,94 @@ enum Backing {
 pub struct SafetensorsFile {
     path: PathBuf,
     len: u64,
+    /// Size and modification time (ns) at open: a change means the file was rewritten in place.
+    stamp: Option<(u64, i64)>,
     header: Header,
     backing: Backing,
 }
 
+/// What a non-regular file is, for the message refusing it.
+fn kind_of(m: &Metadata) -> Option<&'static str> {
+    let t = m.file_type();
+    if t.is_file() {
+        None
+    } else if t.is_dir() {
+        Some("a directory")
+    } else if t.is_fifo() {
+        Some("a FIFO")
+    } else if t.is_char_device() {
+        Some("a character device")
+    } else if t.is_block_device() {
+        Some("a block device")
+    } else if t.is_socket() {
+        Some("a socket")
+    } else {
+        Some("not a regular file")
+    }
+}
+
+fn stamp(m: &Metadata) -> (u64, i64) {
+    (m.len(), m.mtime() * 1_000_000_000 + m.mtime_nsec())
+}
+
+/// Opens `name` (relative to `dir` when given, as `openat`) for reading, refusing anything but a
+/// regular file before an open that could block (a FIFO blocks `open(2)` until a writer comes).
+fn open_regular(dir: Option<RawFd>, name: &Path) -> Result<File> {
+    let refuse = |m: &Metadata| match kind_of(m) {
+        Some(kind) => Err(Error::NotRegularFile { kind: kind.into() }),
+        None => Ok(()),
+    };
+    let cname = CString::new(name.as_os_str().as_bytes()).map_err(|_| Error::Io {
+        detail: "path contains a NUL byte".into(),
+    })?;
+    let base = dir.unwrap_or(libc::AT_FDCWD);
+    // stat first: refuses a FIFO or a device without opening it at all.
+    // SAFETY: `st` is written by fstatat on success; `cname` is NUL-terminated.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatat(base, cname.as_ptr(), &mut st, 0) } != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        let kind = match st.st_mode & libc::S_IFMT {
+            libc::S_IFDIR => "a directory",
+            libc::S_IFIFO => "a FIFO",
+            libc::S_IFCHR => "a character device",
+            libc::S_IFBLK => "a block device",
+            libc::S_IFSOCK => "a socket",
+            _ => "not a regular file",
+        };
+        return Err(Error::NotRegularFile { kind: kind.into() });
+    }
+    // O_NONBLOCK: if the path was swapped for a FIFO since the stat, the open still returns at
+    // once and the fstat below refuses it. It changes nothing for a regular file.
+    let flags = libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NONBLOCK;
+    // SAFETY: plain syscall on a NUL-terminated path; the fd is owned by the File below.
+    let fd = unsafe { libc::openat(base, cname.as_ptr(), flags) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: `fd` was just opened and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    refuse(&file.metadata()?)?;
+    Ok(file)
+}
+
 impl SafetensorsFile {
     /// Opens `path`, reads and validates its header, and maps it when `mode` is [`ReadMode::Mmap`].
+    /// Anything but a regular file is refused ([`Error::NotRegularFile`]) without blocking.
     pub fn open(path: &Path, mode: ReadMode) -> Result<Self> {
-        let file = File::open(path)?;
-        let len = file.metadata()?.len();
+        Self::open_at(None, path, path, mode)
+    }
+
+    /// As [`SafetensorsFile::open`], with `name` resolved relative to the open directory `dir`
+    /// (`openat`): every file of a checkpoint then comes from the directory that was opened once,
+    /// even if the path is swapped for another directory meanwhile. `path` is what messages and
+    /// [`SafetensorsFile::path`] show.
+    pub fn open_at(dir: Option<RawFd>, name: &Path, path: &Path, mode: ReadMode) -> Result<Self> {
+        let file = open_regular(dir, name)?;
+        let meta = file.metadata()?;
+        let len = meta.len();
+        let stamp = Some(stamp(&meta));
         let mut prefix = [0u8; LEN_PREFIX as usize];
         let head = len.min(LEN_PREFIX) as usize;
         read_exact_at(&file, &mut prefix[..head], 0, len)?;
@@ -97,6 +179,7 @@ impl SafetensorsFile {
         Ok(SafetensorsFile {
             path: path.to_path_buf(),
             len,
+            stamp,
             header,
             backing,
         })
@@ -113,6 +196,7 @@ impl SafetensorsFile {
         Ok(SafetensorsFile {
             path: label.into(),
             len: bytes.len() as u64,
+            stamp: None,
             header,
             backing: Backing::Memory(bytes.into_boxed_slice()),
         })
@@ -146,20 +230,43 @@ impl SafetensorsFile {
         }
     }
 
-    /// Fails with [`Error::FileShrunk`] if the file is now shorter than when it was opened.
+    /// Fails with [`Error::FileShrunk`] if the file is now shorter than when it was opened, and
+    /// with [`Error::FileChanged`] if its size or modification time changed (rewritten in place).
+    /// The change time is not compared: renaming or unlinking the file (an atomic replace of
+    /// its path by a saver) changes it but leaves the open file's bytes intact.
     pub fn check_unchanged(&self) -> Result<()> {
         let file = match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => f,
             Backing::Memory(_) => return Ok(()),
         };
-        let now = file.metadata()?.len();
+        let meta = file.metadata()?;
+        let now = meta.len();
         if now < self.len {
             return Err(Error::FileShrunk {
                 expected: self.len,
                 actual: now,
             });
         }
+        if let Some((len, mtime)) = self.stamp {
+            let (now_len, now_mtime) = stamp(&meta);
+            if (now_len, now_mtime) != (len, mtime) {
+                return Err(Error::FileChanged {
+                    detail: format!(
+                        "size {len} -> {now_len} bytes, modification time {mtime} -> {now_mtime} ns"
+                    ),
+                });
+            }
+        }
         Ok(())
+    }
+
+    /// The open file descriptor (`None` for a file held in memory): lets a caller map exactly the
+    /// file that was validated (`/proc/self/fd/N`) rather than whatever its path names now.
+    pub fn raw_fd(&self) -> Option<RawFd> {
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => Some(f.as_raw_fd()),
+            Backing::Memory(_) => None,
+        }
     }
 
     /// The bytes at absolute `offset` in mmap mode (and for in-memory files); `None` in pread
@@ -192,7 +299,6 @@ impl SafetensorsFile {
     /// `(device, inode)` of the open file, to tell whether a path still names it (`None` for
     /// a file held in memory).
     pub fn identity(&self) -> Result<Option<(u64, u64)>> {
-        use std::os::unix::fs::MetadataExt;
         match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => {
                 let m = f.metadata()?;

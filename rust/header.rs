@@ -263,6 +263,31 @@ impl<'de> serde::Deserialize<'de> for Entries {
     }
 }
 
+/// Refuses a shape no tensor library can index, even with no elements: torch sizes and strides
+/// are `i64`, and the first stride is the product of the later dimensions with zeros counted as
+/// 1, so `[0, 2**63]` and `[0, 2**40, 2**40]` cannot be built while `[2**62, 0, 4]` can.
+fn check_extent(name: &str, shape: &[u64]) -> Result<()> {
+    const MAX: u64 = i64::MAX as u64;
+    let refuse = |why: &str| Error::InvalidShape {
+        tensor: name.to_string(),
+        detail: format!("{shape:?}: {why}, which no tensor can be indexed with"),
+    };
+    if shape.iter().any(|&d| d > MAX) {
+        return Err(refuse("a dimension above 2^63 - 1"));
+    }
+    let stride = shape
+        .iter()
+        .skip(1)
+        .try_fold(1u64, |acc, &d| acc.checked_mul(d.max(1)))
+        .filter(|&n| n <= MAX);
+    if stride.is_none() {
+        return Err(refuse(
+            "a stride above 2^63 - 1 (later dimensions, zeros counted as 1)",
+        ));
+    }
+    Ok(())
+}
+
 fn parse_entries(text: &str) -> Result<Vec<(String, Entry)>> {
     if !text.trim_start().starts_with('{') {
         // Tell "valid JSON, wrong shape" from "not JSON at all".
@@ -397,6 +422,7 @@ fn parse_tensor(
             end,
         });
     }
+    check_extent(&name, &shape)?;
     let numel = shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -556,6 +582,30 @@ mod tests {
             &[("format".to_string(), "pt".to_string())]
         );
         assert_eq!(h.sorted_names(), vec!["a", "e", "s"]);
+    }
+
+    #[test]
+    fn refuses_empty_shapes_that_no_tensor_can_index_and_accepts_the_largest_that_can() {
+        let one = |shape: &str| {
+            let json = format!(r#"{{"e":{{"dtype":"F32","shape":{shape},"data_offsets":[0,0]}}}}"#);
+            parse_buffer(&file(&json, 0)).map(|h| h.tensors().len())
+        };
+        for shape in [
+            "[0,9223372036854775808]",
+            "[9223372036854775808,0]",
+            "[0,1099511627776,1099511627776]",
+            "[0,4611686018427387904,4]",
+        ] {
+            assert_eq!(one(shape).unwrap_err().rule(), "invalid-shape", "{shape}");
+        }
+        for shape in [
+            "[0,9223372036854775807]",
+            "[0,2147483648,2147483648]",
+            "[4611686018427387904,0,4]",
+            "[0]",
+        ] {
+            assert_eq!(one(shape).unwrap(), 1, "{shape}");
+        }
     }
 
     #[test]

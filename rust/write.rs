@@ -11,7 +11,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use crate::copy::{default_threads, pool, CHUNK};
+use crate::copy::{check_threads, pool, CHUNK};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::header::build_header;
@@ -42,6 +42,8 @@ pub unsafe fn write_file(
     metadata: Option<&[(String, String)]>,
     threads: Option<usize>,
 ) -> Result<u64> {
+    // Checked before the file is created, so a bad count leaves nothing behind.
+    let threads = check_threads(threads)?;
     let spec: Vec<(String, Dtype, Vec<u64>)> = sources
         .iter()
         .map(|s| (s.name.clone(), s.dtype, s.shape.clone()))
@@ -70,7 +72,6 @@ pub unsafe fn write_file(
         let bytes = unsafe { std::slice::from_raw_parts(src.0, len) };
         file.write_all_at(bytes, at).map_err(Error::from)
     };
-    let threads = threads.unwrap_or_else(default_threads).max(1);
     if threads == 1 || pieces.len() <= 1 {
         pieces.iter().try_for_each(write_piece)?;
     } else {

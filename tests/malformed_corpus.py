@@ -121,6 +121,30 @@ CASES: list[Case] = [
         "an element count past 2**64",
     ),
     Case(
+        "empty-shape-with-a-dimension-past-i64",
+        "invalid-shape",
+        lambda: _file(
+            {
+                "e": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]},
+                "b": {**_B, "data_offsets": [0, 16]},
+            },
+            _DATA[:16],
+        ),
+        "shape [0, 2**63]: no tensor has a dimension past 2**63 - 1",
+    ),
+    Case(
+        "empty-shape-whose-strides-overflow",
+        "invalid-shape",
+        lambda: _file(
+            {
+                "e": {"dtype": "F32", "shape": [0, 2**40, 2**40], "data_offsets": [0, 0]},
+                "b": {**_B, "data_offsets": [0, 16]},
+            },
+            _DATA[:16],
+        ),
+        "shape [0, 2**40, 2**40]: 0 elements, but a stride of 2**80",
+    ),
+    Case(
         "packed-dtype-not-whole-bytes",
         "invalid-shape",
         lambda: _file({"a": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"\0\0"),

@@ -1,17 +1,19 @@
 """Loads from many threads at once return what a single-threaded load returns (``load_file`` and
-``from_pretrained``), and copies run with the GIL released (two threads loading take clearly less
-than twice one thread's time)."""
+``from_pretrained``), and copies run with the GIL released (another Python thread watches a copy's
+progress and cancels it while it runs; signal handlers run during a copy). Nothing here measures
+time: the speed of concurrent loads is a benchmark figure (``benches/gil_release.py``)."""
 
 from __future__ import annotations
 
-import hashlib
+import signal
+import subprocess
 import sys
+import textwrap
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from safetensors.torch import save_file as st_save_file
 from torch import nn
 
 import fastload
+from fastload import _core
 from tensor_samples import assert_bitwise_equal
 
 T = TypeVar("T")
@@ -109,90 +112,141 @@ def test_eight_threads_converting_on_load_match_a_single_threaded_conversion(
 
 
 @pytest.fixture(scope="module")
-def big_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two 256 MiB checkpoints (one F32 tensor each), read once to warm the page cache."""
-    out = tmp_path_factory.mktemp("big")
-    paths = []
-    for i in range(2):
-        path = out / f"big{i}.safetensors"
-        st_save_file({"w": torch.full((64 << 20,), float(i))}, str(path))
-        fastload.load_file(path, threads=1)
-        paths.append(path)
-    return paths
+def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 64 MiB checkpoint (one F32 tensor): eight copy pieces of ``_core.CHUNK``."""
+    path = tmp_path_factory.mktemp("big") / "big.safetensors"
+    st_save_file({"w": torch.full((16 << 20,), 1.0)}, str(path))
+    return path
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+ROUNDS = 20
 
 
-def _warm(paths: list[Path]) -> None:
-    # Some VMs page out cold page cache on their own (DAMON); a load that hits the disk would
-    # measure the disk, not the GIL.
-    for path in paths:
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
+def _copy_job(file: _core.SafetensorsFile, dest: torch.Tensor) -> list[Any]:
+    return [("w", dest.data_ptr(), dest.numel() * dest.element_size(), "F32", None)]
+
+
+def test_another_python_thread_runs_and_can_cancel_while_a_copy_is_under_way(
+    big_file: Path,
+) -> None:
+    # The main thread sees the copy's byte counter strictly between 0 and the total, and cancels
+    # the copy there: only possible if the copying thread released the GIL. A round whose copy
+    # finished before the main thread looked proves nothing either way and is retried.
+    file = _core.SafetensorsFile(str(big_file))
+    dest = torch.empty(16 << 20)
+    total = dest.numel() * dest.element_size()
+    cancelled = 0
+    for _ in range(ROUNDS):
+        progress = _core.Progress()
+        errors: list[BaseException] = []
+
+        def load(progress: _core.Progress = progress, errors: list[BaseException] = errors) -> None:
+            try:
+                file.copy_into(_copy_job(file, dest), 1, progress)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                errors.append(e)
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        while loader.is_alive() and not 0 < progress.done < total:
+            pass
+        if 0 < progress.done < total:
+            progress.cancel()
+        loader.join()
+        if progress.cancelled:
+            assert len(errors) == 1 and isinstance(errors[0], fastload.LoadCancelledError)
+            assert "[cancelled]" in str(errors[0]) and str(big_file) in str(errors[0])
+            assert progress.done < total
+            cancelled += 1
+        else:
+            assert not errors and progress.done == total
+    assert cancelled >= 1, f"no round of {ROUNDS} saw the copy under way"
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_signal_during_a_copy_runs_its_python_handler_and_stops_the_copy(
+    big_file: Path,
+) -> None:
+    # Ctrl-C: the copying (main) thread runs signal handlers while the copy is under way; the
+    # handler's exception cancels the copy and comes out of copy_into.
+    file = _core.SafetensorsFile(str(big_file))
+    dest = torch.empty(16 << 20)
+    total = dest.numel() * dest.element_size()
+    interrupted = 0
+    for _ in range(ROUNDS):
+        progress = _core.Progress()
+
+        def handler(signum: int, frame: object, progress: _core.Progress = progress) -> None:
+            if progress.done < total:  # a late signal after the copy must not raise elsewhere
+                raise _Interrupted
+
+        def send(progress: _core.Progress = progress) -> None:
+            while progress.done == 0:
                 pass
+            if progress.done < total:
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+        old = signal.signal(signal.SIGINT, handler)
+        sender = threading.Thread(target=send)
+        try:
+            sender.start()
+            try:
+                file.copy_into(_copy_job(file, dest), 1, progress)
+            except _Interrupted:
+                assert progress.cancelled and progress.done < total
+                interrupted += 1
+            sender.join()
+        finally:
+            signal.signal(signal.SIGINT, old)
+    assert interrupted >= 1, f"no round of {ROUNDS} was interrupted during its copy"
 
 
-def _two_vs_one(work: Callable[[Path], object], paths: list[Path]) -> tuple[float, float]:
-    """(one run, two concurrent runs), best of 5 interleaved rounds with the page cache re-warmed
-    before each, so that passing load from other processes hits neither figure."""
-
-    def sequential() -> None:
-        for path in paths:
-            work(path)
-
-    def concurrent() -> None:
-        _in_threads([lambda p=p: work(p) for p in paths])
-
-    rounds = []
-    for _ in range(5):
-        _warm(paths)
-        one = _timed(sequential) / 2
-        _warm(paths)
-        rounds.append((one, _timed(concurrent)))
-    return min(o for o, _ in rounds), min(c for _, c in rounds)
-
-
-def test_two_threads_loading_take_clearly_less_than_twice_one_load(big_files: list[Path]) -> None:
-    # One copy thread per load: with the GIL released, two Python threads copy on two cores at
-    # once; with it held they would take as long as two loads in a row.
-    data = bytes(256 << 20)
-    # Calibration with work known to release the GIL: on a machine whose second core is busy
-    # (other processes), nothing can run two threads at once and the comparison means nothing.
-    one, both = _two_vs_one(lambda _: hashlib.sha256(data).digest(), big_files)
-    if both > 1.5 * one:
-        pytest.skip(f"no second free core: two sha256 threads take {both / one:.2f}x one")
-    one, both = _two_vs_one(lambda path: fastload.load_file(path, threads=1), big_files)
-    assert both < 1.6 * one, f"2 concurrent loads take {both:.3f}s, one load {one:.3f}s"
+CTRL_C = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    import torch
+    from fastload import _core
+    file = _core.SafetensorsFile(sys.argv[1])
+    dest = torch.empty(16 << 20)
+    total = 64 << 20
+    job = [("w", dest.data_ptr(), total, "F32", None)]
+    for _ in range(20):
+        progress = _core.Progress()
+        def press(progress=progress):
+            while progress.done == 0:
+                pass
+            if progress.done < total:
+                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
+        sender = threading.Thread(target=press)
+        try:
+            sender.start()
+            try:
+                file.copy_into(job, 1, progress)
+            except KeyboardInterrupt:
+                print("interrupted", progress.cancelled, progress.done < total)
+                break
+            sender.join()
+        except KeyboardInterrupt:
+            sender.join()  # arrived after the copy had finished: try again
+    """
+)
 
 
-def test_python_threads_keep_running_while_a_load_copies(big_files: list[Path]) -> None:
-    # Holds on any number of free cores: with the GIL held during the copy, this thread would
-    # stand still until the load returns.
-    def spin(done: threading.Event) -> float:
-        start, turns = time.perf_counter(), 0
-        while not done.is_set():
-            turns += 1
-        return turns / (time.perf_counter() - start)
-
-    timer_done = threading.Event()
-    timer = threading.Timer(0.2, timer_done.set)
-    timer.start()
-    alone = spin(timer_done)
-    load_done = threading.Event()
-
-    def load() -> None:
-        fastload.load_file(big_files[0], threads=1)
-        load_done.set()
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    during = spin(load_done)
-    loader.join()
-    assert during > 0.25 * alone, f"{during:.0f} loop turns/s during a load, {alone:.0f} alone"
+def test_ctrl_c_during_a_copy_raises_keyboard_interrupt_and_stops_the_copy(
+    big_file: Path,
+) -> None:
+    # Python's own SIGINT handler in a process of its own: KeyboardInterrupt comes out of the
+    # copy, which was cancelled before its end.
+    out = subprocess.run(
+        [sys.executable, "-c", CTRL_C, str(big_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "interrupted True True" in out.stdout, out.stdout + out.stderr
 
 
 # --- from_pretrained ------------------------------------------------------------------------------

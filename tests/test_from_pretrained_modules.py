@@ -363,14 +363,14 @@ def test_progress_bar_is_hidden_for_a_small_load_on_a_non_terminal(saved, capsys
 
 
 def test_progress_bar_shows_bytes_for_a_large_load(saved, capsys, monkeypatch):
-    monkeypatch.setattr("fastload.loading.PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
     fastload.from_pretrained(TiedLM, saved, progress=True, mmap="copy")  # the bar counts copies
     err = capsys.readouterr().err
     assert "fastload" in err and "B" in err
 
 
 def test_progress_false_hides_the_bar_even_for_a_large_load(saved, capsys, monkeypatch):
-    monkeypatch.setattr("fastload.loading.PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
     fastload.from_pretrained(TiedLM, saved, progress=False)
     assert "fastload" not in capsys.readouterr().err
 

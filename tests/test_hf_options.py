@@ -21,7 +21,6 @@ REFUSED = sorted(name for name, (status, _) in OPTIONS.items() if status == "ref
 #: a value that asks for each refused option's feature
 REFUSED_VALUES = {
     "proxies": {"https": "proxy:3128"},
-    "offload_folder": "offload",
     "offload_buffers": True,
     "quantization_config": {"load_in_8bit": True},
     "gguf_file": "model.gguf",
@@ -54,9 +53,10 @@ def load(*args, **kwargs):
     return fastload.from_pretrained(*args, **kwargs)
 
 
-def test_every_option_of_the_table_is_exercised_by_this_module_or_the_hub_tests():
+def test_every_option_of_the_table_is_exercised_by_this_module_the_hub_or_offload_tests():
     here = Path(__file__).parent
-    source = (here / "test_hf_options.py").read_text() + (here / "test_hf_hub.py").read_text()
+    files = ("test_hf_options.py", "test_hf_hub.py", "test_offload.py")
+    source = "".join((here / name).read_text() for name in files)
     untested = [name for name in OPTIONS if f'"{name}"' not in source and f"{name}=" not in source]
     assert untested == []
 

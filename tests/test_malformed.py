@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -319,3 +320,12 @@ def test_a_shard_that_shrinks_during_the_load_leaves_the_callers_module_unchange
         fastload.from_pretrained(module, sharded, mmap="copy")  # the copy path reads shard by shard
     assert len(calls) == 2, "the load did not read the shards one by one through reader.fill"
     _assert_unchanged(module, before)
+
+
+def test_an_empty_tensor_with_dimensions_torch_can_index_loads_with_its_shape(
+    tmp_path: Path,
+) -> None:
+    header = json.dumps({"e": {"dtype": "F32", "shape": [0, 2**31, 2**31], "data_offsets": [0, 0]}})
+    path = tmp_path / "e.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    assert fastload.load_file(path)["e"].shape == (0, 2**31, 2**31)

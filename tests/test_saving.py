@@ -458,12 +458,22 @@ def test_the_next_save_removes_the_staging_directory_a_killed_save_left(tmp_path
     assert os.listdir(tmp_path) == ["ckpt"]
 
 
-def test_a_save_leaves_the_staging_directory_of_a_running_save_alone(tmp_path: Path) -> None:
+def test_a_save_leaves_a_staging_directory_whose_lock_is_held_alone(tmp_path: Path) -> None:
+    # Ownership is the lock beside the directory (see test_save_ownership.py for other
+    # processes); the pid in the name means nothing.
+    from fastload.ownership import OwnerLock
+
     target = tmp_path / "ckpt"
-    running = tmp_path / f".fastload-ckpt.{os.getppid()}-0123abcd.tmp"  # pytest's parent: alive
+    running = tmp_path / f".fastload-ckpt.{_dead_pid()}-0123abcd.tmp"
+    lock = OwnerLock(running)
     running.mkdir()
-    fastload.save_pretrained(TiedLM(tie=False), target)
-    assert sorted(os.listdir(tmp_path)) == sorted([running.name, "ckpt"])
+    try:
+        fastload.save_pretrained(TiedLM(tie=False), target)
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            [running.name, running.name + ".lock", "ckpt"]
+        )
+    finally:
+        lock.release()
 
 
 def test_a_failure_just_before_the_swap_leaves_the_old_checkpoint_untouched(

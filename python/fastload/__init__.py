@@ -17,6 +17,7 @@ from fastload.errors import (
     FastloadIsADirectoryError,
     FastloadNotADirectoryError,
     FastloadPermissionError,
+    LoadCancelledError,
     ModelMismatchError,
     PickleRefusedError,
     RequestError,
@@ -64,6 +65,7 @@ __all__ = [
     "TensorRefusedError",
     "ModelMismatchError",
     "SafetensorError",
+    "LoadCancelledError",
     "__version__",
     *_EXPORTS,
 ]

@@ -1,9 +1,11 @@
 """Type stub of the Rust extension ``fastload._core``."""
 
+from collections.abc import Callable
 from os import PathLike
 
 MAX_HEADER_LEN: int
 CHUNK: int
+MAX_THREADS: int
 
 # (name, data pointer, byte length, safetensors dtype, selection)
 # selection: None (whole tensor), [start, stop] (flat elements) or [dim, start, stop] (a slice).
@@ -19,8 +21,17 @@ class SafetensorsFile:
     """
 
     def __init__(
-        self, path: str | PathLike[str], mode: str = "pread", *, strict: bool = False
-    ) -> None: ...
+        self,
+        path: str | PathLike[str],
+        mode: str = "pread",
+        dir_fd: int | None = None,
+        name: str | PathLike[str] | None = None,
+        *,
+        strict: bool = False,
+    ) -> None:
+        """Open ``path``; with ``dir_fd``, open ``name`` relative to that open directory
+        (``openat``) and show ``path`` in messages. Anything but a regular file is refused
+        (``CheckpointError [not-regular-file]``) without blocking."""
     @staticmethod
     def from_bytes(label: str, data: bytes, *, strict: bool = False) -> SafetensorsFile:
         """A whole file held in memory; ``label`` stands for the path in messages."""
@@ -41,17 +52,40 @@ class SafetensorsFile:
         """Read the uncached pages of [address, address + length), a mapping of this file whose
         byte ``offset`` is at ``address``, in parallel; the bytes read. An unmapped range raises
         FastloadIOError."""
+    def fileno(self) -> int | None:
+        """The open file descriptor (None for a file held in memory)."""
     def keys(self) -> list[str]: ...
     def metadata(self) -> dict[str, str] | None: ...
     def tensors(self) -> list[tuple[str, str, list[int], int, int]]: ...
     def info(self, name: str) -> tuple[str, list[int], int, int]: ...
-    def copy_into(self, jobs: list[_Job], threads: int | None = None) -> int:
+    def copy_into(
+        self, jobs: list[_Job], threads: int | None = None, progress: Progress | None = None
+    ) -> int:
         """Validate every job, then fill the destinations in parallel with the GIL released.
 
-        The caller must keep every destination alive and untouched until this returns.
+        ``threads``: 1..MAX_THREADS (``RequestError`` otherwise). A long copy, or one given
+        ``progress``, runs signal handlers (Ctrl-C: ``KeyboardInterrupt``) and ``progress``'s
+        callback every few tens of milliseconds. A file rewritten in place during the copy is
+        ``CheckpointError [file-changed]``. The caller must keep every destination alive and
+        untouched until this returns.
         """
     def __len__(self) -> int: ...
     def __contains__(self, name: str) -> bool: ...
+
+class Progress:
+    """Bytes written so far by the copies given this object, and a flag that cancels them
+    between pieces (``LoadCancelledError``). ``callback(done)`` runs with the GIL held after each
+    task of about ``CHUNK`` bytes and every few tens of milliseconds of a copy; an exception from
+    it cancels the copy and is raised."""
+
+    def __init__(self, callback: Callable[[int], object] | None = None) -> None: ...
+    @property
+    def done(self) -> int: ...
+    @property
+    def cancelled(self) -> bool: ...
+    def cancel(self) -> None: ...
+    def add(self, nbytes: int) -> None:
+        """Count bytes copied outside the engine (pickle files)."""
 
 def write_file(
     path: str | PathLike[str],

@@ -60,6 +60,7 @@ def from_pretrained(
     process_group: Any = ...,
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
+    offload_folder: PathArg | None = ...,
     **model_kwargs: Any,
 ) -> M: ...
 
@@ -91,6 +92,7 @@ def from_pretrained(
     process_group: Any = ...,
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
+    offload_folder: PathArg | None = ...,
     **model_kwargs: Any,
 ) -> tuple[M, LoadReport]: ...
 
@@ -122,6 +124,7 @@ def from_pretrained(
     process_group: Any = ...,
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
+    offload_folder: PathArg | None = ...,
     **model_kwargs: Any,
 ) -> nn.Module: ...
 
@@ -153,6 +156,7 @@ def from_pretrained(
     process_group: Any = ...,
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
+    offload_folder: PathArg | None = ...,
     **model_kwargs: Any,
 ) -> tuple[nn.Module, LoadReport]: ...
 
@@ -183,6 +187,7 @@ def from_pretrained(
     process_group: Any = None,
     allow_pickle: bool = False,
     staging_bytes: int | str | None = None,
+    offload_folder: PathArg | None = None,
     **model_kwargs: Any,
 ) -> Any:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
@@ -265,6 +270,10 @@ def from_pretrained(
             pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
             first use and shared by every shard and device of the load, so host memory during a
             GPU load stays bounded by it. Unused for CPU destinations.
+        offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to
+            disk): those parameters stay in the safetensors file, on ``meta`` in the model, and
+            accelerate's hooks read them onto the execution device (the map's first GPU, else
+            the CPU) when their module runs (:mod:`fastload.offload`). Needs accelerate.
         state_dict: tensors to load instead of files (with ``config``).
         **model_kwargs: transformers' ``from_pretrained`` options (``revision``, ``torch_dtype``,
             ``subfolder``...: each honoured with transformers' meaning or refused with
@@ -294,6 +303,7 @@ def from_pretrained(
         "process_group": process_group,
         "allow_pickle": allow_pickle,
         "staging_bytes": staging_bytes,
+        "offload_folder": offload_folder,
     }
     if _hugging_face_call(model, path, state_dict, model_kwargs):
         from fastload.hf.front import load_hf

@@ -9,6 +9,12 @@ Pickle checkpoints (``pytorch_model.bin``, its sharded ``pytorch_model.bin.index
 files) are refused with ``PickleRefusedError`` unless the caller allows them; then each is opened
 as a :class:`~fastload.pickle_file.PickleFile` (``torch.load(weights_only=True)``) and its index is
 checked by the same rules.
+
+A load sees one checkpoint even while a save replaces it (``save_pretrained`` in this or another
+process): the directory is opened once (:class:`DirHandle`) and the index and every shard are read
+relative to that handle, so they all come from the same directory, whichever path names it now.
+If the old directory is deleted under the load (the saver removes the tree it replaced), the
+resolution starts over from the path, which then names the new checkpoint.
 """
 
 from __future__ import annotations
@@ -17,20 +23,22 @@ import errno
 import json
 import os
 import posixpath
+import stat
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
 
-from fastload import _core
+from fastload import _core, json_text
 from fastload.dtypes import to_torch
 from fastload.errors import (
     CheckpointError,
+    FastloadIOError,
     PickleRefusedError,
     RequestError,
     from_os_error,
-    os_error,
 )
 from fastload.pickle_file import PickleFile, is_pickle
 
@@ -42,6 +50,72 @@ _PICKLE_ADVICE = (
     "pass allow_pickle=True to load it with torch.load(weights_only=True), or convert it to "
     "safetensors once with `fastload convert`"
 )
+
+
+#: how many times a resolution starts over when the directory was replaced under it
+_ATTEMPTS = 10
+
+
+class DirHandle:
+    """An open checkpoint directory; files are looked up relative to it (``openat``).
+
+    ``save_pretrained`` replaces a checkpoint directory by exchanging it with a new one
+    (``renameat2(RENAME_EXCHANGE)``): the handle keeps naming the directory that was opened.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self.fd = os.open(path, flags)
+        except OSError as e:
+            raise from_os_error(e, path) from e
+        self._close = weakref.finalize(self, os.close, self.fd)
+
+    def stat(self, name: str) -> os.stat_result | None:
+        """``stat`` of ``name`` in the directory (symlinks followed), ``None`` if absent."""
+        try:
+            return os.stat(name, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP):
+                return None
+            raise from_os_error(e, self.path / name) from e
+
+    def is_file(self, name: str) -> bool:
+        st = self.stat(name)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The contents of regular file ``name``; anything else is refused without blocking."""
+        where = self.path / name
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            raise from_os_error(e, where) from e
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{where}: [not-regular-file] not a regular file")
+            try:
+                return f.read()
+            except OSError as e:
+                raise from_os_error(e, where) from e
+
+    def replaced(self) -> bool:
+        """Whether the directory's path now names another directory (or nothing)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        mine = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
+
+class _Replaced(Exception):
+    """The directory was replaced while it was being read: start over (carries the error)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 @dataclass(frozen=True)
@@ -58,6 +132,10 @@ class CheckpointFiles:
     index: Path | None = None
     weight_map: dict[str, str] | None = None
     index_metadata: dict[str, Any] | None = None
+    #: the open directory the files are resolved in (``None``: a single file given by path)
+    handle: DirHandle | None = field(default=None, compare=False, repr=False)
+    #: what :func:`resolve` was given, to start over if the directory is replaced while opening
+    requested: tuple[Path, bool] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -99,34 +177,77 @@ def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Chec
     ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``) are taken only with
     ``allow_pickle``. Raises ``FileNotFoundError`` (a ``FastloadIOError``) if ``path`` does not
     exist, ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and
-    ``CheckpointError`` for a directory with no checkpoint or a broken index.
+    ``CheckpointError`` for a directory with no checkpoint, a broken index, or a path that is not
+    a regular file or a directory (a FIFO, a device).
     """
     p = Path(os.fspath(path))
-    if not p.exists():
-        raise os_error(p, errno.ENOENT)
-    if p.is_file():
+    for attempt in range(_ATTEMPTS):
+        try:
+            return _resolve_once(p, allow_pickle)
+        except _Replaced as e:
+            if attempt + 1 == _ATTEMPTS:
+                raise e.error from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _resolve_once(p: Path, allow_pickle: bool) -> CheckpointFiles:
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise from_os_error(e, p) from None
+    requested = (p, allow_pickle)
+    if stat.S_ISREG(st.st_mode):
         if p.name.endswith(".index.json"):
-            return _resolve_index(p, allow_pickle)
+            handle = DirHandle(p.parent)
+            name = p.name
+            return _in_handle(handle, lambda: _resolve_index(handle, name, allow_pickle, requested))
         if is_pickle(p) and not allow_pickle:
             raise PickleRefusedError(
                 f"{p}: a pickle checkpoint, which could run code when loaded; {_PICKLE_ADVICE}"
             )
-        return CheckpointFiles(directory=p.parent, files=(p,))
-    single, index = p / SINGLE_FILE, p / INDEX_FILE
-    if single.is_file():
-        return CheckpointFiles(directory=p, files=(single,))
-    if index.is_file():
-        return _resolve_index(index, allow_pickle)
+        return CheckpointFiles(directory=p.parent, files=(p,), requested=requested)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(
+            f"{p}: [not-regular-file] neither a regular file nor a directory (a FIFO, socket or "
+            "device); a checkpoint is a .safetensors file or a directory"
+        )
+    handle = DirHandle(p)
+    return _in_handle(handle, lambda: _resolve_dir(handle, allow_pickle, requested))
+
+
+def _in_handle(handle: DirHandle, resolve_in: Any) -> CheckpointFiles:
+    """``resolve_in()``, with an error turned into :class:`_Replaced` if the directory was
+    replaced meanwhile (its files may have been deleted under us: start over)."""
+    try:
+        return resolve_in()
+    except (CheckpointError, FastloadIOError) as e:
+        if handle.replaced():
+            raise _Replaced(e) from e
+        raise
+
+
+def _resolve_dir(
+    handle: DirHandle, allow_pickle: bool, requested: tuple[Path, bool]
+) -> CheckpointFiles:
+    p = handle.path
+    if handle.is_file(SINGLE_FILE):
+        return CheckpointFiles(
+            directory=p, files=(p / SINGLE_FILE,), handle=handle, requested=requested
+        )
+    if handle.is_file(INDEX_FILE):
+        return _resolve_index(handle, INDEX_FILE, allow_pickle, requested)
     for name in _PICKLE_FILES:
-        if (p / name).is_file():
+        if handle.is_file(name):
             if not allow_pickle:
                 raise PickleRefusedError(
                     f"{p}: holds a pickle checkpoint ({name}) and no {SINGLE_FILE} or "
                     f"{INDEX_FILE}; {_PICKLE_ADVICE}"
                 )
             if name.endswith(".index.json"):
-                return _resolve_index(p / name, allow_pickle)
-            return CheckpointFiles(directory=p, files=(p / name,))
+                return _resolve_index(handle, name, allow_pickle, requested)
+            return CheckpointFiles(
+                directory=p, files=(p / name,), handle=handle, requested=requested
+            )
     raise CheckpointError(f"{p}: neither {SINGLE_FILE} nor {INDEX_FILE} found in the directory")
 
 
@@ -168,15 +289,16 @@ def _check_shard_name(index: Path, shard: object) -> str:
     return posixpath.normpath(shard.replace("\\", "/"))
 
 
-def _resolve_index(index: Path, allow_pickle: bool = False) -> CheckpointFiles:
+def _resolve_index(
+    handle: DirHandle, name: str, allow_pickle: bool, requested: tuple[Path, bool]
+) -> CheckpointFiles:
+    index = handle.path / name
     try:
-        text = index.read_text(encoding="utf-8")
-    except OSError as e:
-        raise from_os_error(e, index) from e
+        text = handle.read_bytes(name).decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{index}: not UTF-8 text ({e.reason})") from e
     try:
-        data = json.loads(text, object_pairs_hook=_reject_duplicates)
+        data = json_text.loads(text, index, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as e:
         raise CheckpointError(
             f"{index}: tensor {e.key!r} is listed twice, in shards {e.first!r} and {e.second!r} "
@@ -187,7 +309,7 @@ def _resolve_index(index: Path, allow_pickle: bool = False) -> CheckpointFiles:
     if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
         raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to shards")
     weight_map: dict[str, str] = data["weight_map"]
-    directory = index.parent
+    directory = handle.path
     # Shard names normalized ("sub/../x" is "x"), so one file is one shard however it is spelled.
     weight_map = {k: _check_shard_name(index, v) for k, v in weight_map.items()}
     shards = list(dict.fromkeys(weight_map.values()))
@@ -198,11 +320,11 @@ def _resolve_index(index: Path, allow_pickle: bool = False) -> CheckpointFiles:
             f"loaded; {_PICKLE_ADVICE}"
         )
     files = []
-    for name in shards:
-        f = directory / name
-        if not f.is_file():
+    for shard in shards:
+        f = directory / shard
+        if not handle.is_file(shard):
             raise CheckpointError(
-                f"{index}: shard {name!r} is missing (looked for {f}) [missing-shard]"
+                f"{index}: shard {shard!r} is missing (looked for {f}) [missing-shard]"
             )
         files.append(f)
     metadata = data.get("metadata")
@@ -212,21 +334,51 @@ def _resolve_index(index: Path, allow_pickle: bool = False) -> CheckpointFiles:
         index=index,
         weight_map=dict(weight_map),
         index_metadata=metadata if isinstance(metadata, dict) else None,
+        handle=handle,
+        requested=requested,
     )
 
 
 def open_checkpoint(location: CheckpointFiles, read_mode: str = "pread") -> OpenCheckpoint:
     """Opens every file of ``location`` and builds the table of stored tensors.
 
-    Safetensors files are opened with ``read_mode``; pickle files, which :func:`resolve` returns
-    only when allowed, with ``torch.load(weights_only=True)``. A tensor held by two files, or an
-    index that disagrees with the shards' contents, is a ``CheckpointError``.
+    Safetensors files are opened with ``read_mode``, relative to the directory handle of
+    ``location`` when it has one; pickle files, which :func:`resolve` returns only when allowed,
+    with ``torch.load(weights_only=True)``. A tensor held by two files, or an index that disagrees
+    with the shards' contents, is a ``CheckpointError``. If the directory was replaced and its
+    files deleted meanwhile (a concurrent save), the checkpoint is resolved again and reopened.
     """
-    from fastload.reader import READ_MODES, open_file
+    from fastload.reader import READ_MODES
 
     if read_mode not in READ_MODES:  # checked even when only pickle files are opened
         raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
-    opened = [PickleFile(f) if is_pickle(f) else open_file(f, read_mode) for f in location.files]
+    for attempt in range(_ATTEMPTS):
+        try:
+            return _open_once(location, read_mode)
+        except (CheckpointError, FastloadIOError):
+            handle, requested = location.handle, location.requested
+            if (
+                attempt + 1 == _ATTEMPTS
+                or handle is None
+                or requested is None
+                or not handle.replaced()
+            ):
+                raise
+            location = resolve(requested[0], allow_pickle=requested[1])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_file(location: CheckpointFiles, path: Path, read_mode: str) -> Any:
+    if is_pickle(path):
+        return PickleFile(path)
+    if location.handle is None:
+        return _core.SafetensorsFile(os.fspath(path), read_mode)
+    name = path.relative_to(location.directory).as_posix()
+    return _core.SafetensorsFile(os.fspath(path), read_mode, location.handle.fd, name)
+
+
+def _open_once(location: CheckpointFiles, read_mode: str) -> OpenCheckpoint:
+    opened = [_open_file(location, f, read_mode) for f in location.files]
     tensors: dict[str, StoredTensor] = {}
     for i, file in enumerate(opened):
         shard_name = location.files[i].relative_to(location.directory).as_posix()

@@ -21,10 +21,12 @@ import math
 import os
 import shutil
 import sys
+import unicodedata
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
+from fastload import json_text
 from fastload.errors import CheckpointError, FastloadError, RequestError
 from fastload.units import format_bytes
 
@@ -55,6 +57,23 @@ class _UsageError(Exception):
 
 def _usage_error(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     raise _UsageError(f"{parser.prog}: error: {message} (see {parser.prog} --help)")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with control and format characters (ESC, CR, bidi overrides, line separators)
+    written as escapes: names and metadata come from the file and must not drive the terminal
+    or forge output lines."""
+    return "".join(
+        c.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(c) in ("Cc", "Cf", "Zl", "Zp")
+        else c
+        for c in text
+    )
+
+
+def _emit(*values: object, file: TextIO | None = None) -> None:
+    """``print`` for everything the CLI shows: one line per call, control characters escaped."""
+    print(_escaped(" ".join(str(v) for v in values)), file=file)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,11 +142,11 @@ def _describe(path: str) -> dict[str, Any]:
 
 def _print_description(info: dict[str, Any]) -> None:
     shown = info["index"] or info["files"][0]["path"]
-    print(
+    _emit(
         f"{shown}: {info['tensors']} tensors, {info['parameters']:,} elements, "
         f"{format_bytes(info['bytes'])} in {len(info['files'])} file(s)"
     )
-    print(
+    _emit(
         "dtypes: "
         + ", ".join(
             f"{k} {v['tensors']} ({format_bytes(v['bytes'])})"
@@ -135,19 +154,20 @@ def _print_description(info: dict[str, Any]) -> None:
         )
     )
     if info["index_metadata"]:
-        print(f"index metadata: {json.dumps(info['index_metadata'], sort_keys=True)}")
+        _emit(f"index metadata: {json.dumps(info['index_metadata'], sort_keys=True)}")
     for f in info["files"]:
-        print()
-        print(f"{f['path']} ({format_bytes(f['file_size'])})")
+        _emit()
+        _emit(f"{f['path']} ({format_bytes(f['file_size'])})")
         if f["metadata"]:
-            print(f"  metadata: {json.dumps(f['metadata'], sort_keys=True)}")
+            _emit(f"  metadata: {json.dumps(f['metadata'], sort_keys=True)}")
         rows = [
-            (t["name"], t["dtype"], str(t["shape"]), format_bytes(t["bytes"])) for t in f["tensors"]
+            (_escaped(t["name"]), t["dtype"], str(t["shape"]), format_bytes(t["bytes"]))
+            for t in f["tensors"]
         ]
         widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(_HEADINGS)]
-        print("  " + "  ".join(h.ljust(w) for h, w in zip(_HEADINGS, widths, strict=True)))
+        _emit("  " + "  ".join(h.ljust(w) for h, w in zip(_HEADINGS, widths, strict=True)))
         for row in rows:
-            print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+            _emit("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
 _HEADINGS = ("name", "dtype", "shape", "bytes")
@@ -157,7 +177,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     info = _describe(args.path)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
-        print()
+        _emit()
     else:
         _print_description(info)
     return 0
@@ -207,7 +227,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         config = location.directory / "config.json"
         if config.is_file():
             try:
-                json.loads(config.read_text(encoding="utf-8"))
+                json_text.loads(config.read_text(encoding="utf-8"), config)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{config}: not valid JSON ({e})") from None
     # Every shard's header on its own first, so a broken shard is named even when the index
@@ -235,12 +255,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
     where = location.index or location.files[0]
     checked = "headers checked" if args.headers_only else f"{format_bytes(read)} read"
-    print(
+    _emit(
         f"OK {where}: {len(ckpt.files)} file(s), {len(ckpt.tensors)} tensors, "
         f"{format_bytes(ckpt.total_bytes)} of tensor data ({checked})"
     )
     if stray:
-        print(f"note: not in the index, ignored by loaders: {', '.join(stray)}")
+        _emit(f"note: not in the index, ignored by loaders: {', '.join(stray)}")
     return 0
 
 
@@ -347,16 +367,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
             shutil.copyfile(companion, out_dir / name)
             copied.append(name)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    print(f"wrote {target}: {len(tensors)} tensors, {format_bytes(nbytes)}")
+    _emit(f"wrote {target}: {len(tensors)} tensors, {format_bytes(nbytes)}")
     if aliases:
-        print(
+        _emit(
             "tied tensors stored once: "
             + ", ".join(f"{a} = {c}" for a, c in sorted(aliases.items()))
         )
     if cloned:
-        print(f"partly overlapping tensors stored separately: {', '.join(cloned)}")
+        _emit(f"partly overlapping tensors stored separately: {', '.join(cloned)}")
     if copied:
-        print(f"copied: {', '.join(copied)}")
+        _emit(f"copied: {', '.join(copied)}")
     return 0
 
 
@@ -464,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(message: str, status: int = 1, prefix: str = f"{PROG}: error: ") -> int:
     # one line: messages from lower layers may contain newlines
     line = " ".join(message.split())
-    print(f"{prefix}{line}", file=sys.stderr)
+    _emit(f"{prefix}{line}", file=sys.stderr)
     return status
 
 

@@ -39,18 +39,29 @@ logger = logging.getLogger("fastload")
 GPU_HEADROOM = 0.9
 
 DeviceLike = str | int | torch.device
+
+#: how a device map marks tensors offloaded to disk: they stay on ``meta`` in the model and are read
+#: from the checkpoint file when their module runs (accelerate's offload hooks)
+DISK = torch.device("meta")
 DeviceMapArg = DeviceLike | Mapping[str, DeviceLike]
 
 
-def parse_device(device: DeviceLike, *, where: str = "device_map") -> torch.device:
-    """A ``torch.device`` from ``"cpu"``, ``"cuda:0"``, ``0`` (CUDA device 0) or a device.
+def parse_device(
+    device: DeviceLike, *, where: str = "device_map", disk: bool = False
+) -> torch.device:
+    """A ``torch.device`` from ``"cpu"``, ``"cuda:0"``, ``0`` (CUDA device 0) or a device;
+    ``"disk"`` is :data:`DISK` when ``disk`` allows it.
 
     CUDA devices are checked to exist, so a typo fails before anything is allocated.
     """
     if isinstance(device, bool):
         raise RequestError(f"{where}: {device!r} is not a device")
     if isinstance(device, str) and device.strip().lower() == "disk":
-        raise UnsupportedError(f"{where}: offloading to disk is not supported; use 'cpu'")
+        if disk:
+            return DISK
+        raise UnsupportedError(
+            f"{where}: offloading to disk needs offload_folder= (and accelerate installed)"
+        )
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -167,7 +178,23 @@ class DeviceMap:
 
     def as_strings(self) -> dict[str, str]:
         """``{prefix: "cuda:0"}``, e.g. for a report or ``json.dumps``."""
-        return {k: str(v) for k, v in self.prefixes.items()}
+        return {k: "disk" if v == DISK else str(v) for k, v in self.prefixes.items()}
+
+    def accelerate_map(self) -> dict[str, int | str]:
+        """The map as accelerate and transformers write it (``hf_device_map``): CUDA devices by
+        index, others by type, ``"disk"``."""
+        out: dict[str, int | str] = {}
+        for prefix, device in self.prefixes.items():
+            if device == DISK:
+                out[prefix] = "disk"
+            else:
+                out[prefix] = (device.index or 0) if device.type == "cuda" else str(device)
+        return out
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether some tensors are offloaded to disk."""
+        return DISK in self.prefixes.values()
 
 
 def no_split_names(model: nn.Module, classes: Iterable[str] | None = None) -> list[str]:
@@ -249,6 +276,7 @@ def resolve_device_map(
     max_memory: Mapping[DeviceLike, int | str] | None = None,
     itemsize: Mapping[str, int] | None = None,
     no_split: Iterable[str] | None = None,
+    disk: bool = False,
 ) -> DeviceMap:
     """Checks ``device_map`` against ``model`` (whose tensors may be on meta).
 
@@ -258,7 +286,8 @@ def resolve_device_map(
     module classes kept whole on one device (default: the model's ``_no_split_modules``).
     Raises ``RequestError`` for an unknown device, a prefix that names nothing in the model, a
     tensor no prefix covers, or an "auto" plan that does not fit; ``UnsupportedError`` for
-    ``"disk"``, or an accelerate mode without accelerate installed.
+    ``"disk"`` unless ``disk`` allows it (then the planners also spill to disk what does not fit
+    elsewhere), or an accelerate mode without accelerate installed.
     """
     planned = isinstance(device_map, str) and device_map in ("auto", *ACCELERATE_MODES)
     if max_memory is not None and not planned:
@@ -266,12 +295,13 @@ def resolve_device_map(
             f"max_memory only applies to device_map='auto' or one of {ACCELERATE_MODES}"
         )
     if isinstance(device_map, str) and device_map in ACCELERATE_MODES:
-        return _accelerate_plan(device_map, model, max_memory, no_split)
+        return _accelerate_plan(device_map, model, max_memory, no_split, disk)
     if isinstance(device_map, str) and device_map == "auto":
         sizes = tensor_sizes(model, itemsize)
         blocks = no_split_names(model, None if no_split is None else list(no_split))
-        plan = plan_auto(sizes, blocks, default_budgets(max_memory))
-        resolved = DeviceMap({k: torch.device(v) for k, v in plan.items()})
+        budgets = default_budgets(max_memory) + ([("disk", None)] if disk else [])
+        plan = plan_auto(sizes, blocks, budgets)
+        resolved = DeviceMap({k: parse_device(v, disk=disk) for k, v in plan.items()})
         logger.info("device_map='auto': %s", resolved.as_strings())
         return resolved
     if isinstance(device_map, Mapping):
@@ -281,7 +311,7 @@ def resolve_device_map(
         for prefix, device in device_map.items():
             if not isinstance(prefix, str):
                 raise RequestError(f"device_map keys must be module names, got {prefix!r}")
-            prefixes[prefix] = parse_device(device, where=f"device_map[{prefix!r}]")
+            prefixes[prefix] = parse_device(device, where=f"device_map[{prefix!r}]", disk=disk)
         resolved = DeviceMap(prefixes)
         _check_covers(resolved, model)
         return resolved
@@ -298,6 +328,7 @@ def _accelerate_plan(
     model: nn.Module,
     max_memory: Mapping[DeviceLike, int | str] | None,
     no_split: Iterable[str] | None,
+    disk: bool,
 ) -> DeviceMap:
     try:
         from accelerate.utils import get_balanced_memory, infer_auto_device_map
@@ -323,12 +354,12 @@ def _accelerate_plan(
             low_zero=mode == "balanced_low_0",
         )
     plan = infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=classes)
-    if any(str(d) == "disk" for d in plan.values()):
+    if not disk and any(str(d) == "disk" for d in plan.values()):
         raise UnsupportedError(
             f"device_map={mode!r}: the model does not fit in the GPUs and the CPU memory, and "
-            "fastload does not offload to disk; give more memory with max_memory"
+            "offloading to disk needs offload_folder=; or give more memory with max_memory"
         )
-    resolved = DeviceMap({k: parse_device(v) for k, v in plan.items()})
+    resolved = DeviceMap({k: parse_device(v, disk=disk) for k, v in plan.items()})
     logger.info("device_map=%r (accelerate): %s", mode, resolved.as_strings())
     return resolved
 

@@ -51,6 +51,11 @@ class FastloadIOError(FastloadError, OSError):
         return str(self.args[0]) if self.args else super().__str__()
 
 
+class LoadCancelledError(FastloadError):
+    """A copy was cancelled (through its :class:`fastload._core.Progress` or a callback's error)
+    before it finished; the destinations hold partial data."""
+
+
 class PickleRefusedError(CheckpointError):
     """A pickle-based checkpoint (``.bin``/``.pt``) was given without ``allow_pickle=True``."""
 
@@ -144,4 +149,5 @@ __all__ = [
     "SafetensorError",
     "os_error",
     "from_os_error",
+    "LoadCancelledError",
 ]

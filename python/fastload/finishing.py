@@ -75,7 +75,9 @@ def _wrap(group: Group, tensor: torch.Tensor) -> torch.Tensor:
     return tensor if group.is_buffer else _as_parameter(tensor, group.template)
 
 
-def swap_in(model: nn.Module, groups: list[Group], report: LoadReport) -> None:
+def swap_in(
+    model: nn.Module, groups: list[Group], report: LoadReport, offloaded: set[str] | None = None
+) -> None:
     """Swaps the new tensors in (all together), initializes, and checks nothing is on meta; on
     any failure the model's original tensors are put back."""
     swap = _Swap()
@@ -93,7 +95,7 @@ def swap_in(model: nn.Module, groups: list[Group], report: LoadReport) -> None:
             if group.action == "init":
                 targets[group.slots[0].name] = value
         initialize(model, targets)
-        _check_no_meta(model)
+        _check_no_meta(model, offloaded or set())
     except BaseException:
         swap.rollback()
         raise
@@ -101,8 +103,13 @@ def swap_in(model: nn.Module, groups: list[Group], report: LoadReport) -> None:
     report.tied = [[s.name for s in g] for g in group_slots(tensor_slots(model)) if len(g) > 1]
 
 
-def _check_no_meta(model: nn.Module) -> None:
-    left = [s.name for s in tensor_slots(model) if s.tensor.device.type == "meta"]
+def _check_no_meta(model: nn.Module, offloaded: set[str]) -> None:
+    """Nothing but the tensors offloaded to disk may be left on ``meta``."""
+    left = [
+        s.name
+        for s in tensor_slots(model)
+        if s.tensor.device.type == "meta" and s.name not in offloaded
+    ]
     if left:
         raise FastloadError(
             f"{type(model).__name__}: {len(left)} tensors are still on the meta device after "

@@ -16,7 +16,6 @@ pooler of ``BertForMaskedLM``, transformers #7272), are *authorized*: handled si
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from fastload import json_text
 from fastload.errors import CheckpointError, RequestError
 from fastload.saving import TIED_KEY
 
@@ -179,12 +179,18 @@ def recorded_aliases(records: Iterable[tuple[str, object]]) -> dict[str, str]:
     """The ``{alias: canonical}`` tables fastload's saver records under the ``fastload.tied``
     metadata key, merged. Each record is ``(where, value)``: the JSON text of a file's metadata
     entry, or the object in an index's metadata. The key is only a hint for tensors the checkpoint
-    lacks, so a malformed record is ignored with a warning rather than failing the load."""
+    lacks, so a malformed record is ignored with a warning rather than failing the load; one
+    nested deeper than any such table (a JSON bomb) is refused as ``CheckpointError``."""
     aliases: dict[str, str] = {}
     for where, value in records:
         try:
-            table = json.loads(value) if isinstance(value, str) else value
-        except ValueError:
+            if isinstance(value, str):
+                table = json_text.loads(value, f"{where}: metadata {TIED_KEY!r}")
+            else:
+                table = value
+        except ValueError as e:
+            if isinstance(e, CheckpointError):
+                raise
             table = None
         valid = isinstance(table, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in table.items()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -41,12 +40,13 @@ from fastload import keys as keymod
 from fastload.checkpoint import (
     OpenCheckpoint,
 )
-from fastload.device_map import DeviceMapArg, dispatch, resolve_device_map
+from fastload.device_map import DISK, DeviceMapArg, dispatch, resolve_device_map
 from fastload.devices import parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import RequestError, UnsupportedError
 from fastload.finishing import resolve_duplicates, swap_in
 from fastload.hooks import ModelHooks, hooks_for
+from fastload.offload import dispatch_offloaded, offloaded_names, require_accelerate
 from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
@@ -56,12 +56,10 @@ from fastload.skeleton import build_skeleton
 from fastload.source import open_source
 from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
+from fastload.threads import check_threads
 from fastload.tying import tensor_slots
 
 logger = logging.getLogger("fastload")
-
-#: loads above this size show a progress bar even when stderr is not a terminal
-PROGRESS_MIN_BYTES = 64 << 20
 
 __all__ = ["Destination", "Placement", "Target", "load", "plain_target", "selected_shape"]
 
@@ -137,6 +135,7 @@ def load(
     process_group: Any = None,
     allow_pickle: bool = False,
     staging_bytes: int | str | None = None,
+    offload_folder: str | os.PathLike[str] | None = None,
     seconds: dict[str, float] | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target``; the options are
@@ -150,6 +149,7 @@ def load(
     if max_memory is not None and device_map is None:
         device_map = "auto"  # budgets alone ask for a planned placement, as with accelerate
     check_mmap_mode(mmap)
+    check_threads(threads)  # here, not only where copies start: a load of views copies nothing
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
     if target_device.type == "meta":
         raise RequestError("from_pretrained: device 'meta' holds no data to load into")
@@ -173,8 +173,16 @@ def load(
     with clock.phase("plan"):
         dmap = None
         if device_map is not None:
+            disk = offload_folder is not None
+            if disk:
+                require_accelerate()
+                os.makedirs(offload_folder, exist_ok=True)  # type: ignore[arg-type]
             dmap = resolve_device_map(
-                device_map, module, max_memory=max_memory, no_split=no_split_module_classes
+                device_map,
+                module,
+                max_memory=max_memory,
+                no_split=no_split_module_classes,
+                disk=disk,
             )
         tp = layout_for(tp_plan, module, process_group) if tp_plan is not None else None
         placement = Placement(
@@ -206,8 +214,10 @@ def load(
         resolve_duplicates(groups)
 
     with clock.phase("finish"):
-        swap_in(module, groups, report)
-        if dmap is not None:
+        swap_in(module, groups, report, offloaded=offloaded_names(groups))
+        if dmap is not None and dmap.has_disk:
+            dispatch_offloaded(module, dmap, groups, ckpt)
+        elif dmap is not None:
             dispatch(module, dmap)
         if tp is not None:
             _finish_tensor_parallel(module, tp, process_group, report)
@@ -229,7 +239,9 @@ def load(
     modes = "+".join(dict.fromkeys(f.mode for f in ckpt.files))
     report.read_mode = f"{modes}+shared-mmap" if report.bytes_shared else modes
     report.files = [str(f) for f in location.files]
-    report.device = str(target_device) if dmap is None else ", ".join(map(str, dmap.devices))
+    report.device = (
+        str(target_device) if dmap is None else ", ".join(dict.fromkeys(dmap.as_strings().values()))
+    )
     report.device_map = None if dmap is None else dmap.as_strings()
     report.dtype = "auto" if want is None else str(want).removeprefix("torch.")
     report.model_class = type(module).__name__
@@ -349,6 +361,14 @@ def _allocate(
                     if stored.file not in mappings:
                         mappings[stored.file] = SharedMapping(shared.files[stored.file])
                     tensor = mappings[stored.file].view(stored.name, dest.dtype)
+                if dest.device == DISK:  # stays in the file; read when its module runs
+                    if report is not None:
+                        report.bytes_read -= source_bytes(stored, dest)
+                        report.bytes_offloaded += source_bytes(stored, dest)
+                        report.tensors_loaded -= 1
+                    if i == 0:
+                        group.dest = dest
+                    continue
                 if tensor is None:
                     shape = selected_shape(stored.shape, dest.selection)
                     tensor = torch.empty(shape, dtype=dest.dtype, device=dest.device)
@@ -363,6 +383,8 @@ def _allocate(
                     group.extra.append((slot, tensor))
             continue
         dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
+        if dest.device == DISK:  # not in the file: kept in memory, served to the offload hooks
+            dest = Destination(torch.device("cpu"), dest.dtype, dest.selection)
         group.dest = dest
         shape = selected_shape(tuple(group.template.shape), dest.selection)
         if group.action == "init":
@@ -400,16 +422,6 @@ def _sharing_line(why: str, mapping: Any, copies: int) -> str:
     return "copies (converted, sharded, misaligned or not on the CPU)"
 
 
-def _show_progress(total: int, enabled: bool) -> bool:
-    if not enabled:
-        return False
-    try:
-        tty = sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        tty = False
-    return total > PROGRESS_MIN_BYTES or tty
-
-
 def _read(
     ckpt: OpenCheckpoint,
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]],
@@ -419,29 +431,19 @@ def _read(
     pool: StagingPool,
 ) -> int:
     """One copy call per file (all its tensors at once, so the engine parallelises across them);
-    accelerator destinations of every file share ``pool``, released at the end."""
-    from tqdm.auto import tqdm
-
+    the progress bar advances per copied piece (:mod:`fastload.progress`); accelerator
+    destinations of every file share ``pool``, released at the end."""
+    from fastload.progress import byte_progress
     from fastload.reader import fill
 
-    total = sum(b for items in by_file.values() for *_, b in items)
+    total = sum(t.numel() * t.element_size() for items in by_file.values() for _, t, *_ in items)
     written = 0
-    with tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        desc="fastload",
-        disable=not _show_progress(total, progress),
-        file=sys.stderr,
-    ) as bar:
+    with byte_progress(total, progress) as counter:
         try:
             for index in sorted(by_file):
                 items = by_file[index]
-                written += fill(
-                    ckpt.files[index], [(n, t, s) for n, t, s, _ in items], threads, pool
-                )
-                bar.update(sum(b for *_, b in items))
+                jobs = [(n, t, s) for n, t, s, _ in items]
+                written += fill(ckpt.files[index], jobs, threads, pool, counter)
         finally:
             pool.release()
     return written

@@ -17,6 +17,7 @@ import ctypes
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -172,10 +173,13 @@ class PickleFile:
             )
         return self._info[name]
 
-    def copy_into(self, jobs: list[_Job], threads: int | None = None) -> int:
+    def copy_into(
+        self, jobs: list[_Job], threads: int | None = None, progress: Any | None = None
+    ) -> int:
         """Fills caller-owned destinations, like ``SafetensorsFile.copy_into``: every job is
         checked (name, dtype pair, selection, destination size) before any byte is written, with
-        the same error classes; returns bytes written. ``threads`` is unused (torch copies)."""
+        the same error classes; returns bytes written. ``threads`` is unused (torch copies);
+        ``progress`` (a ``_core.Progress``) counts the bytes once they are written."""
         del threads
         checked: list[tuple[torch.Tensor, int, int, torch.dtype]] = []
         for name, ptr, nbytes, st_dtype, selection in jobs:
@@ -205,7 +209,10 @@ class PickleFile:
                     raw = (ctypes.c_char * nbytes).from_address(ptr)
                     dest = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
                     dest.view(part.shape).copy_(part)
-        return sum(nbytes for _, _, nbytes, _ in checked)
+        written = sum(nbytes for _, _, nbytes, _ in checked)
+        if progress is not None:
+            progress.add(written)
+        return written
 
     def _select(self, name: str, selection: list[int] | None) -> torch.Tensor:
         """The part of tensor ``name`` a selection takes (``RequestError`` if out of range)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fastload.checkpoint import StoredTensor
-from fastload.device_map import DeviceMap
+from fastload.device_map import DISK, DeviceMap
 from fastload.dtypes import CONVERTIBLE, to_st
 from fastload.tensor_parallel import TPLayout
 
@@ -94,6 +94,8 @@ class Placement:
         """The destination of model tensor ``name`` (``template`` is the tensor the model holds
         now, possibly on meta; ``stored`` is the checkpoint tensor that fills it, if any)."""
         device = self.device if self.device_map is None else self.device_map.device_of(name)
+        if device == DISK and is_buffer:  # only parameters are offloaded (offload_buffers=False)
+            device = torch.device("cpu")
         selection = None
         if self.tp is not None and not is_buffer:
             selection = self.tp.selection(name, tuple(template.shape))

@@ -24,6 +24,7 @@ from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch, torch_sha
 from fastload.errors import RequestError, UnsupportedError
 from fastload.slices import SafeSlice
 from fastload.streaming import StagingPool
+from fastload.threads import check_threads
 
 READ_MODES = ("pread", "mmap")
 
@@ -81,19 +82,19 @@ def fill(
     items: Iterable[FillItem],
     threads: int | None = None,
     pool: StagingPool | None = None,
+    progress: _core.Progress | None = None,
 ) -> int:
     """Fills destination tensors from ``file``; returns bytes written.
 
+    ``progress`` counts the bytes written as the copy goes and can cancel it
+    (``LoadCancelledError``).
     CPU destinations are written in place (a non-contiguous one through a contiguous temporary),
     all in one Rust call that validates every one of them before writing a byte; destinations on
     other devices then go through :func:`fastload.streaming.stream_into`, one call per device,
     all staged through ``pool`` (default: one default-sized pool for this call).
     The caller must not free or resize a destination until this returns.
     """
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise RequestError(f"threads must be a positive int or None, got {threads!r}")
+    check_threads(threads, file.path)
     jobs: list[tuple[str, int, int, str, list[int] | None]] = []
     keep: list[torch.Tensor] = []  # keeps temporaries alive until the copy is done
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -118,7 +119,7 @@ def fill(
                 selection,
             )
         )
-    written = file.copy_into(jobs, threads) if jobs else 0
+    written = file.copy_into(jobs, threads, progress) if jobs else 0
     with torch.no_grad():  # destinations may be parameters that require grad
         for dest, target in after:
             dest.copy_(target)
@@ -127,7 +128,9 @@ def fill(
 
         pool = pool if pool is not None else StagingPool()
         for device_items in remote.values():
-            written += stream_into(file, device_items, pool=pool, threads=threads)
+            written += stream_into(
+                file, device_items, pool=pool, threads=threads, progress=progress
+            )
     return written
 
 

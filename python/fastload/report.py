@@ -51,6 +51,8 @@ class LoadReport:
     #: file path -> how its tensors were loaded: "views of the file mapping (ext4)", "copies
     #: (nfs is a network or FUSE filesystem)", "copies (mmap='copy')", ... (see fastload.sharing)
     sharing: dict[str, str] = field(default_factory=dict)
+    #: bytes offloaded to disk (device_map "disk"): left in the checkpoint file, read on use
+    bytes_offloaded: int = 0
     #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
     #: 0 when nothing was staged)
     staging_bytes: int = 0
@@ -114,6 +116,11 @@ class LoadReport:
             *(
                 [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
                 if self.staging_bytes
+                else []
+            ),
+            *(
+                [f"  offloaded to disk (read when used): {format_bytes(self.bytes_offloaded)}"]
+                if self.bytes_offloaded
                 else []
             ),
             *(

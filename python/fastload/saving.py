@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload import _core
+from fastload import _core, ownership
 from fastload.checkpoint import INDEX_FILE as INDEX_NAME
 from fastload.checkpoint import SINGLE_FILE as WEIGHTS_NAME
 from fastload.dtypes import st_shape, to_st
@@ -49,6 +49,7 @@ from fastload.errors import (
     from_os_error,
 )
 from fastload.skeleton import is_transformers_model
+from fastload.threads import check_threads
 from fastload.tying import find_tie_groups
 from fastload.units import parse_bytes
 
@@ -194,6 +195,15 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _own(item: Path, final: Path) -> ownership.OwnerLock:
+    """The lock that marks ``item``, a temporary file of the save to ``final``, as this save's
+    (see :mod:`fastload.ownership`); errors name ``final``."""
+    try:
+        return ownership.OwnerLock(item)
+    except OSError as e:
+        raise from_os_error(e, final) from e
+
+
 def _remove_quietly(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
@@ -256,15 +266,22 @@ def save_file(
     """
     path = Path(os.fspath(path))
     where = os.fspath(path)
+    check_threads(threads, where)
     meta = _check_metadata(metadata, where)
     prepared = _prepare(tensors, where)
     directory = path.parent if str(path.parent) else Path(".")
+    # Temporary files of killed saves (their lock is free) go now; live saves' stay.
+    ownership.sweep(directory, _TEMP_FILE_RE)
     tmp = _temp_path(directory, path.name)
+    lock = _own(tmp, path)
     try:
-        _write_new(tmp, prepared, meta, threads)
-    except FastloadError as exc:
-        raise _naming(exc, tmp, path) from exc
-    _replace(tmp, path)
+        try:
+            _write_new(tmp, prepared, meta, threads)
+        except FastloadError as exc:
+            raise _naming(exc, tmp, path) from exc
+        _replace(tmp, path)
+    finally:
+        lock.release()
     _fsync_dir(directory)
 
 
@@ -425,6 +442,7 @@ def _save_pretrained(
     if directory.exists() and not directory.is_dir():
         raise RequestError(f"{directory}: save_pretrained needs a directory, this is a file")
     user_meta = _check_metadata(metadata, os.fspath(directory)) or {}
+    check_threads(threads, os.fspath(directory))
     is_transformers = is_transformers_model(model)
 
     state = model.state_dict()
@@ -478,8 +496,7 @@ def _save_pretrained(
             _publish_file_by_file(staging, target, written, sharded)
     finally:
         # After a swap this is the previous checkpoint; otherwise what is left of the new one.
-        shutil.rmtree(staging, ignore_errors=True)
-        _ACTIVE_STAGING.discard(os.fspath(staging))
+        _drop_staging(staging)
 
 
 # --- publishing a checkpoint directory ------------------------------------------------------------
@@ -487,8 +504,8 @@ def _save_pretrained(
 #: Linux ``renameat2`` flag: exchange the two paths atomically (both must exist).
 RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-# Staging directories this process is using now (a same-pid one outside this set is stale).
-_ACTIVE_STAGING: set[str] = set()
+# The ownership locks of the staging directories this process is using now.
+_STAGING_LOCKS: dict[str, ownership.OwnerLock] = {}
 # Temporary names of per-file writes (see _temp_path) left by a killed save.
 _TEMP_FILE_RE = re.compile(r"^\.(?P<final>.+)\.\d+-[0-9a-f]{8}\.tmp$")
 
@@ -507,46 +524,35 @@ def _is_weight_file(name: str) -> bool:
     return name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(name) is not None
 
 
-def _pid_alive(pid: int) -> bool:
-    if os.name != "posix":
-        return True  # os.kill(pid, 0) would terminate the process on Windows
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def _remove_stale_staging(target: Path) -> None:
-    """Deletes staging directories that killed saves to ``target`` left behind (their process is
-    gone); those of a save still running are left alone."""
-    places = [(target.parent, _staging_pattern(target.name)), (target, _INNER_STAGING_RE)]
-    for place, pattern in places:
-        try:
-            with os.scandir(place) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        for entry in entries:
-            m = pattern.match(entry.name)
-            if m is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            pid = int(m.group("pid"))
-            # One of this process's own is stale unless a save (another thread) is using it.
-            if entry.path in _ACTIVE_STAGING or (pid != os.getpid() and _pid_alive(pid)):
-                continue
-            shutil.rmtree(entry.path, ignore_errors=True)
+    """Deletes staging directories that killed saves to ``target`` left behind: those whose
+    ownership lock is free (:mod:`fastload.ownership`); a running save's are left alone, in this
+    or any other process, container or host sharing the filesystem."""
+    ownership.sweep(target.parent, _staging_pattern(target.name))
+    ownership.sweep(target, _INNER_STAGING_RE)
 
 
 def _mkdir_staging(place: Path, target_name: str | None) -> Path:
+    # The pid in the name only helps a person reading the directory; the lock decides.
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     name = f".fastload-{tag}.tmp" if target_name is None else f".fastload-{target_name}.{tag}.tmp"
     path = place / name
-    os.mkdir(path, 0o777)  # the umask applies, as for any directory the user creates
-    _ACTIVE_STAGING.add(os.fspath(path))
+    lock = ownership.OwnerLock(path)
+    try:
+        os.mkdir(path, 0o777)  # the umask applies, as for any directory the user creates
+    except BaseException:
+        lock.release()
+        raise
+    _STAGING_LOCKS[os.fspath(path)] = lock
     return path
+
+
+def _drop_staging(staging: Path) -> None:
+    """Deletes a staging directory of this process, then gives up its lock."""
+    shutil.rmtree(staging, ignore_errors=True)
+    lock = _STAGING_LOCKS.pop(os.fspath(staging), None)
+    if lock is not None:
+        lock.release()
 
 
 def _make_staging(target: Path) -> tuple[Path, bool]:
@@ -572,8 +578,7 @@ def _make_staging(target: Path) -> tuple[Path, bool]:
     try:
         problem = _exchange_problem(staging)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        _ACTIVE_STAGING.discard(os.fspath(staging))
+        _drop_staging(staging)
         raise
     if problem is not None:
         _warn_file_by_file(target, problem)
@@ -687,7 +692,13 @@ def _swap_into_place(staging: Path, target: Path, written: set[str]) -> bool:
             return True
 
     def owned(name: str) -> bool:
-        # What this save writes, every weight file of earlier saves, leftovers of killed saves.
+        # What this save writes, every weight file of earlier saves, leftovers of killed saves
+        # and the ownership locks of any save (never carried into the new tree).
+        if ownership.PENDING_RE.match(name):
+            return True
+        if name.endswith(ownership.LOCK_SUFFIX):
+            base = name[: -len(ownership.LOCK_SUFFIX)]
+            return bool(_INNER_STAGING_RE.match(base) or _TEMP_FILE_RE.match(base))
         temp = _TEMP_FILE_RE.match(name)
         return (
             name in written

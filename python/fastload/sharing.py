@@ -71,12 +71,19 @@ class SharedMapping:
     def __init__(self, file: _core.SafetensorsFile) -> None:
         self.file = file
         self.path = file.path
-        # torch maps by path: the path must still name the file whose header Rust validated
-        # (a checkpoint replaced by rename would otherwise mix two files), before and after.
-        self._check_same_file()
+        # torch maps by path. On Linux the path of the open file descriptor names exactly the file
+        # whose header Rust validated, even if the checkpoint was replaced (or deleted) since.
+        # Elsewhere the path must still name that file (a checkpoint replaced by rename would
+        # otherwise mix two files), before and after.
+        fd = file.fileno()
+        by_fd = f"/proc/self/fd/{fd}" if fd is not None else None
         # shared=False maps the file MAP_PRIVATE: reads share the page cache, writes stay private.
-        self.storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
-        self._check_same_file()
+        if by_fd is not None and os.path.exists(by_fd):
+            self.storage = torch.UntypedStorage.from_file(by_fd, False, file.file_size)
+        else:
+            self._check_same_file()
+            self.storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
+            self._check_same_file()
         self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
         self._viewed: list[tuple[int, int]] = []  # (file offset, bytes) of the views handed out
         self.views = 0

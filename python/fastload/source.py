@@ -6,7 +6,6 @@ tell them apart.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from fastload import json_text
 from fastload.checkpoint import (
     CheckpointFiles,
     OpenCheckpoint,
@@ -63,11 +63,14 @@ def _warn_if_one_shard(location: CheckpointFiles) -> None:
         return
     shard = location.files[0]
     for index in sorted(shard.parent.glob("*.index.json")):
+        if not index.is_file():  # a FIFO would block the read
+            continue
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            text = index.read_text(encoding="utf-8")
+            weight_map = json_text.loads(text, index).get("weight_map", {})
             listed = shard.name in set(weight_map.values())
         except (OSError, ValueError, AttributeError, TypeError):
-            continue
+            continue  # CheckpointError (too deep) is a ValueError: only a hint is lost
         if listed:
             logger.warning(
                 "%s is one shard of a sharded checkpoint: only its own tensors are loaded; pass "

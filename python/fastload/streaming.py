@@ -177,6 +177,7 @@ def stream_into(
     buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     num_buffers: int = DEFAULT_NUM_BUFFERS,
     threads: int | None = None,
+    progress: _core.Progress | None = None,
 ) -> int:
     """Fills destination tensors (any device, one device per call) through staging buffers.
 
@@ -228,7 +229,7 @@ def stream_into(
         for p, off, nbytes in batch:
             sel = p.selection if p.selection is not None else [p.start, p.stop]
             jobs.append((p.name, base + off, nbytes, to_st(p.dest.dtype), sel))
-        file.copy_into(jobs, threads)
+        file.copy_into(jobs, threads, progress)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx, torch.no_grad():
             for p, off, nbytes in batch:

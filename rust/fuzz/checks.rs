@@ -208,7 +208,7 @@ fn check_whole_copies(h: &Header, bytes: &[u8]) {
         .collect();
     let plan = copy::plan(&file, &requests).expect("whole tensors in their own dtype plan");
     // SAFETY: each request points into its own live `Guarded` buffer of the stated length.
-    let written = unsafe { copy::execute(&file, &plan, Some(1)) }.expect("copy of a valid file");
+    let written = unsafe { copy::execute(&file, &plan, Some(1), None, None) }.expect("copy of a valid file");
     assert_eq!(written, bufs.iter().map(|g| g.len as u64).sum::<u64>());
     let start = h.data_start() as usize;
     for (t, g) in h.tensors().iter().zip(&bufs) {
@@ -566,7 +566,7 @@ pub fn check_copy_plan(bytes: &[u8]) {
     assert_eq!(plan.dst_bytes(), want_dst);
     // SAFETY: every request points into its own live `Guarded` buffer of the stated length (or is
     // a null pointer with length 0, which the engine must not touch).
-    let written = unsafe { copy::execute(&file, &plan, Some(threads)) }
+    let written = unsafe { copy::execute(&file, &plan, Some(threads), None, None) }
         .expect("an accepted plan runs against an unchanged in-memory file");
     assert_eq!(written, want_dst);
     for c in &cases {

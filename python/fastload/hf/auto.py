@@ -9,13 +9,13 @@ subclass (never to any attribute the file names, such as ``Trainer``); code of t
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from fastload import json_text
 from fastload.errors import CheckpointError, UnsupportedError
 from fastload.skeleton import is_transformers_model
 
@@ -150,7 +150,9 @@ def _architectures(config: Any, where: Path) -> tuple[str, dict[str, Any]]:
     else:
         path = where / "config.json" if where.is_dir() else where
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            if path.exists() and not path.is_file():  # a FIFO would block the read
+                raise OSError("not a regular file [not-regular-file]")
+            data = json_text.loads(path.read_text(encoding="utf-8"), path)  # depth-checked
         except (OSError, ValueError) as e:
             raise CheckpointError(
                 f"{path}: cannot tell the model class (no readable 'architectures' entry: {e}); "

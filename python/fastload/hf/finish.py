@@ -19,15 +19,6 @@ from fastload.skeleton import mark_initialized
 logger = logging.getLogger("fastload")
 
 
-def hf_device_map(device_map: DeviceMap) -> dict[str, int | str]:
-    """``{module prefix: device}`` as transformers and accelerate write it: CUDA devices by
-    index, other devices by type (``"cpu"``)."""
-    out: dict[str, int | str] = {}
-    for prefix, device in device_map.prefixes.items():
-        out[prefix] = (device.index or 0) if device.type == "cuda" else str(device)
-    return out
-
-
 def finish_transformers(
     model: nn.Module,
     *,
@@ -38,7 +29,7 @@ def finish_transformers(
 ) -> None:
     mark_initialized(model)
     if device_map is not None:
-        model.hf_device_map = hf_device_map(device_map)
+        model.hf_device_map = device_map.accelerate_map()
     if generation_config is not None:
         model.generation_config = generation_config
         return

@@ -63,8 +63,12 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "offload_state_dict": ("honoured", "ignored, as transformers 5 ignores it"),
     "adapter_name": ("honoured", "'default' only (no PEFT adapter is loaded)"),
     "proxies": ("refused", "huggingface_hub no longer takes proxies; set HTTPS_PROXY"),
-    "offload_folder": ("refused", "no disk offload"),
-    "offload_buffers": ("refused", "no disk offload"),
+    "offload_folder": (
+        "honoured",
+        "allows 'disk' in device_map: those weights stay in the safetensors file and "
+        "accelerate's hooks read them onto the execution device when used",
+    ),
+    "offload_buffers": ("refused", "buffers are never offloaded"),
     "quantization_config": ("refused", "no quantization"),
     "gguf_file": ("refused", "GGUF files are not read"),
     "distributed_config": ("refused", "use tp_plan"),
@@ -87,6 +91,9 @@ _DEFAULTS: dict[str, Any] = {
     "subfolder": "",
     "revision": "main",
 }
+
+#: options that are the core loader's own, under the same name
+_CORE = ("device_map", "max_memory", "tp_plan", "ignore_mismatched_sizes", "offload_folder")
 
 HUB = ("cache_dir", "force_download", "local_files_only", "token", "revision", "tqdm_class")
 
@@ -154,7 +161,13 @@ def _honour(out: HfOptions, name: str, value: Any) -> None:
         core["dtype"] = value
     elif name == "key_mapping":
         core["key_map"] = value
-    elif name in ("device_map", "max_memory", "tp_plan", "ignore_mismatched_sizes"):
+    elif name in (
+        "device_map",
+        "max_memory",
+        "tp_plan",
+        "ignore_mismatched_sizes",
+        "offload_folder",
+    ):
         core[name] = value
     elif name == "disable_mmap":
         core["read_mode"] = "pread" if value else "mmap"
