@@ -1,14 +1,17 @@
 //! Criterion benchmarks of the Rust core: header parsing and copy throughput.
 //!
 //! `cargo bench` runs them; the copy group reports bytes/s for a plain `memcpy` of the same bytes
-//! (the floor for a warm page cache) next to the engine with 1 and all threads, with and without
-//! BF16 -> F32 conversion, in both read modes.
+//! next to the engine with 1 and all threads, with and without BF16 -> F32 conversion, in both read
+//! modes. Every id says where the destination comes from: `fresh_dst` allocates unfaulted memory
+//! each iteration (what a load does: the kernel handing out pages is part of the cost),
+//! `reused_dst` writes into one buffer faulted in beforehand (the conversion loop alone).
 
 use std::hint::black_box;
 use std::io::Write;
 use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use fastload::convert::convert;
 use fastload::copy::{copy, default_threads, Request, Selection};
 use fastload::header::{build_header, parse_buffer};
 use fastload::{Dtype, ReadMode, SafetensorsFile};
@@ -61,7 +64,7 @@ fn bench_copy(c: &mut Criterion) {
     let mut g = c.benchmark_group("copy_256MiB");
     g.sample_size(10);
     g.throughput(Throughput::Bytes(total as u64));
-    g.bench_function("memcpy_floor", |b| {
+    g.bench_function("memcpy_fresh_dst", |b| {
         b.iter(|| {
             // Fresh (unfaulted) memory each iteration, as a loader allocates fresh tensors.
             let mut dst = Box::<[u8]>::new_uninit_slice(total);
@@ -80,8 +83,10 @@ fn bench_copy(c: &mut Criterion) {
                 ("same_dtype", Dtype::BF16, 1),
                 ("bf16_to_f32", Dtype::F32, 2),
             ] {
-                let id =
-                    BenchmarkId::new(format!("{}_{label}", mode.name()), format!("{t}_threads"));
+                let id = BenchmarkId::new(
+                    format!("{}_{label}_fresh_dst", mode.name()),
+                    format!("{t}_threads"),
+                );
                 g.bench_function(id, |b| {
                     b.iter(|| {
                         let mut dst = Box::<[u8]>::new_uninit_slice(total * factor);
@@ -109,5 +114,20 @@ fn bench_copy(c: &mut Criterion) {
     let _ = std::fs::remove_file(path);
 }
 
-criterion_group!(benches, bench_header, bench_copy);
+fn bench_convert(c: &mut Criterion) {
+    let n = 16usize << 20; // elements: 32 MiB of BF16/F16 in, 64 MiB of F32 out
+    let src: Vec<u8> = (0..2 * n).map(|i| (i % 251) as u8).collect();
+    let mut dst = vec![0u8; 4 * n]; // faulted in once, reused by every iteration
+    let mut g = c.benchmark_group("convert_32MiB");
+    g.sample_size(10);
+    g.throughput(Throughput::Bytes(dst.len() as u64));
+    for (label, from) in [("bf16_to_f32", Dtype::BF16), ("f16_to_f32", Dtype::F16)] {
+        g.bench_function(format!("{label}_reused_dst"), |b| {
+            b.iter(|| convert(black_box(&src), from, &mut dst, Dtype::F32))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench_header, bench_copy, bench_convert);
 criterion_main!(benches);

@@ -154,6 +154,34 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, self.inner.path(), e))
     }
 
+    /// `(name, local)` of the filesystem the file lives on ("ext4", "nfs", "fuse", ... or the
+    /// magic number in hex), or None for an in-memory file. `local` is False for network, cluster
+    /// and FUSE filesystems, where fastload copies instead of mapping by default.
+    fn filesystem(&self, py: Python<'_>) -> PyResult<Option<(String, bool)>> {
+        let fs = self
+            .inner
+            .filesystem()
+            .map_err(|e| to_py(py, self.inner.path(), e))?;
+        Ok(fs.map(|f| (f.name, f.local)))
+    }
+
+    /// Reads the not-yet-cached pages of `[address, address + length)`, a mapping of this file
+    /// whose byte `offset` is at `address`, with parallel `MADV_POPULATE_READ`; returns the bytes
+    /// read. A range that is not mapped raises `FastloadIOError`, it never crashes.
+    #[pyo3(signature = (address, offset, length, threads = None))]
+    fn read_ahead(
+        &self,
+        py: Python<'_>,
+        address: usize,
+        offset: u64,
+        length: usize,
+        threads: Option<usize>,
+    ) -> PyResult<u64> {
+        let file = &*self.inner;
+        py.detach(|| file.read_ahead(address, offset, length, threads))
+            .map_err(|e| to_py(py, file.path(), e))
+    }
+
     /// The open file descriptor (None for an in-memory file), valid while this object lives.
     fn fileno(&self) -> Option<i32> {
         self.inner.raw_fd()

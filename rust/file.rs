@@ -309,6 +309,35 @@ impl SafetensorsFile {
     }
 }
 
+impl SafetensorsFile {
+    /// Reads ahead the uncached pages of `[addr, addr + len)`, a mapping of this file whose byte
+    /// `offset` is at `addr`; see [`crate::readahead::populate`].
+    pub fn read_ahead(
+        &self,
+        addr: usize,
+        offset: u64,
+        len: usize,
+        threads: Option<usize>,
+    ) -> Result<u64> {
+        let file = match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => Some(f),
+            Backing::Memory(_) => None,
+        };
+        crate::readahead::populate(file, addr, offset, len, threads)
+    }
+
+    /// The filesystem the file lives on (`None` for a file held in memory): decides whether
+    /// views of a mapping are the default (local filesystems) or private copies (network/FUSE).
+    pub fn filesystem(&self) -> Result<Option<crate::readahead::Filesystem>> {
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => {
+                crate::readahead::filesystem_of(f).map(Some)
+            }
+            Backing::Memory(_) => Ok(None),
+        }
+    }
+}
+
 /// `pread` until `dst` is full; a short file is [`Error::FileShrunk`], not a partial result.
 fn read_exact_at(
     file: &File,

@@ -9,6 +9,7 @@
 //! * [`file`]: opening a file and reading its bytes (pread or mmap).
 //! * [`convert`]: F32 / F16 / BF16 / F64 conversion.
 //! * [`copy`]: planning and running the parallel copy.
+//! * [`readahead`]: filesystem detection and parallel read-ahead of mappings (zero-copy loads).
 //! * [`write`]: writing safetensors files.
 //! * `bindings` (feature `python`): the `fastload._core` extension module.
 
@@ -18,6 +19,7 @@ pub mod dtype;
 pub mod error;
 pub mod file;
 pub mod header;
+pub mod readahead;
 pub mod sniff;
 pub mod write;
 

@@ -66,7 +66,7 @@ def test_the_counter_reports_each_copied_piece_of_a_single_file(wide: Path) -> N
 def test_the_bar_moves_during_a_one_file_load_not_only_at_its_end(
     wide: Path, bar_updates: list[float]
 ) -> None:
-    fastload.from_pretrained(Wide, wide, threads=1, progress=True)
+    fastload.from_pretrained(Wide, wide, threads=1, progress=True, mmap="copy")
     unit, size = binary_unit(6 * CHUNK)
     assert unit == "MiB"
     steps = sorted({round(v * size) for v in bar_updates})
@@ -80,7 +80,7 @@ def test_the_bar_labels_its_sizes_in_binary_units(
     monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
     for var in DISABLE_VARS:
         monkeypatch.delenv(var, raising=False)
-    fastload.from_pretrained(Wide, wide, progress=True)
+    fastload.from_pretrained(Wide, wide, progress=True, mmap="copy")
     err = capsys.readouterr().err
     # 48 MiB = 50.3 MB: the figures are MiB and labelled so.
     assert "48.00/48.00 MiB" in err and "MB" not in err, err
@@ -95,7 +95,7 @@ def test_an_environment_switch_hides_the_bar(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(var, "1")
-    fastload.from_pretrained(Wide, wide, progress=True)
+    fastload.from_pretrained(Wide, wide, progress=True, mmap="copy")
     assert bar_updates == [] and "fastload" not in capsys.readouterr().err
 
 
@@ -103,7 +103,7 @@ def test_a_false_environment_value_leaves_the_bar_on(
     wide: Path, bar_updates: list[float], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TQDM_DISABLE", "0")
-    fastload.from_pretrained(Wide, wide, progress=True)
+    fastload.from_pretrained(Wide, wide, progress=True, mmap="copy")
     assert bar_updates
 
 

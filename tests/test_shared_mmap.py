@@ -39,7 +39,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_shared_parameters_equal_copied_ones_and_view_the_file(checkpoint):
-    copied = fastload.from_pretrained(Wide, checkpoint, progress=False)
+    copied = fastload.from_pretrained(Wide, checkpoint, progress=False, mmap="copy")
     shared, report = fastload.from_pretrained(
         Wide, checkpoint, mmap="shared", progress=False, output_loading_info=True
     )
@@ -58,7 +58,7 @@ def test_writing_a_shared_parameter_never_changes_the_file(checkpoint):
     with torch.no_grad():
         model.layers[0].weight.add_(1.0)
     assert checkpoint.read_bytes() == before
-    fresh = fastload.from_pretrained(Wide, checkpoint, progress=False)
+    fresh = fastload.from_pretrained(Wide, checkpoint, progress=False, mmap="copy")
     assert torch.equal(fresh.layers[0].weight + 1.0, model.layers[0].weight)
 
 
@@ -147,3 +147,92 @@ def test_a_checkpoint_replaced_before_it_is_mapped_is_still_read_from_the_file_o
     replacement.replace(local)
     view = SharedMapping(opened).view("w", torch.float32)
     assert view is not None and torch.equal(view, torch.full((1024,), 1.0))
+
+
+# --- the default: views on a local filesystem, copies elsewhere ---------------------------------
+
+
+def test_the_default_load_views_a_file_on_a_local_filesystem(checkpoint):
+    model, report = fastload.from_pretrained(
+        Wide, checkpoint, progress=False, output_loading_info=True
+    )
+    assert report.bytes_shared == sum(p.numel() * 4 for p in model.parameters())
+    assert report.bytes_written == 0
+    assert report.sharing[str(checkpoint)].startswith("views of the file mapping")
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+
+
+def test_mmap_copy_gives_private_copies_and_says_so(checkpoint):
+    model, report = fastload.from_pretrained(
+        Wide, checkpoint, mmap="copy", progress=False, output_loading_info=True
+    )
+    assert report.bytes_shared == 0
+    assert report.sharing == {str(checkpoint): "copies (mmap='copy')"}
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 8
+
+
+def test_the_default_copies_a_file_on_a_network_filesystem(checkpoint, monkeypatch):
+    monkeypatch.setattr("fastload.sharing.filesystem", lambda file: ("nfs", False))
+    model, report = fastload.from_pretrained(
+        Wide, checkpoint, progress=False, output_loading_info=True
+    )
+    assert report.bytes_shared == 0
+    assert report.sharing[str(checkpoint)] == "copies (nfs is a network or FUSE filesystem)"
+    assert torch.equal(model.layers[3].bias, fastload.load_file(checkpoint)["layers.3.bias"])
+
+
+def test_mmap_shared_views_a_file_on_a_network_filesystem_when_asked(checkpoint, monkeypatch):
+    monkeypatch.setattr("fastload.sharing.filesystem", lambda file: ("nfs", False))
+    _, report = fastload.from_pretrained(
+        Wide, checkpoint, mmap="shared", progress=False, output_loading_info=True
+    )
+    assert report.sharing[str(checkpoint)] == "views of the file mapping (nfs)"
+    assert report.bytes_shared > 0
+
+
+def test_a_file_reports_the_local_filesystem_it_is_on(checkpoint):
+    from fastload.reader import open_file
+
+    name, local = open_file(checkpoint).filesystem()
+    assert local and name
+
+
+def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash(checkpoint):
+    from fastload.reader import open_file
+
+    opened = open_file(checkpoint)
+    # An offset past the end is never cached, so the address range (page 0, never mapped in a
+    # Linux process) is populated, and the kernel refuses.
+    with pytest.raises(fastload.FastloadIOError):
+        opened.read_ahead(0, opened.file_size + (1 << 20), 4096)
+
+
+def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_path):
+    import os
+    import shutil
+
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping
+
+    local = tmp_path / "cold.safetensors"
+    shutil.copyfile(checkpoint, local)
+    fd = os.open(local, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    mapping = SharedMapping(open_file(local))
+    views = {name: mapping.view(name, torch.float32) for name in open_file(local).keys()}
+    assert mapping.prefetch() <= local.stat().st_size + 4096
+    copies = fastload.load_file(local)
+    for name, view in views.items():
+        assert torch.equal(view, copies[name]), name
+
+
+def test_no_read_ahead_when_the_views_exceed_half_the_available_memory(checkpoint, monkeypatch):
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping
+
+    monkeypatch.setattr("fastload.sharing._available_bytes", lambda: 1 << 20)
+    mapping = SharedMapping(open_file(checkpoint))
+    mapping.view("layers.0.weight", torch.float32)
+    assert mapping.prefetch() == 0

@@ -163,10 +163,12 @@ def _rank(rank: int, port: int, mlp_dir: str, llama_dir: str, out_dir: str) -> N
     )
     try:
         # The first load imports what loading needs; the second is measured.
-        fastload.from_pretrained(MLP, mlp_dir, tp_plan=MLP_PLAN, progress=False)
+        # mmap="copy": rchar counts read calls, and by default the replicated tensors would be
+        # views of the file, read by page faults instead.
+        fastload.from_pretrained(MLP, mlp_dir, tp_plan=MLP_PLAN, progress=False, mmap="copy")
         before = _rchar()
         model, report = fastload.from_pretrained(
-            MLP, mlp_dir, tp_plan=MLP_PLAN, output_loading_info=True, progress=False
+            MLP, mlp_dir, tp_plan=MLP_PLAN, output_loading_info=True, progress=False, mmap="copy"
         )
         after = _rchar()
         x = _mlp_input()

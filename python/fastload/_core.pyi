@@ -45,6 +45,13 @@ class SafetensorsFile:
     def data_start(self) -> int: ...
     def identity(self) -> tuple[int, int] | None:
         """(st_dev, st_ino) of the file as opened; None for a file held in memory."""
+    def filesystem(self) -> tuple[str, bool] | None:
+        """(name, local) of the file's filesystem ("ext4", "nfs", "fuse", ...); local is False
+        for network, cluster and FUSE filesystems. None for a file held in memory."""
+    def read_ahead(self, address: int, offset: int, length: int, threads: int | None = None) -> int:
+        """Read the uncached pages of [address, address + length), a mapping of this file whose
+        byte ``offset`` is at ``address``, in parallel; the bytes read. An unmapped range raises
+        FastloadIOError."""
     def fileno(self) -> int | None:
         """The open file descriptor (None for a file held in memory)."""
     def keys(self) -> list[str]: ...

@@ -27,7 +27,7 @@ PathArg = str | os.PathLike[str]
 Missing = Literal["error", "warn", "init"]
 Unexpected = Literal["error", "warn", "ignore"]
 ReadMode = Literal["pread", "mmap"]
-MmapMode = Literal["copy", "shared"]
+MmapMode = Literal["auto", "shared", "copy"]
 DeviceMapMode = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 
 __all__ = ["from_pretrained"]
@@ -176,7 +176,7 @@ def from_pretrained(
     progress: bool = True,
     gradient_checkpointing: bool = False,
     read_mode: ReadMode = "pread",
-    mmap: MmapMode = "copy",
+    mmap: MmapMode = "auto",
     threads: int | None = None,
     config: Any = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
@@ -229,11 +229,15 @@ def from_pretrained(
         gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
             train mode (otherwise it is in eval mode).
         read_mode: ``"pread"`` (default, no page faults) or ``"mmap"``.
-        mmap: ``"copy"`` (default): every tensor is a private copy. ``"shared"``: CPU tensors whose
-            stored dtype is the wanted one become views of a copy-on-write mapping of the file, so
-            processes loading the same checkpoint share one physical copy through the page cache
-            (see :mod:`fastload.sharing` for the SIGBUS hazard of files changed in place).
-            Safetensors files only: with a pickle checkpoint it is a ``RequestError``.
+        mmap: ``"auto"`` (default): on a local filesystem, CPU tensors whose stored dtype is the
+            wanted one become views of a copy-on-write mapping of the file (no copy; processes
+            loading the same checkpoint share one physical copy through the page cache); on
+            network and FUSE filesystems, and for pickle files and state dicts, every tensor is a
+            private copy. ``"shared"``: views on any filesystem (safetensors files only: otherwise
+            a ``RequestError``). ``"copy"``: every tensor is a private copy. Tensors that are
+            converted, go to an accelerator or are sharded are always copies. The report's
+            ``sharing`` says which way each file went; see :mod:`fastload.sharing` for the rule
+            and the SIGBUS hazard of files changed in place.
         threads: copy threads (default: the engine's choice).
         config: a transformers config (or a path to one) to build the model from.
         device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the

@@ -1,14 +1,16 @@
-"""Side-by-side load benchmark: fastload against the peers, one fresh process per run.
+"""Side-by-side load benchmark: fastload against the peers and the floors, fresh process per run.
 
-``python -m fastload.bench`` (or ``fastload bench``) writes a Llama-like checkpoint of the chosen
-size into a temporary directory (safetensors via transformers' ``save_pretrained``, plus the same
-weights as ``pytorch_model.bin`` for ``torch.load``), warms the page cache, then for each loader
-starts a fresh Python process ``--repeats`` times and records wall time, GB/s and peak RSS above
-the process's RSS just before the load (peak RSS, ``VmHWM``, after minus RSS before).
+``python -m fastload.bench`` (or ``fastload bench``) writes Llama-like checkpoints of the chosen
+sizes into a work directory (safetensors via transformers' ``save_pretrained``, plus the same
+weights as ``pytorch_model.bin`` for ``torch.load``), then for each mode, checkpoint dtype and
+loader starts a fresh Python process ``--repeats`` times and records wall time and peak RSS above
+the process's RSS just before the load. Loaders and floors are in :mod:`fastload.bench_loaders`.
 
-Every loader's timed region ends with a *touch*: one read per 4 KiB page of every parameter, so a
-loader that returns lazily mapped tensors pays for the page faults it deferred, as its first
-forward pass would. Results go to ``results.json`` and ``results.png`` in ``--out``.
+Modes: ``warm`` reads the file once before every run (page cache warm); ``cold`` evicts the files
+first (``fsync`` + ``posix_fadvise(DONTNEED)``). The floor of each mode is measured in the same
+run: mapping and touching the file (warm), a parallel read of its bytes (cold). Each row gets its
+time as a ratio to its mode's floor and to the fastest peer. Results go to
+``llama-<size>GiB.json`` and ``.png`` in ``--out``.
 """
 
 from __future__ import annotations
@@ -21,22 +23,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-LOADERS: dict[str, str] = {
-    "memcpy_floor": "copy of the checkpoint's bytes from a mapped file into fresh memory",
-    "safetensors+load_state_dict": "model built normally, safetensors load_file, load_state_dict",
-    "safetensors+meta+assign": "meta skeleton, safetensors load_file, load_state_dict(assign=True)",
-    "transformers": "transformers AutoModelForCausalLM.from_pretrained (its default path)",
-    "torch.load(mmap)+assign": "meta skeleton, torch.load(.bin, mmap=True, weights_only=True), "
-    "load_state_dict(assign=True)",
-    "fastload": "fastload.from_pretrained, stored dtype",
-    "fastload(bf16->f32)": "fastload.from_pretrained(dtype=torch.float32) of the bf16 checkpoint",
-    "fastload(mmap=shared)": "fastload.from_pretrained(mmap='shared'): copy-on-write views of the "
-    "file, no copy",
-}
+from fastload.bench_loaders import (
+    CONVERSIONS,
+    FLOOR_OF_MODE,
+    FLOORS,
+    LOADERS,
+    child,
+    files_read,
+    is_peer,
+)
 
 GIB = 1 << 30
 
@@ -100,119 +98,20 @@ def data_bytes(checkpoint: Path) -> int:
 
 
 def warm(path: Path) -> None:
-    """Reads a file once so every loader starts from a warm page cache."""
+    """Reads a file once so a loader starts from a warm page cache."""
     with open(path, "rb") as f:
         while f.read(64 << 20):
             pass
 
 
-# ---------------------------------------------------------------------------------------------
-# One run, in a fresh child process
-# ---------------------------------------------------------------------------------------------
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _rss_bytes() -> int:
-    return _status_bytes("VmRSS")
-
-
-def _peak_rss_bytes() -> int:
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec from the parent (the runner,
-    # which wrote the checkpoint), while VmHWM belongs to this process's address space alone.
-    return _status_bytes("VmHWM")
-
-
-def _touch(tensors: Any) -> float:
-    """One read per 4 KiB page of each tensor: faults in whatever a loader mapped lazily."""
-    total = 0.0
-    for t in tensors:
-        flat = t.detach().reshape(-1)
-        if flat.numel():
-            total += float(flat[:: max(1, 4096 // flat.element_size())].float().sum())
-    return total
-
-
-def _skeleton(checkpoint: Path) -> Any:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(checkpoint)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-def child(loader: str, checkpoint: Path) -> dict[str, float]:
-    """Runs one load; imports happen before the RSS baseline so only the load is measured."""
-    import torch  # noqa: F401 - imported before the baseline on purpose
-    import transformers  # noqa: F401
-    from safetensors.torch import load_file  # noqa: F401
-    from transformers import LlamaForCausalLM  # noqa: F401 - the model code every loader needs
-
-    import fastload
-    import fastload.loading  # noqa: F401 - as the peers' code, imported before the baseline
-
-    rss0 = _rss_bytes()
-    t0 = time.perf_counter()
-    st_path = checkpoint / "model.safetensors"
-    if loader == "memcpy_floor":
-        import torch
-
-        nbytes = st_path.stat().st_size
-        storage = torch.UntypedStorage.from_file(str(st_path), False, nbytes)
-        src = torch.empty(0, dtype=torch.uint8).set_(storage)
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        out.copy_(src)
-        tensors = [out]
-    elif loader == "safetensors+load_state_dict":
-        from safetensors.torch import load_file
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(checkpoint)
-        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype)
-        model.load_state_dict(load_file(st_path), strict=False)
-        tensors = list(model.parameters())
-    elif loader == "safetensors+meta+assign":
-        from safetensors.torch import load_file
-
-        model = _skeleton(checkpoint)
-        model.load_state_dict(load_file(st_path), strict=False, assign=True)
-        tensors = list(model.parameters())
-    elif loader == "transformers":
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(checkpoint)
-        tensors = list(model.parameters())
-    elif loader == "torch.load(mmap)+assign":
-        import torch
-
-        model = _skeleton(checkpoint)
-        state = torch.load(checkpoint / "pytorch_model.bin", mmap=True, weights_only=True)
-        model.load_state_dict(state, strict=False, assign=True)
-        tensors = list(model.parameters())
-    elif loader == "fastload":
-        model = fastload.from_pretrained(None, checkpoint, progress=False)
-        tensors = list(model.parameters())
-    elif loader == "fastload(bf16->f32)":
-        import torch
-
-        model = fastload.from_pretrained(None, checkpoint, dtype=torch.float32, progress=False)
-        tensors = list(model.parameters())
-    elif loader == "fastload(mmap=shared)":
-        model = fastload.from_pretrained(None, checkpoint, mmap="shared", progress=False)
-        tensors = list(model.parameters())
-    else:
-        raise SystemExit(f"unknown loader {loader!r}")
-    _touch(tensors)
-    seconds = time.perf_counter() - t0
-    peak = _peak_rss_bytes()
-    return {"seconds": seconds, "peak_rss_over_baseline": max(0, peak - rss0)}
+def evict(path: Path) -> None:
+    """Drops a file's pages from the page cache (written back first, or they could not be)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def run_child(loader: str, checkpoint: Path, timeout: float) -> dict[str, float]:
@@ -232,15 +131,18 @@ def run_child(loader: str, checkpoint: Path, timeout: float) -> dict[str, float]
 def run(
     size_gib: float,
     dtypes: list[str],
+    modes: list[str],
     loaders: list[str],
     repeats: int,
     out: Path,
     workdir: Path,
-    timeout: float = 600.0,
+    timeout: float = 900.0,
 ) -> dict[str, Any]:
-    """Runs every loader ``repeats`` times per checkpoint dtype; writes JSON and PNG to ``out``."""
+    """Runs every loader ``repeats`` times per mode and checkpoint dtype; writes
+    ``llama-<size>GiB.json`` and ``.png`` to ``out`` and returns the results."""
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
+        "command": "fastload bench " + " ".join(sys.argv[1:]),
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
@@ -249,104 +151,144 @@ def run(
         "size_gib": size_gib,
         "repeats": repeats,
         "touch": "one read per 4 KiB page of every parameter, inside the timed region",
-        "checkpoints": {},
+        "floors": {m: FLOOR_OF_MODE[m] for m in modes},
+        "results": {},
     }
     for dtype in dtypes:
         print(f"[bench] writing the {size_gib:g} GiB {dtype} checkpoint ...", flush=True)
         ckpt = make_checkpoint(workdir, size_gib, dtype)
         nbytes = data_bytes(ckpt)
-        rows: dict[str, Any] = {}
-        for loader in loaders:
-            if loader == "fastload(bf16->f32)" and dtype != "bfloat16":
-                continue
-            runs = []
-            for _ in range(repeats):
-                # Re-warm before every run: the kernel may reclaim cold page cache in between
-                # (proactive reclaim is on in some VMs), and every loader should start equal.
-                warm(
-                    ckpt / ("pytorch_model.bin" if "torch.load" in loader else "model.safetensors")
+        for mode in modes:
+            rows: dict[str, Any] = {}
+            for loader in loaders:
+                if loader in CONVERSIONS and dtype != "bfloat16":
+                    continue
+                runs = []
+                for _ in range(repeats):
+                    # Before every run: the kernel may reclaim cold page cache in between
+                    # (proactive reclaim is on in some VMs), and every loader should start equal.
+                    for path in files_read(loader, ckpt):
+                        (warm if mode == "warm" else evict)(path)
+                    runs.append(run_child(loader, ckpt, timeout))
+                secs = statistics.median(r["seconds"] for r in runs)
+                rss = statistics.median(r["peak_rss_over_baseline"] for r in runs)
+                rows[loader] = {
+                    "median_seconds": secs,
+                    "gb_per_s": nbytes / secs / 1e9,
+                    "median_peak_rss_over_baseline_mib": rss / (1 << 20),
+                    "runs": runs,
+                    "what": LOADERS[loader],
+                }
+                print(
+                    f"[bench] {mode} {dtype:9s} {loader:28s} {secs:7.3f} s "
+                    f"{nbytes / secs / 1e9:6.2f} GB/s  peak RSS +{rss / (1 << 20):6.0f} MiB",
+                    flush=True,
                 )
-                runs.append(run_child(loader, ckpt, timeout))
-            secs = statistics.median(r["seconds"] for r in runs)
-            rss = statistics.median(r["peak_rss_over_baseline"] for r in runs)
-            rows[loader] = {
-                "median_seconds": secs,
-                "gb_per_s": nbytes / secs / 1e9,
-                "median_peak_rss_over_baseline_mib": rss / (1 << 20),
-                "runs": runs,
-                "what": LOADERS[loader],
+            _summarize(rows, mode, nbytes)
+            results["results"].setdefault(mode, {})[dtype] = {
+                "path": str(ckpt),
+                "data_bytes": nbytes,
+                "data_mib": nbytes / (1 << 20),
+                "loaders": rows,
             }
-            print(
-                f"[bench] {dtype:9s} {loader:30s} {secs:7.3f} s  {nbytes / secs / 1e9:6.2f} GB/s"
-                f"  peak RSS +{rss / (1 << 20):7.0f} MiB",
-                flush=True,
-            )
-        _summarize(rows, nbytes)
-        results["checkpoints"][dtype] = {
-            "path": str(ckpt),
-            "data_bytes": nbytes,
-            "data_mib": nbytes / (1 << 20),
-            "loaders": rows,
-        }
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    plot(results, out / "results.png")
-    print(f"[bench] wrote {out / 'results.json'} and {out / 'results.png'}")
+    stem = f"llama-{size_gib:g}GiB"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{stem}.md").write_text(table(results))
+    plot(results, out / f"{stem}.png")
+    print(table(results))
+    print(f"[bench] wrote {out / stem}.json, .md and .png")
     return results
 
 
-def _summarize(rows: dict[str, Any], nbytes: int) -> None:
-    """Adds the ratios the targets are stated in to each fastload row, and prints them."""
-    floor = rows.get("memcpy_floor")
-    peers = [
-        v["median_seconds"]
-        for k, v in rows.items()
-        if not k.startswith("fastload") and k != "memcpy_floor"
+def table(results: dict[str, Any]) -> str:
+    """The results as a markdown table: per mode and dtype, seconds, x floor, x fastest peer and
+    peak RSS above the bytes the loader produces."""
+    lines = [
+        f"{results['size_gib']:g} GiB, median of {results['repeats']}: seconds "
+        "(x its mode's floor, x the fastest peer), peak RSS above the bytes produced (MiB)",
+        "",
     ]
+    columns = [(m, d) for m, by in results["results"].items() for d in by]
+    lines.append("| loader | " + " | ".join(f"{m} {d}" for m, d in columns) + " |")
+    lines.append("| --- |" + " --- |" * len(columns))
+    names = list(dict.fromkeys(n for m, d in columns for n in results["results"][m][d]["loaders"]))
+    for name in names:
+        cells = []
+        for m, d in columns:
+            row = results["results"][m][d]["loaders"].get(name)
+            if row is None:
+                cells.append("")
+                continue
+            ratios = f"{row['x_floor']:.2f}x" if "x_floor" in row else ""
+            if "x_fastest_peer" in row:
+                ratios += f", {row['x_fastest_peer']:.2f}x"
+            cells.append(
+                f"{row['median_seconds']:.3f} ({ratios}) {row['peak_rss_minus_produced_mib']:+.0f}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _summarize(rows: dict[str, Any], mode: str, nbytes: int) -> None:
+    """Adds to every row its time over the mode's floor, over the fastest peer's and (conversions)
+    over transformers' conversion, and its peak RSS minus the bytes it produces; prints them."""
+    floor = rows.get(FLOOR_OF_MODE[mode])
+    peers = {k: v["median_seconds"] for k, v in rows.items() if is_peer(k)}
+    fastest = min(peers, key=peers.__getitem__) if peers else None
     for name, row in rows.items():
-        if not name.startswith("fastload"):
-            continue
+        secs = row["median_seconds"]
         if floor:
-            row["x_memcpy_floor"] = row["median_seconds"] / floor["median_seconds"]
-        if peers:
-            row["speedup_vs_fastest_peer"] = min(peers) / row["median_seconds"]
-        row["peak_rss_minus_checkpoint_mib"] = row["median_peak_rss_over_baseline_mib"] - nbytes / (
+            row["x_floor"] = secs / floor["median_seconds"]
+        if fastest is not None and name not in FLOORS:
+            row["x_fastest_peer"] = secs / peers[fastest]
+            row["fastest_peer"] = fastest
+        if name == "fastload" and "transformers" in rows:
+            row["speedup_vs_transformers"] = rows["transformers"]["median_seconds"] / secs
+        theirs = rows.get("transformers(bf16->f32)")
+        if name == "fastload(bf16->f32)" and theirs:
+            row["speedup_vs_transformers"] = theirs["median_seconds"] / secs
+        produced = 2 * nbytes if name in CONVERSIONS else nbytes
+        row["peak_rss_minus_produced_mib"] = row["median_peak_rss_over_baseline_mib"] - produced / (
             1 << 20
         )
+    for name, row in rows.items():
         ratios = ", ".join(
             f"{k}={v:.2f}"
             for k, v in row.items()
             if k.startswith(("x_", "speedup", "peak_rss_minus"))
         )
-        print(f"[bench] {name}: {ratios}")
+        print(f"[bench] {mode} {name}: {ratios}")
+
+
+def _color(name: str) -> str:
+    if name in FLOORS:
+        return "tab:gray"
+    return "tab:orange" if name.startswith("fastload") else "tab:blue"
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    """Bar chart: median time and peak RSS per loader, one row per checkpoint dtype."""
+    """Bar charts: median time (with the ratio to the floor) and peak RSS per loader, one row per
+    mode and checkpoint dtype."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ckpts = results["checkpoints"]
-    fig, axes = plt.subplots(len(ckpts), 2, figsize=(13, 4.2 * len(ckpts)), squeeze=False)
-    for row, (dtype, data) in enumerate(ckpts.items()):
+    panels = [(m, d, data) for m, by in results["results"].items() for d, data in by.items()]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(14, 4.6 * len(panels)), squeeze=False)
+    for row, (mode, dtype, data) in enumerate(panels):
         names = list(data["loaders"])
-        secs = [data["loaders"][n]["median_seconds"] for n in names]
-        rss = [data["loaders"][n]["median_peak_rss_over_baseline_mib"] for n in names]
-        colors = [
-            "tab:orange"
-            if n.startswith("fastload")
-            else "tab:gray"
-            if n == "memcpy_floor"
-            else "tab:blue"
-            for n in names
-        ]
+        rows = [data["loaders"][n] for n in names]
+        secs = [r["median_seconds"] for r in rows]
+        rss = [r["median_peak_rss_over_baseline_mib"] for r in rows]
+        colors = [_color(n) for n in names]
         ax_t, ax_m = axes[row]
         ax_t.barh(names, secs, color=colors)
-        ax_t.set_xlabel("median wall seconds (lower is better)")
-        ax_t.set_title(f"{dtype} checkpoint, {data['data_mib']:.0f} MiB: load time")
-        for i, s in enumerate(secs):
-            ax_t.text(s, i, f" {s:.2f}s", va="center", fontsize=8)
+        ax_t.set_xlabel("median wall seconds, load + touch (lower is better)")
+        ax_t.set_title(f"{mode} cache, {dtype} checkpoint, {data['data_mib']:.0f} MiB")
+        for i, (s, r) in enumerate(zip(secs, rows, strict=True)):
+            label = f" {s:.2f}s" + (f" ({r['x_floor']:.2f}x floor)" if "x_floor" in r else "")
+            ax_t.text(s, i, label, va="center", fontsize=8)
         ax_m.barh(names, rss, color=colors)
         ax_m.axvline(data["data_mib"], color="k", ls="--", lw=1, label="checkpoint size")
         ax_m.set_xlabel("peak RSS above baseline, MiB (lower is better)")
@@ -355,23 +297,27 @@ def plot(results: dict[str, Any], path: Path) -> None:
         for ax in (ax_t, ax_m):
             ax.invert_yaxis()
     fig.suptitle(
-        f"fastload bench: {results['machine']['cpus']} CPUs, median of {results['repeats']}, "
-        "warm page cache, fresh process per run"
+        f"fastload bench, {results['size_gib']:g} GiB: {results['machine']['cpus']} CPUs, "
+        f"median of {results['repeats']}, fresh process per run"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point (``python -m fastload.bench``, ``fastload bench``)."""
     p = argparse.ArgumentParser(prog="fastload bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size-gib", type=float, default=1.0, help="checkpoint size (default 1; try 4)")
+    p.add_argument(
+        "--sizes", default="1", help="comma-separated checkpoint sizes in GiB (default 1; try 1,4)"
+    )
+    p.add_argument("--size-gib", type=float, default=None, help=argparse.SUPPRESS)  # old spelling
     p.add_argument(
         "--dtypes",
         default="bfloat16,float32",
         help="comma-separated checkpoint dtypes (default bfloat16,float32)",
     )
+    p.add_argument("--modes", default="warm,cold", help="warm, cold or both (default warm,cold)")
     p.add_argument(
         "--loaders",
         default=",".join(LOADERS),
@@ -383,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir",
         type=Path,
         default=None,
-        help="where checkpoints are written (default: a temporary directory)",
+        help="where checkpoints are written and kept (default: a temporary directory)",
     )
     p.add_argument("--child", nargs=2, metavar=("LOADER", "CHECKPOINT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -394,13 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in loaders if s not in LOADERS]
     if unknown:
         p.error(f"unknown loader(s) {unknown}; choose from {list(LOADERS)}")
+    modes = [s for s in args.modes.split(",") if s]
+    if any(m not in FLOOR_OF_MODE for m in modes):
+        p.error(f"--modes: choose from {list(FLOOR_OF_MODE)}")
     dtypes = [s for s in args.dtypes.split(",") if s]
-    if args.workdir is not None:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        run(args.size_gib, dtypes, loaders, args.repeats, args.out, args.workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="fastload-bench-") as tmp:
-            run(args.size_gib, dtypes, loaders, args.repeats, args.out, Path(tmp))
+    sizes = [args.size_gib] if args.size_gib else [float(s) for s in args.sizes.split(",") if s]
+    with tempfile.TemporaryDirectory(prefix="fastload-bench-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for size in sizes:
+            run(size, dtypes, modes, loaders, args.repeats, args.out, workdir)
     return 0
 
 

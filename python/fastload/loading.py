@@ -51,10 +51,12 @@ from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
 from fastload.report import LoadReport
+from fastload.sharing import check_mmap_mode
 from fastload.skeleton import build_skeleton
 from fastload.source import open_source
 from fastload.streaming import StagingPool
 from fastload.tensor_parallel import TPLayout, layout_for, parallelize
+from fastload.threads import check_threads
 from fastload.tying import tensor_slots
 
 logger = logging.getLogger("fastload")
@@ -124,7 +126,7 @@ def load(
     progress: bool = True,
     gradient_checkpointing: bool = False,
     read_mode: str = "pread",
-    mmap: str = "copy",
+    mmap: str = "auto",
     threads: int | None = None,
     device_map: DeviceMapArg | None = None,
     max_memory: dict[Any, int | str] | None = None,
@@ -146,8 +148,8 @@ def load(
     want = _requested_dtype(dtype)
     if max_memory is not None and device_map is None:
         device_map = "auto"  # budgets alone ask for a planned placement, as with accelerate
-    if mmap not in ("copy", "shared"):
-        raise RequestError(f"mmap must be 'copy' or 'shared', got {mmap!r}")
+    check_mmap_mode(mmap)
+    check_threads(threads)  # here, not only where copies start: a load of views copies nothing
     _check_parallel_options(target_device, device_map, max_memory, tp_plan, process_group)
     if target_device.type == "meta":
         raise RequestError("from_pretrained: device 'meta' holds no data to load into")
@@ -204,7 +206,7 @@ def load(
         )
 
     with clock.phase("allocate"):
-        by_file = _allocate(groups, placement, ckpt if mmap == "shared" else None, report)
+        by_file = _allocate(groups, placement, ckpt, report, mmap)
 
     with clock.phase("read"):
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
@@ -235,7 +237,7 @@ def load(
     report.seconds = dict(clock.seconds)
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
     modes = "+".join(dict.fromkeys(f.mode for f in ckpt.files))
-    report.read_mode = modes if mmap == "copy" else f"{modes}+shared-mmap"
+    report.read_mode = f"{modes}+shared-mmap" if report.bytes_shared else modes
     report.files = [str(f) for f in location.files]
     report.device = (
         str(target_device) if dmap is None else ", ".join(dict.fromkeys(dmap.as_strings().values()))
@@ -329,15 +331,18 @@ def _allocate(
     placement: Placement,
     shared: OpenCheckpoint | None = None,
     report: LoadReport | None = None,
+    mmap: str = "shared",
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
     (tensor name, destination, selection, source bytes).
 
-    With ``shared`` (``mmap="shared"``), a whole CPU tensor stored in its wanted dtype is a view
-    of a copy-on-write mapping of its file instead, and needs no copy."""
-    from fastload.sharing import SharedMapping
+    With ``shared``, a whole CPU tensor stored in its wanted dtype in a file that ``mmap`` lets
+    be mapped (:func:`~fastload.sharing.file_sharing`) is a view of a copy-on-write mapping of its
+    file instead, and needs no copy; the views' uncached pages are then read ahead."""
+    from fastload.sharing import SharedMapping, file_sharing
 
     mappings: dict[int, SharedMapping] = {}
+    sharing = {i: file_sharing(f, mmap) for i, f in enumerate(shared.files)} if shared else {}
     viewed: set[str] = set()  # an untied alias of a stored tensor gets a copy, not a second view
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]] = {}
     for group in groups:
@@ -350,6 +355,7 @@ def _allocate(
                     and dest.device.type == "cpu"
                     and dest.selection is None
                     and stored.name not in viewed
+                    and sharing[stored.file][0]
                 ):
                     viewed.add(stored.name)
                     if stored.file not in mappings:
@@ -396,7 +402,24 @@ def _allocate(
             t = t.narrow(dim, start, stop - start)
         if t is not group.template or t.device != dest.device or t.dtype != dest.dtype:
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
+    for mapping in mappings.values():
+        mapping.prefetch()
+    if report is not None and shared is not None:
+        report.sharing = {
+            f.path: _sharing_line(why, mappings.get(i), len(by_file.get(i, ())))
+            for i, (f, (_, why)) in enumerate(zip(shared.files, sharing.values(), strict=True))
+        }
     return by_file
+
+
+def _sharing_line(why: str, mapping: Any, copies: int) -> str:
+    """How one file's tensors were loaded, for the report."""
+    views = mapping.views if mapping is not None else 0
+    if views and copies:
+        return f"{views} views, {copies} copies (converted, sharded or misaligned); {why}"
+    if views or why.startswith("copies"):
+        return why
+    return "copies (converted, sharded, misaligned or not on the CPU)"
 
 
 def _read(

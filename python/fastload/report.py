@@ -46,8 +46,11 @@ class LoadReport:
     #: replicated tensors), and written into the model's tensors
     bytes_read: int = 0
     bytes_written: int = 0
-    #: bytes served as views of a shared copy-on-write mapping (``mmap="shared"``), not copied
+    #: bytes served as views of a copy-on-write mapping of the file (``mmap="auto"/"shared"``)
     bytes_shared: int = 0
+    #: file path -> how its tensors were loaded: "views of the file mapping (ext4)", "copies
+    #: (nfs is a network or FUSE filesystem)", "copies (mmap='copy')", ... (see fastload.sharing)
+    sharing: dict[str, str] = field(default_factory=dict)
     #: bytes offloaded to disk (device_map "disk"): left in the checkpoint file, read on use
     bytes_offloaded: int = 0
     #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
@@ -81,6 +84,16 @@ class LoadReport:
             "error_msgs": [],
         }
 
+    def _sharing_lines(self) -> list[str]:
+        if len(self.sharing) == 1:
+            return [f"  tensors: {how}" for how in self.sharing.values()]
+        if len(self.sharing) <= 3:
+            return [f"  {path}: {how}" for path, how in self.sharing.items()]
+        counts: dict[str, int] = {}
+        for how in self.sharing.values():
+            counts[how] = counts.get(how, 0) + 1
+        return [f"  {n} files: {how}" for how, n in counts.items()]
+
     def summary(self, limit: int = 10) -> str:
         """A readable multi-line summary; at most ``limit`` names per list."""
         rate = self.bytes_read / self.total_seconds / 2**20 if self.total_seconds > 0 else 0.0
@@ -99,6 +112,7 @@ class LoadReport:
                 if self.bytes_shared
                 else []
             ),
+            *self._sharing_lines(),
             *(
                 [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
                 if self.staging_bytes

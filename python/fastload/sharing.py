@@ -1,15 +1,27 @@
-"""Zero-copy shared mode: CPU tensors that are views of a private mapping of the checkpoint.
+"""Zero-copy loading: CPU tensors that are views of a private mapping of the checkpoint.
 
-With ``from_pretrained(..., mmap="shared")`` each parameter whose stored dtype is the wanted dtype
-and whose file offset is aligned for it becomes a view of a ``MAP_PRIVATE`` mapping of the file.
-Until a page is written it *is* the page-cache page, so N worker processes that load the same
-checkpoint share one physical copy (their private memory stays small); a write copies just that
-page (copy-on-write) and never reaches the file. Tensors that need a dtype conversion or are
-misaligned are copied as usual.
+``from_pretrained(..., mmap=...)`` decides per file (:func:`file_sharing`):
+
+* ``"auto"`` (default): views when the file sits on a local filesystem; private copies on network,
+  cluster and FUSE filesystems (NFS, SMB/CIFS, Lustre, 9p, Ceph, GPFS, FUSE...), where each page
+  fault is a round trip and an unreachable server or a file changed on another host turns a memory
+  access into SIGBUS.
+* ``"shared"``: views wherever the file is (the caller vouches for the filesystem).
+* ``"copy"``: private copies, read with ``read_mode``.
+
+A tensor becomes a view when it is whole, goes to the CPU, its stored dtype is the wanted one and
+its file offset is aligned for it; anything else (dtype conversion, accelerator destinations,
+tensor-parallel shards, misaligned offsets) is copied as usual. A view is a slice of one
+``MAP_PRIVATE`` mapping of the file: until a page is written it *is* the page-cache page, so N
+worker processes that load the same checkpoint share one physical copy; a write copies just that
+page (copy-on-write) and never reaches the file.
+
+Pages not yet in the page cache are read ahead in parallel at load time (:meth:`prefetch`), so a
+cold load runs at the disk's bandwidth instead of one page fault at a time on first use.
 
 Hazard: a file truncated or rewritten in place while mapped makes access to the lost pages raise
 SIGBUS and kill the process. Replace checkpoints by writing a new file and renaming it (as
-``fastload.save_pretrained`` does), never in place. The default mode copies and has no such hazard.
+``fastload.save_pretrained`` does), never in place; or load with ``mmap="copy"``.
 """
 
 from __future__ import annotations
@@ -20,7 +32,37 @@ import torch
 
 from fastload import _core
 from fastload.dtypes import to_torch
-from fastload.errors import CheckpointError
+from fastload.errors import CheckpointError, FastloadIOError, RequestError
+
+#: The accepted values of ``from_pretrained(mmap=...)``.
+MMAP_MODES = ("auto", "shared", "copy")
+
+
+def check_mmap_mode(mmap: str) -> None:
+    """Raises ``RequestError`` unless ``mmap`` is one of :data:`MMAP_MODES`."""
+    if mmap not in MMAP_MODES:
+        raise RequestError(f"mmap must be one of {', '.join(map(repr, MMAP_MODES))}, got {mmap!r}")
+
+
+def filesystem(file: _core.SafetensorsFile) -> tuple[str, bool] | None:
+    """``(name, local)`` of the filesystem ``file`` is on (``SafetensorsFile.filesystem``)."""
+    return file.filesystem()
+
+
+def file_sharing(file: object, mmap: str) -> tuple[bool, str]:
+    """Whether tensors of ``file`` (an opened checkpoint file) may be views of its mapping under
+    ``mmap``, and why, in words for the load report."""
+    if mmap == "copy":
+        return False, "copies (mmap='copy')"
+    if not isinstance(file, _core.SafetensorsFile):
+        return False, "copies (not a safetensors file: no layout to map)"
+    fs = filesystem(file)
+    if fs is None:
+        return False, "copies (file held in memory)"
+    name, local = fs
+    if mmap == "auto" and not local:
+        return False, f"copies ({name} is a network or FUSE filesystem)"
+    return True, f"views of the file mapping ({name})"
 
 
 class SharedMapping:
@@ -43,6 +85,8 @@ class SharedMapping:
             self.storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
             self._check_same_file()
         self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
+        self._viewed: list[tuple[int, int]] = []  # (file offset, bytes) of the views handed out
+        self.views = 0
 
     def _check_same_file(self) -> None:
         st = os.stat(self.path)
@@ -66,4 +110,49 @@ class SharedMapping:
             return None
         out = torch.empty(0, dtype=dtype)
         out.set_(self.storage, offset // itemsize, tuple(shape))
+        self._viewed.append((offset, out.numel() * itemsize))
+        self.views += 1
         return out
+
+    def prefetch(self, threads: int | None = None) -> int:
+        """Reads the pages of the views handed out that are not in the page cache yet, with
+        parallel read-ahead (the disk's bandwidth, not one fault at a time on first use); returns
+        the bytes read. Cached pages are left to be mapped on first access, which is cheaper.
+
+        Skipped when the views take more than half the memory available: pages read ahead would
+        then evict each other before their first use, and reading on first use is better."""
+        spans = _merged(self._viewed)
+        if sum(stop - start for start, stop in spans) > _available_bytes() // 2:
+            return 0
+        base = self.storage.data_ptr()
+        read = 0
+        try:
+            for start, stop in spans:
+                read += self.file.read_ahead(base + start, start, stop - start, threads)
+        except FastloadIOError as e:
+            self._check_same_file()  # a file cut short under the mapping says so
+            raise FastloadIOError(f"reading ahead the mapped file failed: {e}") from e
+        return read
+
+
+def _available_bytes() -> int:
+    """``MemAvailable`` (free memory plus reclaimable page cache); unbounded where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges as sorted, merged ``(start, stop)`` spans."""
+    spans: list[tuple[int, int]] = []
+    for start, length in sorted(ranges):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], start + length))
+        elif length:
+            spans.append((start, start + length))
+    return spans

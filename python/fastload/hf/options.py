@@ -51,7 +51,10 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "trust_remote_code": ("honoured", "runs the repo's `auto_map` code; refused without it"),
     "code_revision": ("honoured", "revision of the remote code"),
     "tp_plan": ("honoured", "fastload's tensor-parallel loading ('auto' or a plan)"),
-    "disable_mmap": ("honoured", "True: read_mode='pread'; False: read_mode='mmap'"),
+    "disable_mmap": (
+        "honoured",
+        "True: nothing mapped (mmap='copy', read_mode='pread'); False: read_mode='mmap'",
+    ),
     "tqdm_class": ("honoured", "progress bar class of downloads"),
     "_from_auto": ("honoured", "internal to transformers; accepted"),
     "_from_pipeline": ("honoured", "internal to transformers; accepted"),
@@ -168,6 +171,8 @@ def _honour(out: HfOptions, name: str, value: Any) -> None:
         core[name] = value
     elif name == "disable_mmap":
         core["read_mode"] = "pread" if value else "mmap"
+        if value:  # no mapping at all: copies, read with pread (the default maps local files)
+            core["mmap"] = "copy"
     elif name in ("attn_implementation", "experts_implementation"):
         out.config_attrs[f"_{name}"] = value
     elif name == "generation_config":
