@@ -56,9 +56,10 @@ def test_the_counter_reports_each_copied_piece_of_a_single_file(wide: Path) -> N
     seen: list[int] = []
     progress = _core.Progress(seen.append)
     file.copy_into([("w", dest.data_ptr(), 6 * CHUNK, "F32", None)], 1, progress)
-    assert [n for n in seen if n % CHUNK == 0 and 0 < n < 6 * CHUNK] == [
-        k * CHUNK for k in range(1, 6)
-    ]
+    # After every task (one chunk here) the callback gets the count; a slow machine may add
+    # repeats from the periodic wake-ups, never a decrease.
+    assert seen == sorted(seen)
+    assert {n for n in seen if 0 < n < 6 * CHUNK} == {k * CHUNK for k in range(1, 6)}
     assert progress.done == 6 * CHUNK
 
 
