@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -113,13 +114,18 @@ def test_eight_threads_converting_on_load_match_a_single_threaded_conversion(
 
 @pytest.fixture(scope="module")
 def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 64 MiB checkpoint (one F32 tensor): eight copy pieces of ``_core.CHUNK``."""
+    """A 256 MiB checkpoint (one F32 tensor): 32 copy pieces of ``_core.CHUNK``. Large enough
+    that a thread woken late on a loaded machine still finds the copy under way."""
     path = tmp_path_factory.mktemp("big") / "big.safetensors"
-    st_save_file({"w": torch.full((16 << 20,), 1.0)}, str(path))
+    st_save_file({"w": torch.full((BIG,), 1.0)}, str(path))
     return path
 
 
+BIG = 64 << 20  # elements of big_file's tensor
 ROUNDS = 20
+#: how long a waiting thread sleeps between looks at a copy's progress: a sleeping poller leaves
+#: the CPU (and the GIL) to the threads it waits for, which a spinning one does not
+POLL = 0.0002
 
 
 def _copy_job(file: _core.SafetensorsFile, dest: torch.Tensor) -> list[Any]:
@@ -133,7 +139,7 @@ def test_another_python_thread_runs_and_can_cancel_while_a_copy_is_under_way(
     # the copy there: only possible if the copying thread released the GIL. A round whose copy
     # finished before the main thread looked proves nothing either way and is retried.
     file = _core.SafetensorsFile(str(big_file))
-    dest = torch.empty(16 << 20)
+    dest = torch.empty(BIG)
     total = dest.numel() * dest.element_size()
     cancelled = 0
     for _ in range(ROUNDS):
@@ -149,7 +155,7 @@ def test_another_python_thread_runs_and_can_cancel_while_a_copy_is_under_way(
         loader = threading.Thread(target=load)
         loader.start()
         while loader.is_alive() and not 0 < progress.done < total:
-            pass
+            time.sleep(POLL)
         if 0 < progress.done < total:
             progress.cancel()
         loader.join()
@@ -158,6 +164,7 @@ def test_another_python_thread_runs_and_can_cancel_while_a_copy_is_under_way(
             assert "[cancelled]" in str(errors[0]) and str(big_file) in str(errors[0])
             assert progress.cancelled and progress.done < total
             cancelled += 1
+            break
         else:
             # Finished before the main thread looked, or its last piece before the cancel.
             assert progress.done == total
@@ -174,7 +181,7 @@ def test_a_signal_during_a_copy_runs_its_python_handler_and_stops_the_copy(
     # Ctrl-C: the copying (main) thread runs signal handlers while the copy is under way; the
     # handler's exception cancels the copy and comes out of copy_into.
     file = _core.SafetensorsFile(str(big_file))
-    dest = torch.empty(16 << 20)
+    dest = torch.empty(BIG)
     total = dest.numel() * dest.element_size()
     interrupted = 0
     for _ in range(ROUNDS):
@@ -186,7 +193,7 @@ def test_a_signal_during_a_copy_runs_its_python_handler_and_stops_the_copy(
 
         def send(progress: _core.Progress = progress) -> None:
             while progress.done == 0:
-                pass
+                time.sleep(POLL)
             if progress.done < total:
                 signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
@@ -203,23 +210,28 @@ def test_a_signal_during_a_copy_runs_its_python_handler_and_stops_the_copy(
             sender.join()
         finally:
             signal.signal(signal.SIGINT, old)
+        if interrupted:
+            break
     assert interrupted >= 1, f"no round of {ROUNDS} was interrupted during its copy"
 
 
 CTRL_C = textwrap.dedent(
     """
-    import os, signal, sys, threading
+    import os, signal, sys, threading, time
     import torch
     from fastload import _core
+    # Python leaves SIGINT ignored if it started that way (a background job of a shell script):
+    # install the handler an interactive Python has, the one Ctrl-C reaches
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     file = _core.SafetensorsFile(sys.argv[1])
-    dest = torch.empty(16 << 20)
-    total = 64 << 20
+    dest = torch.empty(int(sys.argv[2]))
+    total = dest.numel() * dest.element_size()
     job = [("w", dest.data_ptr(), total, "F32", None)]
     for _ in range(20):
         progress = _core.Progress()
         def press(progress=progress):
             while progress.done == 0:
-                pass
+                time.sleep(0.0002)
             if progress.done < total:
                 os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends
         sender = threading.Thread(target=press)
@@ -243,7 +255,7 @@ def test_ctrl_c_during_a_copy_raises_keyboard_interrupt_and_stops_the_copy(
     # Python's own SIGINT handler in a process of its own: KeyboardInterrupt comes out of the
     # copy, which was cancelled before its end.
     out = subprocess.run(
-        [sys.executable, "-c", CTRL_C, str(big_file)],
+        [sys.executable, "-c", CTRL_C, str(big_file), str(BIG)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -76,7 +76,18 @@ SIZES: dict[str, int] = dict(
     d_inner=64,
     attention_head_size=8,
     feed_forward_size=64,
+    ffn_hidden_size=64,
+    expert_ffn_hidden_size=32,
+    zero_expert_num=2,
+    moe_topk=2,
+    n_shared_experts=1,
+    num_experts_per_token=2,
+    linear_head_dim=8,
+    linear_num_heads=4,
 )
+
+#: size arguments also set where the default config leaves them None (derived later)
+_SIZES_WHEN_NONE = ("head_dim", "num_experts_per_tok", "n_routed_experts", "n_shared_experts")
 
 #: list-valued size arguments of types whose config checks them against the sizes above
 _LIST_SIZES: dict[str, dict[str, Any]] = {
@@ -179,8 +190,12 @@ def _config_arguments(model_type: str) -> dict[str, Any]:
         current = defaults.get(key, "absent")
         if isinstance(current, int) and not isinstance(current, bool):
             kwargs[key] = value
-        elif key == "head_dim" and current is None:
+        elif key in _SIZES_WHEN_NONE and current is None:
             kwargs[key] = value
+    if "num_key_value_heads" in kwargs and isinstance(defaults.get("kv_lora_rank"), int):
+        # latent attention (DeepSeek-V2/V3, MiniCPM3, ...) expands the latent to every query
+        # head: grouped kv heads do not exist there, and a smaller count breaks its forward
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     for key in _TOKEN_IDS:
         current = defaults.get(key)
         if isinstance(current, int) and current >= VOCAB:
