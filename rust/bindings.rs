@@ -182,6 +182,16 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, file.path(), e))
     }
 
+    /// Starts reading the tensor data into the page cache and returns without waiting for the
+    /// disk (`posix_fadvise(WILLNEED)` from parallel threads, cached parts skipped); the bytes
+    /// advised. Called from a helper thread while the model skeleton is built.
+    #[pyo3(signature = (threads = None))]
+    fn will_need(&self, py: Python<'_>, threads: Option<usize>) -> PyResult<u64> {
+        let file = Arc::clone(&self.inner);
+        py.detach(|| file.will_need(threads))
+            .map_err(|e| to_py(py, self.inner.path(), e))
+    }
+
     /// The open file descriptor (None for an in-memory file), valid while this object lives.
     fn fileno(&self) -> Option<i32> {
         self.inner.raw_fd()

@@ -326,6 +326,18 @@ impl SafetensorsFile {
         crate::readahead::populate(file, addr, offset, len, threads)
     }
 
+    /// Starts reading the file's tensor data into the page cache without waiting for it
+    /// ([`crate::readahead::will_need`]); returns the bytes advised (0 for a file held in memory).
+    pub fn will_need(&self, threads: Option<usize>) -> Result<u64> {
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => {
+                let start = self.header.data_start();
+                crate::readahead::will_need(f, start, self.len - start, threads)
+            }
+            Backing::Memory(_) => Ok(0),
+        }
+    }
+
     /// The filesystem the file lives on (`None` for a file held in memory): decides whether
     /// views of a mapping are the default (local filesystems) or private copies (network/FUSE).
     pub fn filesystem(&self) -> Result<Option<crate::readahead::Filesystem>> {

@@ -95,6 +95,54 @@ pub const READAHEAD_CHUNK: usize = 32 << 20;
 /// cores; eight keeps a local NVMe or virtio disk's queue full.
 pub const READAHEAD_THREADS: usize = 8;
 
+/// Starts reading `[offset, offset + len)` of `file` into the page cache without waiting for it:
+/// `posix_fadvise(POSIX_FADV_WILLNEED)` over [`READAHEAD_CHUNK`] pieces from `threads` threads
+/// (submitting a large read blocks on the disk queue, so one thread would serialize it), skipping
+/// pieces `cachestat(2)` says are cached. Returns the bytes of the pieces advised. A load calls it
+/// as soon as a file is open, so the disk works while the model skeleton is built; the pages are
+/// page cache (reclaimable), never process memory. Other systems: no-op, 0.
+pub fn will_need(file: &File, offset: u64, len: u64, threads: Option<usize>) -> Result<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let end = offset.checked_add(len).ok_or_else(|| Error::Io {
+            detail: "read-ahead range overflows the file offsets".into(),
+        })?;
+        let chunk = READAHEAD_CHUNK as u64;
+        let pieces: Vec<(u64, u64)> = (offset..end)
+            .step_by(READAHEAD_CHUNK)
+            .map(|s| (s, chunk.min(end - s)))
+            .filter(|&(s, l)| cached_pages(file, s, l).is_none_or(|p| p < l.div_ceil(4096)))
+            .collect();
+        let fd = file.as_raw_fd();
+        let work = |&(s, l): &(u64, u64)| -> Result<u64> {
+            // posix_fadvise returns the error number instead of setting errno
+            let rc = unsafe {
+                libc::posix_fadvise(
+                    fd,
+                    s as libc::off_t,
+                    l as libc::off_t,
+                    libc::POSIX_FADV_WILLNEED,
+                )
+            };
+            if rc != 0 {
+                return Err(std::io::Error::from_raw_os_error(rc).into());
+            }
+            Ok(l)
+        };
+        let threads = threads.unwrap_or(READAHEAD_THREADS).max(1);
+        if threads == 1 || pieces.len() <= 1 {
+            return pieces.iter().map(work).sum();
+        }
+        pool(threads)?.install(|| pieces.par_iter().map(work).sum())
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, offset, len, threads);
+        Ok(0)
+    }
+}
+
 /// Faults in the pages of `[addr, addr + len)`, a mapping of `file` whose byte `offset` is at
 /// `addr`, that are not in the page cache yet, with parallel `madvise(MADV_POPULATE_READ)` over
 /// [`READAHEAD_CHUNK`] pieces; returns the bytes of the pieces it read. Cached pieces are left
@@ -234,6 +282,31 @@ fn resident(addr: usize, len: usize) -> Result<bool> {
 mod tests {
     use super::*;
     use std::io::Write;
+
+    #[test]
+    fn will_need_advises_the_uncached_pieces_and_puts_them_in_the_page_cache() {
+        let path = std::env::temp_dir().join(format!("fastload-wn-{}", std::process::id()));
+        let bytes: Vec<u8> = (0..3 * READAHEAD_CHUNK / 2)
+            .map(|i| (i % 251) as u8)
+            .collect();
+        File::create(&path).unwrap().write_all(&bytes).unwrap();
+        let f = File::open(&path).unwrap();
+        let len = bytes.len() as u64;
+        let advised = will_need(&f, 0, len, Some(2)).unwrap();
+        // Everything is advised unless the freshly written pages are still cached (then skipped).
+        assert!(advised == 0 || advised <= len, "{advised}");
+        if let Some(cached) = cached_pages(&f, 0, len) {
+            // Advised or already there: every page is in the page cache (or being read into it).
+            assert_eq!(cached, len.div_ceil(4096));
+            assert_eq!(
+                will_need(&f, 0, len, Some(2)).unwrap(),
+                0,
+                "cached pieces are skipped"
+            );
+        }
+        assert!(will_need(&f, u64::MAX - 1, 16, None).is_err());
+        std::fs::remove_file(&path).unwrap();
+    }
 
     #[test]
     fn a_temporary_file_is_on_a_named_local_filesystem() {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,9 @@ import torch
 from torch import nn
 
 import fastload
+from fastload import _core, sharing
 from fastload.saving import save_file
+from fastload.sharing import WarmUp
 
 MIB = 1 << 20
 
@@ -236,3 +239,68 @@ def test_no_read_ahead_when_the_views_exceed_half_the_available_memory(checkpoin
     mapping = SharedMapping(open_file(checkpoint))
     mapping.view("layers.0.weight", torch.float32)
     assert mapping.prefetch() == 0
+
+
+# --- read-ahead while the skeleton is built -------------------------------------------------------
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cachestat_kernel() -> bool:
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return sys.platform == "linux" and (major, minor) >= (6, 5)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="posix_fadvise read-ahead is Linux-only")
+def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path) -> None:
+    path = tmp_path / "cold.safetensors"
+    save_file({"a": torch.randn(3 << 20), "b": torch.randn(5 << 20)}, path)
+    _evict(path)
+    file = _core.SafetensorsFile(str(path))
+    warm_up = WarmUp([file], "auto")
+    warm_up.join()
+    assert warm_up.advised == file.file_size - file.data_start  # every byte of tensor data
+    if _cachestat_kernel():
+        path.read_bytes()  # now wholly cached: nothing left to advise
+        again = WarmUp([file], "auto")
+        again.join()
+        assert again.advised == 0
+
+
+def test_files_held_in_memory_are_not_read_ahead(tmp_path: Path) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.randn(1024)}, path)
+    in_memory = _core.SafetensorsFile.from_bytes(path, path.read_bytes())
+    for mmap in ("auto", "shared", "copy"):
+        warm_up = WarmUp([in_memory, object()], mmap)  # and a file that is not safetensors
+        warm_up.join()
+        assert warm_up.files == [] and warm_up.advised == 0, mmap
+
+
+def test_a_cold_default_load_gives_the_stored_values_as_views(checkpoint: Path) -> None:
+    _evict(checkpoint)
+    loaded, report = fastload.from_pretrained(
+        Wide, checkpoint, progress=False, output_loading_info=True
+    )
+    expected = fastload.load_file(checkpoint)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert report.bytes_shared == sum(t.numel() * t.element_size() for t in expected.values())
+
+
+def test_files_on_a_network_filesystem_are_read_ahead_only_under_mmap_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.randn(1024)}, path)
+    file = _core.SafetensorsFile(str(path))
+    monkeypatch.setattr(sharing, "filesystem", lambda f: ("nfs", False))
+    chosen = {mmap: WarmUp([file], mmap).files for mmap in ("auto", "copy", "shared")}
+    assert chosen == {"auto": [], "copy": [], "shared": [file]}

@@ -52,6 +52,9 @@ class SafetensorsFile:
         """Read the uncached pages of [address, address + length), a mapping of this file whose
         byte ``offset`` is at ``address``, in parallel; the bytes read. An unmapped range raises
         FastloadIOError."""
+    def will_need(self, threads: int | None = None) -> int:
+        """Start reading the tensor data into the page cache without waiting for the disk
+        (parallel ``posix_fadvise(WILLNEED)``, cached parts skipped); the bytes advised."""
     def fileno(self) -> int | None:
         """The open file descriptor (None for a file held in memory)."""
     def keys(self) -> list[str]: ...

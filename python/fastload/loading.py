@@ -51,7 +51,7 @@ from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
 from fastload.report import LoadReport
-from fastload.sharing import check_mmap_mode
+from fastload.sharing import WarmUp, check_mmap_mode
 from fastload.skeleton import build_skeleton, forget_constructor_values
 from fastload.source import open_source
 from fastload.streaming import StagingPool
@@ -157,6 +157,8 @@ def load(
 
     with clock.phase("resolve"):
         ckpt = open_source(checkpoint, read_mode, mmap, allow_pickle)
+        # the disk starts on the files now, while the skeleton is built and the load planned
+        warm_up = WarmUp(ckpt.files, mmap)
     location = ckpt.location
     source = str(location.index or location.files[0])
 
@@ -211,6 +213,7 @@ def load(
         )
 
     with clock.phase("allocate"):
+        warm_up.join()
         by_file = _allocate(groups, placement, ckpt, report, mmap)
 
     with clock.phase("read"):

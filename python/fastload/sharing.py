@@ -26,13 +26,18 @@ SIGBUS and kill the process. Replace checkpoints by writing a new file and renam
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Sequence
 
 import torch
 
 from fastload import _core
 from fastload.dtypes import to_torch
-from fastload.errors import CheckpointError, FastloadIOError, RequestError
+from fastload.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
+
+logger = logging.getLogger("fastload")
 
 #: The accepted values of ``from_pretrained(mmap=...)``.
 MMAP_MODES = ("auto", "shared", "copy")
@@ -133,6 +138,47 @@ class SharedMapping:
             self._check_same_file()  # a file cut short under the mapping says so
             raise FastloadIOError(f"reading ahead the mapped file failed: {e}") from e
         return read
+
+
+class WarmUp:
+    """Page-cache read-ahead of a load's files, started in a helper thread as soon as they are
+    open: the disk reads while the model skeleton is built and the load planned, instead of after.
+    Only advice to the kernel (``posix_fadvise(WILLNEED)``): it fills the page cache, which views
+    then map and copies then read, never process memory. Skipped for files held in memory, on
+    network or FUSE filesystems unless ``mmap="shared"`` (each read there is a round trip best left
+    to the load's own reads), off Linux, and when the files take more than half the memory
+    available (pages read ahead would evict each other before their use)."""
+
+    def __init__(self, files: Sequence[object], mmap: str) -> None:
+        self.files = [f for f in files if _worth_reading_ahead(f, mmap)]
+        if sum(f.file_size - f.data_start for f in self.files) > _available_bytes() // 2:
+            self.files = []
+        self.advised = 0
+        self._thread: threading.Thread | None = None
+        if self.files:
+            self._thread = threading.Thread(target=self._run, name="fastload-warm-up", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        for f in self.files:
+            try:
+                self.advised += f.will_need()
+            except FastloadError as e:  # advice only: the load reads the pages itself anyway
+                logger.debug("read-ahead of %s skipped: %s", f.path, e)
+
+    def join(self) -> None:
+        """Waits until the read-ahead is submitted (not until the disk is done: the views'
+        :meth:`SharedMapping.prefetch` and first accesses wait for their own pages)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def _worth_reading_ahead(file: object, mmap: str) -> bool:
+    if not isinstance(file, _core.SafetensorsFile):
+        return False
+    fs = filesystem(file)
+    return fs is not None and (fs[1] or mmap == "shared")
 
 
 def _available_bytes() -> int:
