@@ -350,47 +350,6 @@ fn prefault(dst: &mut [u8]) {
     let _ = dst;
 }
 
-/// Asks for transparent huge pages on the destinations (`madvise(MADV_HUGEPAGE)` on their 2 MiB
-/// aligned parts): fresh memory is then faulted and zeroed 2 MiB at a time instead of 4 KiB, which
-/// made a fresh 1 GiB fill ~3x faster here. Most distributions set THP to "madvise", so memory is
-/// only huge where a program asks. Destinations closer than 2 MiB apart (consecutive allocations)
-/// are advised as one span, so their mappings keep one set of flags and stay merged instead of
-/// being split per tensor. A hint: pages already faulted, kernels without THP and errors leave
-/// the copy as it was.
-fn advise_huge_pages(plan: &Plan) {
-    #[cfg(target_os = "linux")]
-    {
-        const HUGE: usize = 2 << 20;
-        let mut ranges: Vec<(usize, usize)> = plan
-            .tasks
-            .iter()
-            .flatten()
-            .filter(|p| p.dst_len > 0)
-            .map(|p| (p.dst.0 as usize, p.dst.0 as usize + p.dst_len))
-            .collect();
-        ranges.sort_unstable();
-        let mut spans: Vec<(usize, usize)> = Vec::new();
-        for (start, end) in ranges {
-            match spans.last_mut() {
-                Some(last) if start <= last.1.saturating_add(HUGE) => last.1 = last.1.max(end),
-                _ => spans.push((start, end)),
-            }
-        }
-        for (start, end) in spans {
-            let (start, end) = (start.div_ceil(HUGE) * HUGE, end / HUGE * HUGE);
-            if end > start {
-                // SAFETY: advice on address ranges of this process never changes memory contents;
-                // an unmapped hole in a span makes madvise answer ENOMEM, which is ignored.
-                unsafe {
-                    libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
-                };
-            }
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = plan;
-}
-
 /// A pool and its thread count.
 type SizedPool = (usize, Arc<ThreadPool>);
 
@@ -451,7 +410,6 @@ pub unsafe fn execute(
 ) -> Result<u64> {
     let threads = check_threads(threads)?;
     file.check_unchanged()?;
-    advise_huge_pages(plan);
     let task = |pieces: &Vec<Piece>| -> Result<()> {
         let Some(progress) = progress else {
             return pieces.iter().try_for_each(|p| run_piece(file, p));

@@ -189,39 +189,3 @@ def test_load_into_fills_parameters_that_require_grad(every_dtype_file):
         f.load_into({"t_F32": param})
     assert torch.equal(param.detach(), want["t_F32"])
 
-
-def _thp_mode() -> str | None:
-    """The bracketed transparent-huge-page mode ("always", "madvise", "never"), None if unknown."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _huge_kib_at(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping holding ``address`` in this process."""
-    huge, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "AnonHugePages:":
-                huge += int(line.split()[1])
-    return huge
-
-
-@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages")
-@pytest.mark.parametrize("dtype", [None, torch.float32], ids=["stored", "converted"])
-def test_large_fresh_destinations_are_filled_with_huge_pages(tmp_path, dtype):
-    # Faulting fresh memory 2 MiB at a time instead of 4 KiB: the copy asks for huge pages on its
-    # destinations (THP "madvise", the usual setting, gives them only where asked).
-    path = tmp_path / "big.safetensors"
-    st_save_file({"w": torch.ones(8 << 20, dtype=torch.bfloat16)}, str(path))
-    dest = torch.empty(8 << 20, dtype=dtype or torch.bfloat16)  # 16 or 32 MiB, never touched
-    with fastload.safe_open(path, framework="pt") as f:
-        f.load_into({"w": dest})
-    assert torch.equal(dest, torch.ones_like(dest))
-    assert _huge_kib_at(dest.data_ptr() + (4 << 20)) >= 2048
