@@ -188,4 +188,3 @@ def test_load_into_fills_parameters_that_require_grad(every_dtype_file):
     with fastload.safe_open(every_dtype_file) as f:
         f.load_into({"t_F32": param})
     assert torch.equal(param.detach(), want["t_F32"])
-

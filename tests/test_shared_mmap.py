@@ -264,43 +264,60 @@ def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path
     save_file({"a": torch.randn(3 << 20), "b": torch.randn(5 << 20)}, path)
     _evict(path)
     file = _core.SafetensorsFile(str(path))
-    warm_up = WarmUp([file], "auto")
+    warm_up = WarmUp([file], "auto", views=True)
     warm_up.join()
     assert warm_up.advised == file.file_size - file.data_start  # every byte of tensor data
     if _cachestat_kernel():
         path.read_bytes()  # now wholly cached: nothing left to advise
-        again = WarmUp([file], "auto")
+        again = WarmUp([file], "auto", views=True)
         again.join()
         assert again.advised == 0
 
 
-def test_files_held_in_memory_are_not_read_ahead(tmp_path: Path) -> None:
-    path = tmp_path / "m.safetensors"
-    save_file({"a": torch.randn(1024)}, path)
-    in_memory = _core.SafetensorsFile.from_bytes(path, path.read_bytes())
-    for mmap in ("auto", "shared", "copy"):
-        warm_up = WarmUp([in_memory, object()], mmap)  # and a file that is not safetensors
-        warm_up.join()
-        assert warm_up.files == [] and warm_up.advised == 0, mmap
-
-
-def test_a_cold_default_load_gives_the_stored_values_as_views(checkpoint: Path) -> None:
-    _evict(checkpoint)
-    loaded, report = fastload.from_pretrained(
-        Wide, checkpoint, progress=False, output_loading_info=True
-    )
-    expected = fastload.load_file(checkpoint)
-    for name, tensor in loaded.state_dict().items():
-        assert torch.equal(tensor, expected[name]), name
-    assert report.bytes_shared == sum(t.numel() * t.element_size() for t in expected.values())
-
-
-def test_files_on_a_network_filesystem_are_read_ahead_only_under_mmap_shared(
+def test_files_that_will_not_be_mapped_are_not_read_ahead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "m.safetensors"
     save_file({"a": torch.randn(1024)}, path)
     file = _core.SafetensorsFile(str(path))
+    in_memory = _core.SafetensorsFile.from_bytes(path, path.read_bytes())
+
+    def chosen(files: list[object], mmap: str, views: bool = True) -> list[object]:
+        warm_up = WarmUp(files, mmap, views=views)
+        warm_up.join()
+        return warm_up.files
+
+    assert chosen([file], "auto") == [file] and chosen([file], "shared") == [file]
+    assert chosen([file], "copy") == []  # copies read the file themselves
+    assert chosen([file], "auto", views=False) == []  # converted, or not for the CPU
+    assert chosen([in_memory, object()], "shared") == []  # nothing on disk to read
     monkeypatch.setattr(sharing, "filesystem", lambda f: ("nfs", False))
-    chosen = {mmap: WarmUp([file], mmap).files for mmap in ("auto", "copy", "shared")}
-    assert chosen == {"auto": [], "copy": [], "shared": [file]}
+    assert chosen([file], "auto") == [] and chosen([file], "shared") == [file]
+
+
+def test_from_pretrained_reads_ahead_only_loads_that_give_views(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[WarmUp] = []
+
+    class Recorded(WarmUp):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr("fastload.loading.WarmUp", Recorded)
+    read_ahead = {}
+    for label, kwargs in {
+        "default": {},
+        "stored dtype asked": {"dtype": torch.float32},
+        "converted": {"dtype": torch.bfloat16},
+        "copies": {"mmap": "copy"},
+    }.items():
+        fastload.from_pretrained(Wide, checkpoint, progress=False, **kwargs)
+        read_ahead[label] = bool(made.pop().files)
+    assert read_ahead == {
+        "default": True,
+        "stored dtype asked": True,
+        "converted": False,
+        "copies": False,
+    }

@@ -158,7 +158,10 @@ def load(
     with clock.phase("resolve"):
         ckpt = open_source(checkpoint, read_mode, mmap, allow_pickle)
         # the disk starts on the files now, while the skeleton is built and the load planned
-        warm_up = WarmUp(ckpt.files, mmap)
+        views = target_device.type == "cpu" and device_map is None and tp_plan is None
+        if isinstance(want, torch.dtype):  # an explicit dtype: views where it is the stored one
+            views = views and want == _main_dtype(ckpt, None)
+        warm_up = WarmUp(ckpt.files, mmap, views=views)
     location = ckpt.location
     source = str(location.index or location.files[0])
 
@@ -213,13 +216,13 @@ def load(
         )
 
     with clock.phase("allocate"):
-        warm_up.join()
         by_file = _allocate(groups, placement, ckpt, report, mmap)
 
     with clock.phase("read"):
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
         report.staging_bytes = pool.peak_bytes
         resolve_duplicates(groups)
+        warm_up.join()  # long since submitted: the reads above ran beside it, not after it
 
     with clock.phase("finish"):
         swap_in(module, groups, report, offloaded=offloaded_names(groups))
