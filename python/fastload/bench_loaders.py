@@ -18,6 +18,8 @@ LOADERS: dict[str, str] = {
     "floor(map+touch)": "warm floor: map the file and read one byte per 4 KiB page of its data",
     "floor(parallel read)": "cold floor: 8 threads pread the data in 16 MiB blocks into reused "
     "buffers (the disk's bandwidth)",
+    "floor(skeleton+map+touch)": "the warm floor plus what every loader that builds the model "
+    "pays: config read and the model's constructors on the meta device",
     "safetensors+load_state_dict": "model built normally, safetensors load_file, load_state_dict",
     "safetensors+meta+assign": "meta skeleton, safetensors load_file, load_state_dict(assign=True)",
     "transformers": "transformers AutoModelForCausalLM.from_pretrained (its default path)",
@@ -34,7 +36,7 @@ LOADERS: dict[str, str] = {
     "fastload(bf16->f32)": "fastload.from_pretrained(dtype=torch.float32) of the bf16 checkpoint",
 }
 
-FLOORS = ("floor(map+touch)", "floor(parallel read)")
+FLOORS = ("floor(map+touch)", "floor(parallel read)", "floor(skeleton+map+touch)")
 CONVERSIONS = ("transformers(bf16->f32)", "fastload(bf16->f32)")
 #: The loader each mode's ratios are taken against.
 FLOOR_OF_MODE = {"warm": "floor(map+touch)", "cold": "floor(parallel read)"}
@@ -131,6 +133,9 @@ def _load(loader: str, checkpoint: Path) -> list[Any]:
         return _map_and_touch(st_path)
     if loader == "floor(parallel read)":
         return _parallel_read(st_path)
+    if loader == "floor(skeleton+map+touch)":
+        _skeleton(checkpoint)
+        return _map_and_touch(st_path)
     if loader == "safetensors+load_state_dict":
         from safetensors.torch import load_file
         from transformers import AutoConfig, AutoModelForCausalLM
