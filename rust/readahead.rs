@@ -95,6 +95,21 @@ pub const READAHEAD_CHUNK: usize = 32 << 20;
 /// cores; eight keeps a local NVMe or virtio disk's queue full.
 pub const READAHEAD_THREADS: usize = 8;
 
+/// The sum of `work` over `pieces`, on `threads` read-ahead threads (default
+/// [`READAHEAD_THREADS`]); in the calling thread when one thread or one piece is enough.
+#[cfg(target_os = "linux")]
+fn on_threads<T: Sync>(
+    pieces: &[T],
+    threads: Option<usize>,
+    work: impl Fn(&T) -> Result<u64> + Sync + Send,
+) -> Result<u64> {
+    let threads = threads.unwrap_or(READAHEAD_THREADS).max(1);
+    if threads == 1 || pieces.len() <= 1 {
+        return pieces.iter().map(work).sum();
+    }
+    pool(threads)?.install(|| pieces.par_iter().map(work).sum())
+}
+
 /// Starts reading `[offset, offset + len)` of `file` into the page cache without waiting for it:
 /// `posix_fadvise(POSIX_FADV_WILLNEED)` over [`READAHEAD_CHUNK`] pieces from `threads` threads
 /// (submitting a large read blocks on the disk queue, so one thread would serialize it), skipping
@@ -130,11 +145,7 @@ pub fn will_need(file: &File, offset: u64, len: u64, threads: Option<usize>) -> 
             }
             Ok(l)
         };
-        let threads = threads.unwrap_or(READAHEAD_THREADS).max(1);
-        if threads == 1 || pieces.len() <= 1 {
-            return pieces.iter().map(work).sum();
-        }
-        pool(threads)?.install(|| pieces.par_iter().map(work).sum())
+        on_threads(&pieces, threads, work)
     }
     #[cfg(not(target_os = "linux"))]
     {
@@ -185,7 +196,6 @@ pub fn populate(
         if pieces.is_empty() {
             return Ok(0);
         }
-        let threads = threads.unwrap_or(READAHEAD_THREADS).max(1);
         let work = |&(s, l): &(usize, usize)| -> Result<u64> {
             // SAFETY: populating only reads the mapping's pages into memory; it does not access
             // them from Rust and fails (does not fault) on an unmapped range.
@@ -205,10 +215,7 @@ pub fn populate(
                 _ => Err(err.into()),
             }
         };
-        if threads == 1 || pieces.len() == 1 {
-            return pieces.iter().map(work).sum();
-        }
-        pool(threads)?.install(|| pieces.par_iter().map(work).sum())
+        on_threads(&pieces, threads, work)
     }
     #[cfg(not(target_os = "linux"))]
     {

@@ -14,6 +14,7 @@ from torch import nn
 
 import fastload
 from fastload import _core, sharing
+from fastload.bench import evict
 from fastload.saving import save_file
 from fastload.sharing import WarmUp
 
@@ -211,7 +212,6 @@ def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash(checkpoint):
 
 
 def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_path):
-    import os
     import shutil
 
     from fastload.reader import open_file
@@ -219,10 +219,7 @@ def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_pa
 
     local = tmp_path / "cold.safetensors"
     shutil.copyfile(checkpoint, local)
-    fd = os.open(local, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    evict(local)
     mapping = SharedMapping(open_file(local))
     views = {name: mapping.view(name, torch.float32) for name in open_file(local).keys()}
     assert mapping.prefetch() <= local.stat().st_size + 4096
@@ -244,15 +241,6 @@ def test_no_read_ahead_when_the_views_exceed_half_the_available_memory(checkpoin
 # --- read-ahead while the skeleton is built -------------------------------------------------------
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _cachestat_kernel() -> bool:
     major, minor = (int(x) for x in os.uname().release.split(".")[:2])
     return sys.platform == "linux" and (major, minor) >= (6, 5)
@@ -262,7 +250,7 @@ def _cachestat_kernel() -> bool:
 def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path) -> None:
     path = tmp_path / "cold.safetensors"
     save_file({"a": torch.randn(3 << 20), "b": torch.randn(5 << 20)}, path)
-    _evict(path)
+    evict(path)
     file = _core.SafetensorsFile(str(path))
     warm_up = WarmUp([file], "auto", views=True)
     warm_up.join()
