@@ -165,10 +165,11 @@ impl PySafetensorsFile {
         Ok(fs.map(|f| (f.name, f.local)))
     }
 
-    /// Reads the not-yet-cached pages of `[address, address + length)`, a mapping of this file
-    /// whose byte `offset` is at `address`, with parallel `MADV_POPULATE_READ`; returns the bytes
-    /// read. A range that is not mapped raises `FastloadIOError`, it never crashes.
-    #[pyo3(signature = (address, offset, length, threads = None))]
+    /// Reads the not-yet-cached pages (every page with `cached`) of `[address, address +
+    /// length)`, a mapping of this file whose byte `offset` is at `address`, into the mapping with
+    /// parallel `MADV_POPULATE_READ`; returns the bytes populated. A range that is not mapped
+    /// raises `FastloadIOError`, it never crashes.
+    #[pyo3(signature = (address, offset, length, threads = None, cached = false))]
     fn read_ahead(
         &self,
         py: Python<'_>,
@@ -176,9 +177,10 @@ impl PySafetensorsFile {
         offset: u64,
         length: usize,
         threads: Option<usize>,
+        cached: bool,
     ) -> PyResult<u64> {
         let file = &*self.inner;
-        py.detach(|| file.read_ahead(address, offset, length, threads))
+        py.detach(|| file.read_ahead(address, offset, length, threads, cached))
             .map_err(|e| to_py(py, file.path(), e))
     }
 

@@ -310,20 +310,21 @@ impl SafetensorsFile {
 }
 
 impl SafetensorsFile {
-    /// Reads ahead the uncached pages of `[addr, addr + len)`, a mapping of this file whose byte
-    /// `offset` is at `addr`; see [`crate::readahead::populate`].
+    /// Reads ahead the uncached pages (all pages with `cached`) of `[addr, addr + len)`, a mapping
+    /// of this file whose byte `offset` is at `addr`; see [`crate::readahead::populate`].
     pub fn read_ahead(
         &self,
         addr: usize,
         offset: u64,
         len: usize,
         threads: Option<usize>,
+        cached: bool,
     ) -> Result<u64> {
         let file = match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => Some(f),
             Backing::Memory(_) => None,
         };
-        crate::readahead::populate(file, addr, offset, len, threads)
+        crate::readahead::populate(file, addr, offset, len, threads, cached)
     }
 
     /// Starts reading the file's tensor data into the page cache without waiting for it

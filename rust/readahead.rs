@@ -156,10 +156,12 @@ pub fn will_need(file: &File, offset: u64, len: u64, threads: Option<usize>) -> 
 
 /// Faults in the pages of `[addr, addr + len)`, a mapping of `file` whose byte `offset` is at
 /// `addr`, that are not in the page cache yet, with parallel `madvise(MADV_POPULATE_READ)` over
-/// [`READAHEAD_CHUNK`] pieces; returns the bytes of the pieces it read. Cached pieces are left
-/// alone (faulting them later costs no I/O, and the first access maps them faster than populating
-/// would). Which pieces are cached comes from `cachestat(2)` on `file` (Linux 6.5+, a fraction of
-/// a millisecond per GiB), else from `mincore(2)` on the mapping (~50 ms per GiB).
+/// [`READAHEAD_CHUNK`] pieces; returns the bytes of the pieces it populated. Cached pieces are
+/// left alone unless `cached` (faulting them later costs no I/O, and a single first access maps
+/// them about as fast as populating would; a load maps them too when a helper thread can do it
+/// while the skeleton is built). Which pieces are cached comes from `cachestat(2)` on `file`
+/// (Linux 6.5+, a fraction of a millisecond per GiB), else from `mincore(2)` on the mapping
+/// (~50 ms per GiB).
 ///
 /// Never dereferences the range: a range that is not mapped is an error from the kernel, not a
 /// crash. Kernels without `MADV_POPULATE_READ` (before 5.14) skip the read-ahead and return 0.
@@ -170,6 +172,7 @@ pub fn populate(
     offset: u64,
     len: usize,
     threads: Option<usize>,
+    cached: bool,
 ) -> Result<u64> {
     #[cfg(target_os = "linux")]
     {
@@ -183,6 +186,9 @@ pub fn populate(
             .step_by(READAHEAD_CHUNK)
             .map(|s| (s, READAHEAD_CHUNK.min(end - s)))
             .filter(|&(s, l)| {
+                if cached {
+                    return true;
+                }
                 // The file offset of address s: the mapping is linear from (addr, offset).
                 let at = (s as u64).wrapping_sub(addr as u64).wrapping_add(offset);
                 let cached = file.and_then(|f| cached_pages(f, at, l as u64));
@@ -219,7 +225,7 @@ pub fn populate(
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = (file, addr, offset, len, threads);
+        let _ = (file, addr, offset, len, threads, cached);
         Ok(0)
     }
 }
@@ -335,9 +341,15 @@ mod tests {
         let f = File::open(&path).unwrap();
         // SAFETY: the file is private to this test and not modified while mapped.
         let map = unsafe { memmap2::Mmap::map(&f).unwrap() };
-        let read = populate(Some(&f), map.as_ptr() as usize, 0, map.len(), Some(4)).unwrap();
-        assert!(read <= map.len().div_ceil(4096) as u64 * 4096);
-        assert!(resident(map.as_ptr() as usize, map.len()).unwrap());
+        let (addr, len) = (map.as_ptr() as usize, map.len());
+        let read = populate(Some(&f), addr, 0, len, Some(4), false).unwrap();
+        assert!(read <= len.div_ceil(4096) as u64 * 4096);
+        assert!(resident(addr, len).unwrap());
+        assert_eq!(&map[..], &bytes[..]);
+        // Now cached and mapped: nothing left to read, unless every piece is asked for.
+        assert_eq!(populate(Some(&f), addr, 0, len, Some(4), false).unwrap(), 0);
+        let all = populate(Some(&f), addr, 0, len, Some(4), true).unwrap();
+        assert_eq!(all, len.div_ceil(4096) as u64 * 4096);
         assert_eq!(&map[..], &bytes[..]);
         drop(map);
         std::fs::remove_file(&path).unwrap();
@@ -358,6 +370,7 @@ mod tests {
     #[test]
     fn populating_an_unmapped_range_is_an_error_not_a_crash() {
         // Page 0 is never mapped in a Linux process.
-        assert!(populate(None, 0, 0, 4096, Some(1)).is_err());
+        assert!(populate(None, 0, 0, 4096, Some(1), false).is_err());
+        assert!(populate(None, 0, 0, 4096, Some(1), true).is_err());
     }
 }

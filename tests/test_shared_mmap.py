@@ -255,11 +255,49 @@ def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path
     warm_up = WarmUp([file], "auto", views=True)
     warm_up.join()
     assert warm_up.advised == file.file_size - file.data_start  # every byte of tensor data
+    storage = warm_up.mappings[0].storage
+    assert warm_up.mapped >= file.file_size - file.data_start
+    assert _resident_kib(storage.data_ptr()) * 1024 >= file.file_size - 4096  # mapped in advance
     if _cachestat_kernel():
         path.read_bytes()  # now wholly cached: nothing left to advise
         again = WarmUp([file], "auto", views=True)
         again.join()
         assert again.advised == 0
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that holds ``address`` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, stop = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < stop
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")
+def test_the_views_of_a_load_come_from_the_mapping_the_warm_up_filled(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[WarmUp] = []
+
+    class Recorded(WarmUp):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            made.append(self)
+
+    monkeypatch.setattr("fastload.loading.WarmUp", Recorded)
+    model = fastload.from_pretrained(Wide, checkpoint, progress=False)
+    (warm_up,) = made
+    storage = warm_up.mappings[0].storage
+    params = list(model.parameters())
+    assert all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in params)
+    # every page was mapped before the load returned: nothing is left to fault on first use
+    assert _resident_kib(storage.data_ptr()) * 1024 >= checkpoint.stat().st_size - 4096
+    assert warm_up.mapped >= sum(p.numel() * p.element_size() for p in params)
 
 
 def test_files_that_will_not_be_mapped_are_not_read_ahead(

@@ -48,9 +48,17 @@ class SafetensorsFile:
     def filesystem(self) -> tuple[str, bool] | None:
         """(name, local) of the file's filesystem ("ext4", "nfs", "fuse", ...); local is False
         for network, cluster and FUSE filesystems. None for a file held in memory."""
-    def read_ahead(self, address: int, offset: int, length: int, threads: int | None = None) -> int:
-        """Read the uncached pages of [address, address + length), a mapping of this file whose
-        byte ``offset`` is at ``address``, in parallel; the bytes read. An unmapped range raises
+    def read_ahead(
+        self,
+        address: int,
+        offset: int,
+        length: int,
+        threads: int | None = None,
+        cached: bool = False,
+    ) -> int:
+        """Read the uncached pages (every page with ``cached``) of [address, address + length), a
+        mapping of this file whose byte ``offset`` is at ``address``, into the mapping in
+        parallel (``MADV_POPULATE_READ``); the bytes populated. An unmapped range raises
         FastloadIOError."""
     def will_need(self, threads: int | None = None) -> int:
         """Start reading the tensor data into the page cache without waiting for the disk

@@ -51,7 +51,7 @@ from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
 from fastload.report import LoadReport
-from fastload.sharing import WarmUp, check_mmap_mode
+from fastload.sharing import SharedMapping, WarmUp, check_mmap_mode, file_sharing
 from fastload.skeleton import build_skeleton, forget_constructor_values
 from fastload.source import open_source
 from fastload.streaming import StagingPool
@@ -157,26 +157,26 @@ def load(
 
     with clock.phase("resolve"):
         ckpt = open_source(checkpoint, read_mode, mmap, allow_pickle)
-        # the disk starts on the files now, while the skeleton is built and the load planned
-        views = target_device.type == "cpu" and device_map is None and tp_plan is None
-        if isinstance(want, torch.dtype):  # an explicit dtype: views where it is the stored one
-            views = views and want == _main_dtype(ckpt, None)
-        warm_up = WarmUp(ckpt.files, mmap, views=views)
-    location = ckpt.location
-    source = str(location.index or location.files[0])
-
-    with clock.phase("skeleton"):
         built_here = target.module is None
         if want == "auto":
             # transformers' rule for a model its layer builds (fastload.hf.dtype_rules); the
             # stored dtypes for any other model, and for a module passed in
             hooks_first = target.hooks if built_here else None
             want = hooks_first.auto_dtype(ckpt) if hooks_first is not None else None
+        stored = _main_dtype(ckpt)
+        # the disk starts on the files now, and their pages are mapped, while the skeleton is
+        # built and the load planned; only where the tensors will be views of the mappings
+        views = target_device.type == "cpu" and device_map is None and tp_plan is None
+        warm_up = WarmUp(ckpt.files, mmap, views=views and want in (None, stored))
+    location = ckpt.location
+    source = str(location.index or location.files[0])
+
+    with clock.phase("skeleton"):
         if target.module is not None:
             module = target.module
         else:
             assert target.build is not None
-            module = target.build(_main_dtype(ckpt, want))
+            module = target.build(stored if want is None else want)
     hooks = target.hooks or hooks_for(module)
     was_training = module.training
 
@@ -216,13 +216,13 @@ def load(
         )
 
     with clock.phase("allocate"):
-        by_file = _allocate(groups, placement, ckpt, report, mmap)
+        by_file = _allocate(groups, placement, ckpt, report, mmap, warm_up.mappings)
 
     with clock.phase("read"):
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
         report.staging_bytes = pool.peak_bytes
         resolve_duplicates(groups)
-        warm_up.join()  # long since submitted: the reads above ran beside it, not after it
+        warm_up.join()  # mostly done: it ran beside the skeleton build and the reads above
 
     with clock.phase("finish"):
         swap_in(module, groups, report, offloaded=offloaded_names(groups))
@@ -304,11 +304,9 @@ def _requested_dtype(dtype: str | torch.dtype) -> torch.dtype | str | None:
     return want
 
 
-def _main_dtype(ckpt: OpenCheckpoint, want: torch.dtype | None) -> torch.dtype | None:
-    """The dtype the skeleton is built under: the requested one, or the checkpoint's floating
-    dtype holding the most bytes (``None``: torch's default)."""
-    if want is not None:
-        return want
+def _main_dtype(ckpt: OpenCheckpoint) -> torch.dtype | None:
+    """The checkpoint's floating dtype holding the most bytes (``None``: none is floating), which
+    the skeleton is built under unless a dtype is asked for."""
     totals: dict[str, int] = {}
     for t in ckpt.tensors.values():
         if t.st_dtype in CONVERTIBLE:
@@ -324,16 +322,17 @@ def _allocate(
     shared: OpenCheckpoint | None = None,
     report: LoadReport | None = None,
     mmap: str = "shared",
+    premapped: Mapping[int, SharedMapping] | None = None,
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
     (tensor name, destination, selection, source bytes).
 
     With ``shared``, a whole CPU tensor stored in its wanted dtype in a file that ``mmap`` lets
     be mapped (:func:`~fastload.sharing.file_sharing`) is a view of a copy-on-write mapping of its
-    file instead, and needs no copy; the views' uncached pages are then read ahead."""
-    from fastload.sharing import SharedMapping, file_sharing
-
-    mappings: dict[int, SharedMapping] = {}
+    file instead, and needs no copy. ``premapped``: mappings the warm-up already reads ahead
+    (:class:`~fastload.sharing.WarmUp`); the views of any other mapping are read ahead here."""
+    premapped = premapped or {}
+    mappings: dict[int, SharedMapping] = dict(premapped)
     sharing = {i: file_sharing(f, mmap) for i, f in enumerate(shared.files)} if shared else {}
     viewed: set[str] = set()  # an untied alias of a stored tensor gets a copy, not a second view
     by_file: dict[int, list[tuple[str, torch.Tensor, Selection, int]]] = {}
@@ -411,8 +410,9 @@ def _allocate(
             t = t.narrow(dim, start, stop - start)
         if t is not group.template or t.device != dest.device or t.dtype != dest.dtype:
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
-    for mapping in mappings.values():
-        mapping.prefetch()
+    for i, mapping in mappings.items():
+        if i not in premapped:
+            mapping.prefetch()
     if report is not None and shared is not None:
         report.sharing = {
             f.path: _sharing_line(why, mappings.get(i), len(by_file.get(i, ())))

@@ -16,8 +16,10 @@ tensor-parallel shards, misaligned offsets) is copied as usual. A view is a slic
 worker processes that load the same checkpoint share one physical copy; a write copies just that
 page (copy-on-write) and never reaches the file.
 
-Pages not yet in the page cache are read ahead in parallel at load time (:meth:`prefetch`), so a
-cold load runs at the disk's bandwidth instead of one page fault at a time on first use.
+From the moment a file is open, a helper thread (:class:`WarmUp`) reads its pages in parallel and
+maps them into the mapping the views come from, while the skeleton is built: a cold load runs at
+the disk's bandwidth instead of one page fault at a time on first use, and a warm one returns
+with its pages mapped.
 
 Hazard: a file truncated or rewritten in place while mapped makes access to the lost pages raise
 SIGBUS and kill the process. Replace checkpoints by writing a new file and renaming it (as
@@ -122,59 +124,96 @@ class SharedMapping:
     def prefetch(self, threads: int | None = None) -> int:
         """Reads the pages of the views handed out that are not in the page cache yet, with
         parallel read-ahead (the disk's bandwidth, not one fault at a time on first use); returns
-        the bytes read. Cached pages are left to be mapped on first access, which is cheaper.
+        the bytes read. Cached pages are left to be mapped on first access, which costs about as
+        much as mapping them here.
 
         Skipped when the views take more than half the memory available: pages read ahead would
         then evict each other before their first use, and reading on first use is better."""
         spans = _merged(self._viewed)
         if sum(stop - start for start, stop in spans) > _available_bytes() // 2:
             return 0
+        return self._populate(spans, threads, cached=False)
+
+    def map_all(self, threads: int | None = None) -> int:
+        """Maps every page of the file's tensor data into this mapping, reading the ones not in
+        the page cache (``MADV_POPULATE_READ``); returns the bytes populated. Run by
+        :class:`WarmUp` beside the skeleton build, so the views' first use finds its pages mapped
+        instead of faulting them in one by one (~65 ms per GiB here, on the caller's critical
+        path)."""
+        return self._populate([(self.file.data_start, self.file.file_size)], threads, cached=True)
+
+    def _populate(self, spans: list[tuple[int, int]], threads: int | None, *, cached: bool) -> int:
         base = self.storage.data_ptr()
-        read = 0
+        done = 0
         try:
             for start, stop in spans:
-                read += self.file.read_ahead(base + start, start, stop - start, threads)
+                done += self.file.read_ahead(base + start, start, stop - start, threads, cached)
         except FastloadIOError as e:
             self._check_same_file()  # a file cut short under the mapping says so
             raise FastloadIOError(f"reading ahead the mapped file failed: {e}") from e
-        return read
+        return done
 
 
 class WarmUp:
-    """Page-cache read-ahead of the files a load will map, started in a helper thread as soon as
-    they are open: the disk reads while the model skeleton is built and the load planned, instead
-    of after. Only advice to the kernel (``posix_fadvise(WILLNEED)``): it fills the page cache,
-    which the views then map, never process memory.
+    """Read-ahead of the files a load will map, started in a helper thread as soon as they are
+    open: the disk reads (``posix_fadvise(WILLNEED)``, all pieces submitted at once) and the pages
+    are mapped into the load's mappings (:meth:`SharedMapping.map_all`) while the model skeleton
+    is built and the load planned, instead of after it or on the first forward pass.
 
     Only for loads whose tensors become views (``views``: CPU, stored dtype) of files
     :func:`file_sharing` lets be mapped: copies read the file themselves, and a second stream of
     reads beside theirs made cold copies 9% and bf16 -> f32 conversions 19% slower here. Skipped
     off Linux, and when the files take more than half the memory available (pages read ahead would
-    evict each other before their first use)."""
+    evict each other before their first use).
+
+    The whole tensor data of each file is mapped, tensors the model does not use included: those
+    are clean page-cache pages shared with other processes, which the kernel reclaims under
+    pressure; resident memory stays within the file's size."""
 
     def __init__(self, files: Sequence[object], mmap: str, *, views: bool) -> None:
-        self.files = [f for f in files if views and file_sharing(f, mmap)[0]]
-        if sum(f.file_size - f.data_start for f in self.files) > _available_bytes() // 2:
-            self.files = []
-        self.advised = 0
+        chosen = {i: f for i, f in enumerate(files) if views and file_sharing(f, mmap)[0]}
+        if sum(f.file_size - f.data_start for f in chosen.values()) > _available_bytes() // 2:
+            chosen = {}
+        #: the mappings the load's views come from, by index in ``files``
+        self.mappings: dict[int, SharedMapping] = {
+            i: SharedMapping(f) for i, f in chosen.items() if isinstance(f, _core.SafetensorsFile)
+        }
+        self.advised = 0  # bytes submitted to the disk (not cached when the load began)
+        self.mapped = 0  # bytes of tensor data mapped in advance
+        self._error: FastloadError | None = None
         self._thread: threading.Thread | None = None
-        if self.files:
+        if self.mappings:
             self._thread = threading.Thread(target=self._run, name="fastload-warm-up", daemon=True)
             self._thread.start()
 
+    @property
+    def files(self) -> list[_core.SafetensorsFile]:
+        """The files read ahead."""
+        return [m.file for m in self.mappings.values()]
+
     def _run(self) -> None:
-        for f in self.files:
+        for m in self.mappings.values():
             try:
-                self.advised += f.will_need()
-            except FastloadError as e:  # advice only: the load reads the pages itself anyway
-                logger.debug("read-ahead of %s skipped: %s", f.path, e)
+                self.advised += m.file.will_need()
+            except FastloadError as e:  # advice only: populating below reads the pages anyway
+                logger.debug("read-ahead advice for %s skipped: %s", m.path, e)
+        for m in self.mappings.values():
+            try:
+                # cached pages: mapping them is CPU work, one thread beside the skeleton build;
+                # the disk's pieces in parallel (the advice above already queued them)
+                self.mapped += m.map_all(None if self.advised else 1)
+            except FastloadError as e:
+                self._error = e
+                return
 
     def join(self) -> None:
-        """Waits until the read-ahead is submitted (not until the disk is done: the views'
-        first accesses wait for their own pages)."""
+        """Waits until every page is read and mapped; raises what went wrong (a file truncated
+        under its mapping)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._error is not None:
+            raise self._error
 
 
 def _available_bytes() -> int:

@@ -1,0 +1,76 @@
+"""The side-by-side benchmark's own logic: its ratios, its table, and a tiny real run of the
+floors and fastload rows (fresh processes, a 10 MiB checkpoint). Nothing here asserts a speed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from fastload import bench  # noqa: E402
+from fastload.bench_loaders import CONVERSIONS, FLOORS, LOADERS, is_peer  # noqa: E402
+
+
+def _row(seconds: float, rss_mib: float = 0.0) -> dict[str, float]:
+    return {"median_seconds": seconds, "median_peak_rss_over_baseline_mib": rss_mib}
+
+
+def test_every_row_gets_its_ratios_to_the_floors_the_fastest_peer_and_transformers() -> None:
+    rows = {
+        "floor(map+touch)": _row(0.1),
+        "floor(fresh f32 memory)": _row(0.5),
+        "safetensors+meta+assign": _row(0.2),
+        "transformers": _row(0.4),
+        "fastload": _row(0.16, rss_mib=1030.0),
+        "transformers(bf16->f32)": _row(1.2),
+        "fastload(bf16->f32)": _row(0.6),
+    }
+    bench._summarize(rows, "warm", nbytes=1 << 30)
+    fl = rows["fastload"]
+    assert fl["x_floor"] == pytest.approx(1.6)
+    assert fl["fastest_peer"] == "safetensors+meta+assign"
+    assert fl["x_fastest_peer"] == pytest.approx(0.8)
+    assert fl["speedup_vs_transformers"] == pytest.approx(2.5)
+    assert fl["peak_rss_minus_produced_mib"] == pytest.approx(6.0)
+    conv = rows["fastload(bf16->f32)"]
+    assert conv["speedup_vs_transformers"] == pytest.approx(2.0)
+    assert conv["x_conversion_floor"] == pytest.approx(1.2)
+    assert rows["transformers(bf16->f32)"]["x_conversion_floor"] == pytest.approx(2.4)
+    # floors are not compared with peers; the fresh-memory floor produces float32 bytes
+    assert "x_fastest_peer" not in rows["floor(fresh f32 memory)"]
+    assert "x_conversion_floor" not in rows["floor(fresh f32 memory)"]
+    assert rows["floor(fresh f32 memory)"]["peak_rss_minus_produced_mib"] == -2048.0
+    cold = {"floor(parallel read)": _row(1.0), "fastload(bf16->f32)": _row(1.5)}
+    cold["floor(fresh f32 memory)"] = _row(0.5)
+    bench._summarize(cold, "cold", nbytes=1 << 30)
+    assert "x_conversion_floor" not in cold["fastload(bf16->f32)"]  # the disk bounds it there
+    assert cold["fastload(bf16->f32)"]["x_floor"] == pytest.approx(1.5)
+
+
+def test_the_floors_and_conversions_are_known_loaders_and_not_peers() -> None:
+    assert set(FLOORS) <= set(LOADERS) and set(CONVERSIONS) <= set(LOADERS)
+    assert not any(is_peer(n) for n in (*FLOORS, *CONVERSIONS, "fastload", "fastload(mmap=copy)"))
+    assert is_peer("transformers") and is_peer("fastsafetensors")
+
+
+def test_a_tiny_run_measures_the_floors_and_fastload_and_writes_its_results(
+    tmp_path: Path,
+) -> None:
+    loaders = ["floor(map+touch)", "floor(fresh f32 memory)", "fastload", "fastload(bf16->f32)"]
+    out = tmp_path / "out"
+    results = bench.run(
+        0.01, ["bfloat16"], ["warm"], loaders, repeats=1, out=out, workdir=tmp_path / "work"
+    )
+    rows = results["results"]["warm"]["bfloat16"]["loaders"]
+    assert list(rows) == loaders
+    for name, row in rows.items():
+        assert row["median_seconds"] > 0, name
+        assert len(row["runs"]) == 1
+    assert "x_conversion_floor" in rows["fastload(bf16->f32)"]
+    written = json.loads((out / "llama-0.01GiB.json").read_text())
+    assert written["results"]["warm"]["bfloat16"]["loaders"].keys() == rows.keys()
+    table = (out / "llama-0.01GiB.md").read_text()
+    assert "fresh-memory floor" in table and "| fastload |" in table
