@@ -19,7 +19,7 @@ from safetensors.torch import load_file as st_load_file
 from torch import nn
 
 import fastload
-from fastload import _core, saving
+from fastload import _core, publish, saving
 from fastload.checkpointing import is_gradient_checkpointing
 from fastload.saving import parse_size
 from tensor_samples import assert_bitwise_equal, every_dtype_tensors
@@ -484,14 +484,14 @@ def test_a_failure_just_before_the_swap_leaves_the_old_checkpoint_untouched(
     fastload.save_pretrained(old, target, max_shard_size=4000)
     _add_unrelated_files(target)
     before = _files(target)
-    real_exchange = saving._exchange
+    real_exchange = publish._exchange
 
     def interrupted_at_the_swap(a: Path, b: Path) -> None:
         if Path(b) == target:  # the publishing exchange, not the capability probe
             raise KeyboardInterrupt
         real_exchange(a, b)
 
-    monkeypatch.setattr(saving, "_exchange", interrupted_at_the_swap)
+    monkeypatch.setattr(publish, "_exchange", interrupted_at_the_swap)
     with pytest.raises(KeyboardInterrupt):
         fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
     assert _files(target) == before
@@ -505,7 +505,7 @@ def test_without_an_atomic_exchange_files_are_renamed_one_by_one_with_a_warning(
     target = tmp_path / "ckpt"
     fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
     _add_unrelated_files(target)
-    monkeypatch.setattr(saving, "_renameat2", lambda: None)  # no renameat2 in this C library
+    monkeypatch.setattr(publish, "_renameat2", lambda: None)  # no renameat2 in this C library
     new = TiedLM(tie=False)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         fastload.save_pretrained(new, target)
@@ -522,14 +522,14 @@ def test_with_no_room_beside_the_directory_files_are_staged_inside_it_and_rename
 ) -> None:
     target = tmp_path / "ckpt"
     fastload.save_pretrained(TiedLM(tie=False), target, max_shard_size=4000)
-    real_mkdir = saving._mkdir_staging
+    real_mkdir = publish._mkdir_staging
 
     def parent_not_writable(place: Path, target_name: str | None) -> Path:
         if target_name is not None:
             raise PermissionError(13, "Permission denied", str(place))
         return real_mkdir(place, target_name)
 
-    monkeypatch.setattr(saving, "_mkdir_staging", parent_not_writable)
+    monkeypatch.setattr(publish, "_mkdir_staging", parent_not_writable)
     new = TiedLM(tie=False)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         fastload.save_pretrained(new, target)
@@ -549,7 +549,7 @@ def test_files_that_cannot_be_hard_linked_are_copied_into_the_new_directory(
     def no_hard_links(*args: object, **kwargs: object) -> None:
         raise PermissionError(1, "Operation not permitted")  # fs.protected_hardlinks
 
-    monkeypatch.setattr(saving.os, "link", no_hard_links)
+    monkeypatch.setattr(publish.os, "link", no_hard_links)
     with caplog.at_level(logging.WARNING, logger="fastload"):
         fastload.save_pretrained(TiedLM(tie=False), target)
     assert not caplog.records  # still one atomic swap, not the file-by-file fallback

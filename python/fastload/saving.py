@@ -2,12 +2,12 @@
 
 Tensor bytes are written by the Rust writer (:func:`fastload._core.write_file`): positioned writes
 from several threads straight from tensor memory, then fsync. It only ever creates a new file.
-``save_file`` gives the file a temporary name in its final directory (never ending in
-``.safetensors``, so no loader picks up a half-written one), fsyncs it, renames it into place and
-fsyncs the directory. ``save_pretrained`` builds the whole checkpoint in a hidden sibling directory
-and exchanges it with the old one in a single ``renameat2(RENAME_EXCHANGE)``, so that several
-shards are replaced together. An interrupted save leaves the previous files, not a torn or mixed
-checkpoint.
+``save_file`` writes it under a temporary name and renames it into place; ``save_pretrained``
+builds the whole checkpoint in a hidden staging directory and swaps it in whole, so that several
+shards are replaced together. How files and directories are put in place crash-safely
+(temporary names, fsync, ``renameat2(RENAME_EXCHANGE)``, the file-by-file fallback, the
+ownership of temporary files) is :mod:`fastload.publish`. An interrupted save leaves the previous
+files, not a torn or mixed checkpoint.
 
 ``save_pretrained`` is the mirror of loading: each tie group is stored once under its canonical
 name (the one transformers keeps), the other names recorded under the ``fastload.tied`` metadata
@@ -18,45 +18,28 @@ the runtime-only ``gradient_checkpointing`` key (transformers #13657).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
-import errno
-import functools
 import json
-import logging
 import os
 import re
-import secrets
-import shutil
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fastload import _core, ownership
+from fastload import _core, publish
 from fastload.checkpoint import INDEX_FILE as INDEX_NAME
 from fastload.checkpoint import SINGLE_FILE as WEIGHTS_NAME
 from fastload.dtypes import st_shape, to_st
-from fastload.errors import (
-    FastloadError,
-    FastloadIOError,
-    RequestError,
-    TensorRefusedError,
-    from_os_error,
-)
+from fastload.errors import FastloadError, RequestError, TensorRefusedError, from_os_error
 from fastload.skeleton import is_transformers_model
 from fastload.threads import check_threads
 from fastload.tying import find_tie_groups
 from fastload.units import parse_bytes
 
-logger = logging.getLogger("fastload")
-
 TIED_KEY = "fastload.tied"
-_SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
 # every tensor's data stays aligned to its element size.
 _DTYPE_ORDER = [
@@ -171,44 +154,6 @@ def _prepare(tensors: Mapping[str, torch.Tensor], where: str) -> list[_Prepared]
     return out
 
 
-def _temp_path(directory: Path, final_name: str) -> Path:
-    # Hidden, and ending in .tmp: a loader globbing *.safetensors never sees it.
-    return directory / f".{final_name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Makes the renames in ``directory`` durable (a rename is a directory write)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms that cannot open directories have nothing to sync
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _own(item: Path, final: Path) -> ownership.OwnerLock:
-    """The lock that marks ``item``, a temporary file of the save to ``final``, as this save's
-    (see :mod:`fastload.ownership`); errors name ``final``."""
-    try:
-        return ownership.OwnerLock(item)
-    except OSError as e:
-        raise from_os_error(e, final) from e
-
-
-def _remove_quietly(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
-
-
 def _write_new(
     path: Path, prepared: list[_Prepared], metadata: dict[str, str] | None, threads: int | None
 ) -> int:
@@ -221,16 +166,8 @@ def _write_new(
         # `prepared` holds the tensors, so every pointer stays valid during the call.
         return _core.write_file(os.fspath(path), specs, metadata, threads)
     except BaseException:
-        _remove_quietly(path)
+        publish.remove_quietly(path)
         raise
-
-
-def _replace(tmp: Path, final: Path) -> None:
-    try:
-        os.replace(tmp, final)
-    except OSError as exc:
-        _remove_quietly(tmp)
-        raise from_os_error(exc, final, "cannot move the written file into place") from exc
 
 
 def _naming(exc: FastloadError, tmp: Path, final: Path) -> FastloadError:
@@ -271,18 +208,18 @@ def save_file(
     prepared = _prepare(tensors, where)
     directory = path.parent if str(path.parent) else Path(".")
     # Temporary files of killed saves (their lock is free) go now; live saves' stay.
-    ownership.sweep(directory, _TEMP_FILE_RE)
-    tmp = _temp_path(directory, path.name)
-    lock = _own(tmp, path)
+    publish.remove_stale_temp_files(directory)
+    tmp = publish.temp_path(directory, path.name)
+    lock = publish.own_temp(tmp, path)
     try:
         try:
             _write_new(tmp, prepared, meta, threads)
         except FastloadError as exc:
             raise _naming(exc, tmp, path) from exc
-        _replace(tmp, path)
+        publish.replace_file(tmp, path)
     finally:
         lock.release()
-    _fsync_dir(directory)
+    publish.fsync_dir(directory)
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
@@ -464,13 +401,13 @@ def _save_pretrained(
         names = [WEIGHTS_NAME]
 
     target = Path(os.path.realpath(directory))  # a symlink's own directory, not the link
-    _remove_stale_staging(target)
-    staging, swap = _make_staging(target)
+    publish.remove_stale_staging(target)
+    staging, swap = publish.make_staging(target)
     try:
         # In publishing order: config files, shards, the index last.
         written = _stage_config(model, staging) if is_transformers else []
         for name in written:
-            _fsync_file(staging / name)
+            publish.fsync_file(staging / name)
         for name, keys in zip(names, shards, strict=True):
             # One shard at a time on the CPU: tensors on an accelerator are copied per shard.
             prepared = _prepare({k: state[k] for k in keys}, os.fspath(directory / name))
@@ -491,286 +428,12 @@ def _save_pretrained(
                 f.flush()
                 os.fsync(f.fileno())
             written.append(INDEX_NAME)
-        _fsync_dir(staging)
-        if not (swap and _swap_into_place(staging, target, set(written))):
-            _publish_file_by_file(staging, target, written, sharded)
+        publish.fsync_dir(staging)
+        if not (swap and publish.swap_into_place(staging, target, set(written))):
+            publish.publish_file_by_file(staging, target, written, sharded)
     finally:
         # After a swap this is the previous checkpoint; otherwise what is left of the new one.
-        _drop_staging(staging)
-
-
-# --- publishing a checkpoint directory ------------------------------------------------------------
-
-#: Linux ``renameat2`` flag: exchange the two paths atomically (both must exist).
-RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-# The ownership locks of the staging directories this process is using now.
-_STAGING_LOCKS: dict[str, ownership.OwnerLock] = {}
-# Temporary names of per-file writes (see _temp_path) left by a killed save.
-_TEMP_FILE_RE = re.compile(r"^\.(?P<final>.+)\.\d+-[0-9a-f]{8}\.tmp$")
-
-
-def _staging_pattern(target_name: str | None) -> re.Pattern[str]:
-    """Names of staging directories: ``.fastload-<target name>.<pid>-<hex>.tmp`` beside the
-    target, ``.fastload-<pid>-<hex>.tmp`` inside it (the fallback)."""
-    middle = re.escape(target_name) + r"\." if target_name is not None else ""
-    return re.compile(rf"^\.fastload-{middle}(?P<pid>\d+)-[0-9a-f]{{8}}\.tmp$")
-
-
-_INNER_STAGING_RE = _staging_pattern(None)
-
-
-def _is_weight_file(name: str) -> bool:
-    return name in (WEIGHTS_NAME, INDEX_NAME) or _SHARD_RE.match(name) is not None
-
-
-def _remove_stale_staging(target: Path) -> None:
-    """Deletes staging directories that killed saves to ``target`` left behind: those whose
-    ownership lock is free (:mod:`fastload.ownership`); a running save's are left alone, in this
-    or any other process, container or host sharing the filesystem."""
-    ownership.sweep(target.parent, _staging_pattern(target.name))
-    ownership.sweep(target, _INNER_STAGING_RE)
-
-
-def _mkdir_staging(place: Path, target_name: str | None) -> Path:
-    # The pid in the name only helps a person reading the directory; the lock decides.
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
-    name = f".fastload-{tag}.tmp" if target_name is None else f".fastload-{target_name}.{tag}.tmp"
-    path = place / name
-    lock = ownership.OwnerLock(path)
-    try:
-        os.mkdir(path, 0o777)  # the umask applies, as for any directory the user creates
-    except BaseException:
-        lock.release()
-        raise
-    _STAGING_LOCKS[os.fspath(path)] = lock
-    return path
-
-
-def _drop_staging(staging: Path) -> None:
-    """Deletes a staging directory of this process, then gives up its lock."""
-    shutil.rmtree(staging, ignore_errors=True)
-    lock = _STAGING_LOCKS.pop(os.fspath(staging), None)
-    if lock is not None:
-        lock.release()
-
-
-def _make_staging(target: Path) -> tuple[Path, bool]:
-    """A new, empty, hidden directory to write the checkpoint into, and whether it can replace
-    ``target`` whole (a sibling on the same filesystem, where the exchange works)."""
-    parent = target.parent
-    exists = target.is_dir()
-    if not exists:
-        parent.mkdir(parents=True, exist_ok=True)
-    elif parent == target or os.stat(parent).st_dev != os.stat(target).st_dev:
-        # The root, or a mount point (a container volume): it cannot be renamed.
-        _warn_file_by_file(target, "it is a mount point")
-        return _mkdir_staging(target, None), False
-    try:
-        staging = _mkdir_staging(parent, target.name)
-    except OSError as exc:
-        if not exists:
-            raise
-        _warn_file_by_file(target, f"cannot create a directory beside it: {exc.strerror or exc}")
-        return _mkdir_staging(target, None), False
-    if not exists:
-        return staging, True
-    try:
-        problem = _exchange_problem(staging)
-    except BaseException:
-        _drop_staging(staging)
-        raise
-    if problem is not None:
-        _warn_file_by_file(target, problem)
-    return staging, problem is None
-
-
-@functools.cache
-def _renameat2() -> Any:
-    """libc's ``renameat2`` (glibc >= 2.28), or ``None``."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _exchange(a: Path, b: Path) -> None:
-    """Atomically swaps the directory entries ``a`` and ``b`` (both must exist)."""
-    fn = _renameat2()
-    if fn is None:
-        raise OSError(errno.ENOSYS, "renameat2 is not available on this platform")
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), os.fspath(a), None, os.fspath(b))
-
-
-def _exchange_problem(staging: Path) -> str | None:
-    """Why two directories of ``staging``'s filesystem cannot be exchanged, or ``None``: tried on
-    two empty directories inside it before anything is written."""
-    a, b = staging / "a", staging / "b"
-    try:
-        a.mkdir()
-        b.mkdir()
-        _exchange(a, b)
-    except OSError as exc:
-        return f"renameat2(RENAME_EXCHANGE) failed: {exc.strerror or exc}"
-    finally:
-        for d in (a, b):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-    return None
-
-
-def _warn_file_by_file(target: Path, reason: str) -> None:
-    logger.warning(
-        "%s: the checkpoint directory cannot be replaced in one step (%s); its files are renamed "
-        "into place one by one, the index last, so a crash during those renames can leave a mix "
-        "of old and new shards",
-        target,
-        reason,
-    )
-
-
-def _link_tree(source: str, dest: str, skip: Callable[[str], bool], device: int) -> None:
-    """Recreates the entries of directory ``source`` in ``dest`` (except names ``skip`` accepts):
-    files as hard links (copies where linking fails), symlinks as symlinks, directories anew.
-    Raises ``OSError`` for anything it cannot reproduce faithfully (a fifo, a socket, a mounted
-    filesystem inside), so the caller can publish another way instead of losing it."""
-    with os.scandir(source) as it:
-        entries = list(it)
-    for entry in entries:
-        if skip(entry.name):
-            continue
-        dst = os.path.join(dest, entry.name)
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry.path), dst)
-        elif entry.is_dir(follow_symlinks=False):
-            if entry.stat(follow_symlinks=False).st_dev != device:
-                raise OSError(errno.EXDEV, "a filesystem is mounted there", entry.path)
-            os.mkdir(dst)
-            _link_tree(entry.path, dst, lambda _: False, device)
-            _copy_metadata(entry.path, dst)
-            _fsync_dir(Path(dst))
-        elif entry.is_file(follow_symlinks=False):
-            try:
-                os.link(entry.path, dst, follow_symlinks=False)
-            except OSError:  # no hard links here, a link limit, or protected_hardlinks
-                shutil.copy2(entry.path, dst, follow_symlinks=False)
-                _copy_metadata(entry.path, dst)
-                _fsync_file(Path(dst))
-        else:
-            raise OSError(errno.EOPNOTSUPP, "not a file, directory or symlink", entry.path)
-
-
-def _copy_metadata(source: str | Path, dest: str | Path) -> None:
-    """Mode, times, extended attributes (ACLs) and, where permitted, owner of ``source``."""
-    shutil.copystat(source, dest, follow_symlinks=False)
-    st = os.stat(source, follow_symlinks=False)
-    if hasattr(os, "chown"):
-        with contextlib.suppress(OSError):  # only root may give a file away
-            os.chown(dest, st.st_uid, st.st_gid, follow_symlinks=False)
-
-
-def _swap_into_place(staging: Path, target: Path, written: set[str]) -> bool:
-    """Makes ``staging`` the checkpoint directory in one atomic step; returns ``False`` (having
-    warned) when it cannot, with ``target`` untouched. Afterwards ``staging`` names the old
-    tree."""
-    if not target.exists():
-        try:
-            os.rename(staging, target)
-        except OSError:
-            if not target.is_dir():
-                raise
-            # Created meanwhile: exchange with it like with any existing directory.
-        else:
-            _fsync_dir(target.parent)
-            return True
-
-    def owned(name: str) -> bool:
-        # What this save writes, every weight file of earlier saves, leftovers of killed saves
-        # and the ownership locks of any save (never carried into the new tree).
-        if ownership.PENDING_RE.match(name):
-            return True
-        if name.endswith(ownership.LOCK_SUFFIX):
-            base = name[: -len(ownership.LOCK_SUFFIX)]
-            return bool(_INNER_STAGING_RE.match(base) or _TEMP_FILE_RE.match(base))
-        temp = _TEMP_FILE_RE.match(name)
-        return (
-            name in written
-            or _is_weight_file(name)
-            or _INNER_STAGING_RE.match(name) is not None
-            or (temp is not None and (_is_weight_file(temp["final"]) or temp["final"] in written))
-        )
-
-    for name in os.listdir(target):
-        path = target / name
-        if (name in written or _is_weight_file(name)) and path.is_dir() and not path.is_symlink():
-            raise FastloadIOError(f"{path}: is a directory; the save would replace it")
-    try:
-        _link_tree(os.fspath(target), os.fspath(staging), owned, os.stat(target).st_dev)
-        _copy_metadata(target, staging)
-        os.utime(staging)  # the save is a change of the directory
-        _fsync_dir(staging)
-    except OSError as exc:
-        _warn_file_by_file(target, f"cannot carry over {exc.filename}: {exc.strerror or exc}")
-        return False
-    cwd = _cwd_within(target)
-    try:
-        _exchange(staging, target)
-    except OSError as exc:
-        _warn_file_by_file(target, f"renameat2(RENAME_EXCHANGE) failed: {exc.strerror or exc}")
-        return False
-    _fsync_dir(target.parent)
-    if cwd is not None:
-        # This process's working directory was in the old tree, which is about to be deleted.
-        with contextlib.suppress(OSError):
-            os.chdir(cwd)
-    return True
-
-
-def _cwd_within(target: Path) -> str | None:
-    try:
-        cwd = os.getcwd()
-    except OSError:
-        return None
-    real = os.path.realpath(cwd)
-    inside = real == os.fspath(target) or real.startswith(os.path.join(os.fspath(target), ""))
-    return cwd if inside else None
-
-
-def _publish_file_by_file(staging: Path, target: Path, written: list[str], sharded: bool) -> None:
-    """The fallback: each file renamed from ``staging`` into ``target`` in ``written`` order
-    (config, shards, the index last), then stale weight files of earlier saves removed."""
-    for name in written:
-        _replace(staging / name, target / name)
-    _fsync_dir(target)
-    _remove_stale(target, set(written), sharded)
-
-
-def _remove_stale(directory: Path, written: set[str], sharded: bool) -> None:
-    """Deletes the weight files of an earlier save that the new one did not overwrite; runs after
-    the new files (and index) are in place, so a crash in between leaves a loadable checkpoint."""
-    stale = [
-        entry
-        for entry in directory.iterdir()
-        if entry.name not in written
-        and entry.is_file()
-        and (
-            _SHARD_RE.match(entry.name)
-            or (sharded and entry.name == WEIGHTS_NAME)
-            or (not sharded and entry.name == INDEX_NAME)
-        )
-    ]
-    # The index goes first: shards without an index are never read, an index without shards is.
-    for entry in sorted(stale, key=lambda e: e.name != INDEX_NAME):
-        entry.unlink()
-    if stale:
-        _fsync_dir(directory)
+        publish.drop_staging(staging)
 
 
 __all__ = ["save_file", "save_pretrained", "parse_size", "tied_aliases", "TIED_KEY"]
