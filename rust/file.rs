@@ -339,6 +339,18 @@ impl SafetensorsFile {
         }
     }
 
+    /// Whether most of the tensor data is not in the page cache (a copy of it waits on the disk);
+    /// `false` for a file held in memory or where the kernel cannot say.
+    pub fn data_mostly_uncached(&self) -> bool {
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => {
+                let start = self.header.data_start();
+                crate::readahead::mostly_uncached(f, start, self.len - start)
+            }
+            Backing::Memory(_) => false,
+        }
+    }
+
     /// The filesystem the file lives on (`None` for a file held in memory): decides whether
     /// views of a mapping are the default (local filesystems) or private copies (network/FUSE).
     pub fn filesystem(&self) -> Result<Option<crate::readahead::Filesystem>> {

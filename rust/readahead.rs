@@ -243,6 +243,22 @@ fn touch(s: usize, l: usize) {
     }
 }
 
+/// Whether most pages of `file`'s `[offset, offset + len)` are not in the page cache
+/// (`cachestat(2)`); `false` where the kernel cannot say. Copies of such a range wait on the disk,
+/// which serves parallel requests better than one per core.
+pub fn mostly_uncached(file: &File, offset: u64, len: u64) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        let pages = len.div_ceil(4096);
+        cached_pages(file, offset, len).is_some_and(|cached| cached * 2 < pages)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, offset, len);
+        false
+    }
+}
+
 /// Pages of `file`'s `[offset, offset + len)` in the page cache, from `cachestat(2)`; `None` where
 /// the kernel lacks it (before 6.5) or refuses.
 #[cfg(target_os = "linux")]
@@ -352,6 +368,16 @@ mod tests {
         assert_eq!(all, len.div_ceil(4096) as u64 * 4096);
         assert_eq!(&map[..], &bytes[..]);
         drop(map);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn a_file_just_read_is_not_mostly_uncached() {
+        let path = std::env::temp_dir().join(format!("fastload-mu-{}", std::process::id()));
+        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+        let _ = std::fs::read(&path).unwrap();
+        let f = File::open(&path).unwrap();
+        assert!(!mostly_uncached(&f, 0, 1 << 20));
         std::fs::remove_file(&path).unwrap();
     }
 

@@ -194,6 +194,36 @@ def test_skeleton_building_leaves_parameter_registration_unpatched():
     assert not nn.Linear(2, 2).weight.is_meta
 
 
+def test_large_linear_and_embedding_weights_are_never_allocated_on_the_cpu(monkeypatch):
+    # Large layers are created on meta outright (an allocation each, slowed by a concurrent
+    # read-ahead); small ones are built for real so their constructor values can be kept.
+    created: list[tuple[tuple[int, ...], str]] = []
+    original = nn.Module.register_parameter
+
+    def spy(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None:
+            created.append((tuple(param.shape), param.device.type))
+        original(module, name, param)
+
+    monkeypatch.setattr(nn.Module, "register_parameter", spy)
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.big = nn.Linear(512, 256)  # 131,072 elements
+            self.small = nn.Linear(16, 16)
+            self.table = nn.Embedding(num_embeddings=1000, embedding_dim=128)
+            self.explicit = nn.Linear(512, 256, True, "cpu")  # device given positionally: kept
+
+    skeleton = build_skeleton(Mixed, dtype=None)
+    devices = dict(created)
+    assert [d for shape, d in created if shape == (256, 512)] == ["meta", "cpu"]
+    assert devices[(1000, 128)] == "meta"
+    assert devices[(16, 16)] == "cpu"
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert not nn.Linear(512, 256).weight.is_meta  # the constructors are restored afterwards
+
+
 def test_skeleton_is_built_under_the_requested_default_dtype():
     skeleton = build_skeleton(TiedLM, dtype=torch.float16)
     assert skeleton.embed.weight.dtype == torch.float16

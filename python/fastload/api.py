@@ -241,7 +241,8 @@ def from_pretrained(
             converted, go to an accelerator or are sharded are always copies. The report's
             ``sharing`` says which way each file went; see :mod:`fastload.sharing` for the rule
             and the SIGBUS hazard of files changed in place.
-        threads: copy threads (default: the engine's choice).
+        threads: copy threads (default: the CPU count, or 8 when a file is mostly not in the
+            page cache, as the disk serves parallel requests better).
         config: a transformers config (or a path to one) to build the model from.
         device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
             CPU; transformer blocks kept whole), ``"balanced"``, ``"balanced_low_0"``,

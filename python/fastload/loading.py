@@ -222,7 +222,6 @@ def load(
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
         report.staging_bytes = pool.peak_bytes
         resolve_duplicates(groups)
-        warm_up.join()  # mostly done: it ran beside the skeleton build and the reads above
 
     with clock.phase("finish"):
         swap_in(module, groups, report, offloaded=offloaded_names(groups))
@@ -245,6 +244,8 @@ def load(
         else:
             # A model fastload built is ready for inference; a module passed in keeps its mode.
             module.train(was_training and not built_here)
+        # Last: nothing above reads a view's bytes, so the pages were read and mapped beside it
+        warm_up.join()
 
     report.seconds = dict(clock.seconds)
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.

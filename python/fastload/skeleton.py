@@ -16,6 +16,7 @@ other modules.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 import threading
@@ -83,11 +84,41 @@ def parameters_on_meta() -> Iterator[None]:
             moved = cls(registered.to("meta"), **kwargs)
         module._parameters[name] = moved
 
+    # Large Linear and Embedding weights are created on meta outright: allocating them on the CPU
+    # first costs an mmap/munmap pair each, which a concurrent read-ahead into the same address
+    # space (WarmUp) slowed 3-5x. Nothing changes for the module: registration would move the
+    # weight to meta at once, and no constructor value is kept at that size anyway.
+    layers = {
+        nn.Linear: ("in_features", "out_features"),
+        nn.Embedding: ("num_embeddings", "embedding_dim"),
+    }
+    inits = {cls: cls.__init__ for cls in layers}
+
+    def on_meta(init: Callable[..., None], names: tuple[str, str]) -> Callable[..., None]:
+        # the position of `device` among the positional arguments (after self)
+        at = list(inspect.signature(init).parameters).index("device") - 1
+
+        def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+            if len(args) < at and kwargs.get("device") is None and threading.get_ident() == owner:
+                dims = [*args[:2], *(kwargs.get(n) for n in names[len(args[:2]) :])]
+                if (
+                    all(type(d) is int for d in dims)
+                    and dims[0] * dims[1] > CONSTRUCTOR_VALUE_MAX_ELEMENTS
+                ):
+                    kwargs["device"] = "meta"
+            init(self, *args, **kwargs)
+
+        return __init__
+
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    for cls, names in layers.items():
+        cls.__init__ = on_meta(inits[cls], names)  # type: ignore[method-assign]
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        for cls, init in inits.items():
+            cls.__init__ = init  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
