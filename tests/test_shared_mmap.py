@@ -265,6 +265,20 @@ def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path
         assert again.advised == 0
 
 
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> list[WarmUp]:
+    """The warm-ups the loads of the test start, in order."""
+    started: list[WarmUp] = []
+
+    class Recorded(WarmUp):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            started.append(self)
+
+    monkeypatch.setattr("fastload.loading.WarmUp", Recorded)
+    return started
+
+
 def _resident_kib(address: int) -> int:
     """Rss of the mapping of this process that holds ``address`` (from /proc/self/smaps)."""
     inside = False
@@ -280,16 +294,8 @@ def _resident_kib(address: int) -> int:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")
 def test_the_views_of_a_load_come_from_the_mapping_the_warm_up_filled(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, made: list[WarmUp]
 ) -> None:
-    made: list[WarmUp] = []
-
-    class Recorded(WarmUp):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            made.append(self)
-
-    monkeypatch.setattr("fastload.loading.WarmUp", Recorded)
     model = fastload.from_pretrained(Wide, checkpoint, progress=False)
     (warm_up,) = made
     storage = warm_up.mappings[0].storage
@@ -322,16 +328,8 @@ def test_files_that_will_not_be_mapped_are_not_read_ahead(
 
 
 def test_from_pretrained_reads_ahead_only_loads_that_give_views(
-    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint: Path, made: list[WarmUp]
 ) -> None:
-    made: list[WarmUp] = []
-
-    class Recorded(WarmUp):
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-            made.append(self)
-
-    monkeypatch.setattr("fastload.loading.WarmUp", Recorded)
     read_ahead = {}
     for label, kwargs in {
         "default": {},
