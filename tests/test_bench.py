@@ -74,3 +74,28 @@ def test_a_tiny_run_measures_the_floors_and_fastload_and_writes_its_results(
     assert written["results"]["warm"]["bfloat16"]["loaders"].keys() == rows.keys()
     table = (out / "llama-0.01GiB.md").read_text()
     assert "fresh-memory floor" in table and "| fastload |" in table
+
+
+def test_runs_go_round_robin_so_a_drift_in_machine_speed_spreads_over_every_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+
+    def fake_child(loader: str, checkpoint: Path, timeout: float) -> dict[str, float]:
+        order.append(loader)
+        return {"seconds": 1.0 + len(order), "peak_rss_over_baseline": 0}
+
+    monkeypatch.setattr(bench, "make_checkpoint", lambda workdir, size, dtype: tmp_path)
+    monkeypatch.setattr(bench, "data_bytes", lambda ckpt: 1 << 20)
+    monkeypatch.setattr(bench, "warm", lambda path: None)
+    monkeypatch.setattr(bench, "run_child", fake_child)
+    monkeypatch.setattr(bench, "plot", lambda results, path: None)
+    loaders = ["floor(map+touch)", "fastload", "fastload(bf16->f32)"]
+    results = bench.run(
+        1, ["float32"], ["warm"], loaders, repeats=3, out=tmp_path, workdir=tmp_path
+    )
+    # the conversion row only runs on the bf16 checkpoint
+    assert order == ["floor(map+touch)", "fastload"] * 3
+    rows = results["results"]["warm"]["float32"]["loaders"]
+    assert [r["seconds"] for r in rows["fastload"]["runs"]] == [3.0, 5.0, 7.0]
+    assert rows["fastload"]["median_seconds"] == 5.0

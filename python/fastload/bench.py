@@ -3,8 +3,9 @@
 ``python -m fastload.bench`` (or ``fastload bench``) writes Llama-like checkpoints of the chosen
 sizes into a work directory (safetensors via transformers' ``save_pretrained``, plus the same
 weights as ``pytorch_model.bin`` for ``torch.load``), then for each mode, checkpoint dtype and
-loader starts a fresh Python process ``--repeats`` times and records wall time and peak RSS above
-the process's RSS just before the load. Loaders and floors are in :mod:`fastload.bench_loaders`.
+loader starts a fresh Python process ``--repeats`` times (round robin: every loader once, then
+again) and records wall time and peak RSS above the process's RSS just before the load. Loaders
+and floors are in :mod:`fastload.bench_loaders`.
 
 Modes: ``warm`` reads the file once before every run (page cache warm); ``cold`` evicts the files
 first (``fsync`` + ``posix_fadvise(DONTNEED)``). The floor of each mode is measured in the same
@@ -172,24 +173,26 @@ def run(
         ckpt = make_checkpoint(workdir, size_gib, dtype)
         nbytes = data_bytes(ckpt)
         for mode in modes:
-            rows: dict[str, Any] = {}
-            for loader in loaders:
-                if loader in CONVERSIONS and dtype != "bfloat16":
-                    continue
-                runs = []
-                for _ in range(repeats):
+            chosen = [n for n in loaders if n not in CONVERSIONS or dtype == "bfloat16"]
+            runs: dict[str, list[dict[str, float]]] = {n: [] for n in chosen}
+            # Round robin (every loader once, then again): this VM's speed drifts by up to 2x over
+            # minutes, and consecutive runs of one loader would carry the drift into its median.
+            for _ in range(repeats):
+                for loader in chosen:
                     # Before every run: the kernel may reclaim cold page cache in between
                     # (proactive reclaim is on in some VMs), and every loader should start equal.
                     for path in files_read(loader, ckpt):
                         (warm if mode == "warm" else evict)(path)
-                    runs.append(run_child(loader, ckpt, timeout))
-                secs = statistics.median(r["seconds"] for r in runs)
-                rss = statistics.median(r["peak_rss_over_baseline"] for r in runs)
+                    runs[loader].append(run_child(loader, ckpt, timeout))
+            rows: dict[str, Any] = {}
+            for loader in chosen:
+                secs = statistics.median(r["seconds"] for r in runs[loader])
+                rss = statistics.median(r["peak_rss_over_baseline"] for r in runs[loader])
                 rows[loader] = {
                     "median_seconds": secs,
                     "gb_per_s": nbytes / secs / 1e9,
                     "median_peak_rss_over_baseline_mib": rss / (1 << 20),
-                    "runs": runs,
+                    "runs": runs[loader],
                     "what": LOADERS[loader],
                 }
                 print(
