@@ -135,6 +135,14 @@ impl Plan {
         self.src_bytes
     }
 
+    /// `(offset, len)` of the file bytes from the first piece read to the end of the last.
+    fn src_span(&self) -> (u64, u64) {
+        let pieces = self.tasks.iter().flatten();
+        let start = pieces.clone().map(|p| p.src).min().unwrap_or(0);
+        let end = pieces.map(|p| p.src + p.src_len).max().unwrap_or(0);
+        (start, end.saturating_sub(start))
+    }
+
     /// Bytes that will be written to destinations.
     pub fn dst_bytes(&self) -> u64 {
         self.dst_bytes
@@ -414,7 +422,10 @@ pub unsafe fn execute(
         // A file mostly not in the page cache: the copy waits on the disk, which wants more
         // requests in flight than there are cores (1 GiB bf16 -> f32 on 2 cores: 1.65 s with 2
         // threads, 1.06 s with 8; cached copies are CPU-bound and 8 were ~10% slower there).
-        None if file.data_mostly_uncached() => check_threads(None)?.max(READAHEAD_THREADS),
+        // Asked of the bytes this plan reads (a GPU load runs one plan per staging buffer).
+        None if file.mostly_uncached(plan.src_span()) => {
+            check_threads(None)?.max(READAHEAD_THREADS)
+        }
         _ => check_threads(threads)?,
     };
     file.check_unchanged()?;

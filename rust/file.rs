@@ -339,13 +339,13 @@ impl SafetensorsFile {
         }
     }
 
-    /// Whether most of the tensor data is not in the page cache (a copy of it waits on the disk);
-    /// `false` for a file held in memory or where the kernel cannot say.
-    pub fn data_mostly_uncached(&self) -> bool {
+    /// Whether most of the file's bytes `[offset, offset + len)` are not in the page cache (a copy
+    /// of them waits on the disk); `false` for a file held in memory or where the kernel cannot
+    /// say.
+    pub fn mostly_uncached(&self, (offset, len): (u64, u64)) -> bool {
         match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => {
-                let start = self.header.data_start();
-                crate::readahead::mostly_uncached(f, start, self.len - start)
+                len > 0 && crate::readahead::mostly_uncached(f, offset, len)
             }
             Backing::Memory(_) => false,
         }
