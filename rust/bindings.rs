@@ -184,6 +184,26 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, file.path(), e))
     }
 
+    /// Asks that the pages faults read into `[address, address + length)`, a mapping of this
+    /// file, be 2 MiB page-cache folios, each mapped by one page-table entry; whether the kernel
+    /// took the advice (`False` without transparent huge pages). An unmapped range raises.
+    fn advise_huge_pages(&self, py: Python<'_>, address: usize, length: usize) -> PyResult<bool> {
+        crate::readahead::advise_huge_pages(address, length)
+            .map_err(|e| to_py(py, self.inner.path(), e))
+    }
+
+    /// Whether most of the file's bytes `[offset, offset + length)` (default: the tensor data)
+    /// are not in the page cache (`cachestat(2)`; `False` for a file held in memory or where the
+    /// kernel cannot say).
+    #[pyo3(signature = (offset = None, length = None))]
+    fn mostly_uncached(&self, py: Python<'_>, offset: Option<u64>, length: Option<u64>) -> bool {
+        let start = offset.unwrap_or_else(|| self.inner.header().data_start());
+        let len = length.unwrap_or_else(|| self.inner.len().saturating_sub(start));
+        let file = &*self.inner;
+        // ~5 ms per GiB of 4 KiB folios: the warm-up's helper thread asks, beside the loader
+        py.detach(|| file.mostly_uncached((start, len)))
+    }
+
     /// Starts reading the tensor data into the page cache and returns without waiting for the
     /// disk (`posix_fadvise(WILLNEED)` from parallel threads, cached parts skipped); the bytes
     /// advised. Called from a helper thread while the model skeleton is built.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -241,12 +240,7 @@ def test_no_read_ahead_when_the_views_exceed_half_the_available_memory(checkpoin
 # --- read-ahead while the skeleton is built -------------------------------------------------------
 
 
-def _cachestat_kernel() -> bool:
-    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    return sys.platform == "linux" and (major, minor) >= (6, 5)
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="posix_fadvise read-ahead is Linux-only")
+@pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")
 def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path) -> None:
     path = tmp_path / "cold.safetensors"
     save_file({"a": torch.randn(3 << 20), "b": torch.randn(5 << 20)}, path)
@@ -254,15 +248,47 @@ def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path
     file = _core.SafetensorsFile(str(path))
     warm_up = WarmUp([file], "auto", views=True)
     warm_up.join()
-    assert warm_up.advised == file.file_size - file.data_start  # every byte of tensor data
-    storage = warm_up.mappings[0].storage
-    assert warm_up.mapped >= file.file_size - file.data_start
-    assert _resident_kib(storage.data_ptr()) * 1024 >= file.file_size - 4096  # mapped in advance
-    if _cachestat_kernel():
-        path.read_bytes()  # now wholly cached: nothing left to advise
-        again = WarmUp([file], "auto", views=True)
-        again.join()
-        assert again.advised == 0
+    data = file.file_size - file.data_start
+    mapping = warm_up.mappings[0]
+    # Faults read 2 MiB folios into a mapping advised so; without that, posix_fadvise reads first.
+    assert warm_up.advised == (0 if mapping.huge_pages else data)
+    assert warm_up.mapped >= data
+    assert _resident_kib(mapping.storage.data_ptr()) * 1024 >= file.file_size - 4096
+    assert torch.equal(mapping.view("b", torch.float32), fastload.load_file(path)["b"])
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").is_dir(),
+    reason="needs a Linux kernel with transparent huge pages",
+)
+def test_a_mapping_asks_for_huge_page_cache_folios(checkpoint: Path) -> None:
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping
+
+    mapping = SharedMapping(open_file(checkpoint))
+    assert mapping.huge_pages
+    assert "hg" in _smaps_field(mapping.storage.data_ptr(), "VmFlags:").split()  # VM_HUGEPAGE
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")
+def test_a_cached_file_is_mapped_in_pieces_shared_with_the_loading_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("fastload.sharing.WARM_PIECE", 1 << 20)
+    path = tmp_path / "warm.safetensors"
+    tensors = {f"t{i}": torch.randn(3 << 16) for i in range(12)}  # 12 x 768 KiB
+    save_file(tensors, path)
+    path.read_bytes()  # cached
+    file = _core.SafetensorsFile(str(path))
+    warm_up = WarmUp([file], "auto", views=True)
+    warm_up.join()  # the loading thread claims the pieces the helper has not taken
+    data = file.file_size - file.data_start
+    # each piece mapped once, by one thread or the other (whole pages: the ends round out)
+    assert data <= warm_up.mapped <= data + 2 * 4096
+    mapping = warm_up.mappings[0]
+    assert _resident_kib(mapping.storage.data_ptr()) * 1024 >= file.file_size - 4096
+    for name, tensor in tensors.items():
+        assert torch.equal(mapping.view(name, torch.float32), tensor), name
 
 
 @pytest.fixture
@@ -279,17 +305,22 @@ def made(monkeypatch: pytest.MonkeyPatch) -> list[WarmUp]:
     return started
 
 
-def _resident_kib(address: int) -> int:
-    """Rss of the mapping of this process that holds ``address`` (from /proc/self/smaps)."""
+def _smaps_field(address: int, field: str) -> str:
+    """``field`` of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, stop = (int(x, 16) for x in head.split("-"))
             inside = start <= address < stop
-        elif inside and head == "Rss:":
-            return int(line.split()[1])
+        elif inside and head == field:
+            return line.split(maxsplit=1)[1]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that holds ``address``."""
+    return int(_smaps_field(address, "Rss:").split()[0])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")

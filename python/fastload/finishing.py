@@ -95,21 +95,18 @@ def swap_in(
             if group.action == "init":
                 targets[group.slots[0].name] = value
         initialize(model, targets)
-        _check_no_meta(model, offloaded or set())
+        slots = tensor_slots(model)  # one walk for the check and the report
+        _check_no_meta(model, slots, offloaded or set())
     except BaseException:
         swap.rollback()
         raise
     report.initialized = [n for g in groups if g.action == "init" for n in g.names]
-    report.tied = [[s.name for s in g] for g in group_slots(tensor_slots(model)) if len(g) > 1]
+    report.tied = [[s.name for s in g] for g in group_slots(slots) if len(g) > 1]
 
 
-def _check_no_meta(model: nn.Module, offloaded: set[str]) -> None:
+def _check_no_meta(model: nn.Module, slots: list[Slot], offloaded: set[str]) -> None:
     """Nothing but the tensors offloaded to disk may be left on ``meta``."""
-    left = [
-        s.name
-        for s in tensor_slots(model)
-        if s.tensor.device.type == "meta" and s.name not in offloaded
-    ]
+    left = [s.name for s in slots if s.tensor.device.type == "meta" and s.name not in offloaded]
     if left:
         raise FastloadError(
             f"{type(model).__name__}: {len(left)} tensors are still on the meta device after "

@@ -185,6 +185,8 @@ def _transformers_attr(module: str, name: str) -> Any:
 
 def _transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The outermost transformers models inside ``model`` (``model`` itself if it is one)."""
+    if is_transformers_model(model):
+        return [("", model)]  # everything inside is under it: no walk
     roots: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if not is_transformers_model(module):
@@ -265,7 +267,7 @@ def _owner_name(model: nn.Module, name: str) -> str:
     return type(module).__name__
 
 
-def _initialize_transformers(root: nn.Module, ids: set[int]) -> None:
+def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool = True) -> None:
     """Runs the model's own ``initialize_weights`` on the tensors whose ids are in ``ids``.
 
     As in transformers' ``from_pretrained``: every other tensor is flagged, so its guarded init
@@ -279,7 +281,7 @@ def _initialize_transformers(root: nn.Module, ids: set[int]) -> None:
     tied_targets = set(getattr(root, "all_tied_weights_keys", None) or ())
     stand_ins: list[tuple[dict[str, Any], str, Any]] = []
     by_tensor: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for prefix, module in root.named_modules(remove_duplicate=False):
+    for prefix, module in root.named_modules(remove_duplicate=False) if parameters else ():
         for attr, param in module._parameters.items():
             if param is not None and id(param) in ids:
                 name = f"{prefix}.{attr}" if prefix else attr
@@ -297,12 +299,14 @@ def _initialize_transformers(root: nn.Module, ids: set[int]) -> None:
             stand_ins.append((module._parameters, attr, param))
             module._parameters[attr] = stand_in
     try:
-        for tensor in list(root.parameters()) + list(root.buffers()):
-            if id(tensor) in ids:
-                if _HF_FLAG in tensor.__dict__:
-                    delattr(tensor, _HF_FLAG)
-            else:
-                setattr(tensor, _HF_FLAG, True)
+        for module in root.modules():
+            for tensor in [*module._parameters.values(), *module._buffers.values()]:
+                if tensor is None:
+                    continue
+                if id(tensor) in ids:
+                    tensor.__dict__.pop(_HF_FLAG, None)
+                else:
+                    tensor.__dict__[_HF_FLAG] = True
         _flag_loaded_subtrees(root, ids)
         root.initialize_weights()
     finally:
@@ -317,10 +321,11 @@ def _flag_loaded_subtrees(root: nn.Module, ids: set[int]) -> bool:
     has = any(id(t) in ids for t in own)
     for child in root.children():
         has = _flag_loaded_subtrees(child, ids) or has
+    # through __dict__: nn.Module.__setattr__ costs ~8 us of checks per call, the same effect
     if has:
         root.__dict__.pop(_HF_FLAG, None)
     else:
-        root._is_hf_initialized = True
+        root.__dict__[_HF_FLAG] = True
     return has
 
 
@@ -340,8 +345,8 @@ def recompute_buffers(model: nn.Module) -> None:
             for n, b in m._buffers.items()
             if b is not None and n in m._non_persistent_buffers_set
         ]
-        if buffers:
-            _initialize_transformers(root, {id(b) for b in buffers})
+        if buffers:  # buffers only: no tied parameters to stand in for
+            _initialize_transformers(root, {id(b) for b in buffers}, parameters=False)
 
 
 def _initialize_torch(model: nn.Module, targets: dict[str, torch.Tensor], ids: set[int]) -> None:
@@ -380,7 +385,8 @@ def mark_initialized(model: nn.Module) -> None:
     weights.
     """
     for _, root in _transformers_roots(model):
-        for tensor in list(root.parameters()) + list(root.buffers()):
-            setattr(tensor, _HF_FLAG, True)
-        for module in root.modules():
-            module._is_hf_initialized = True
+        for module in root.modules():  # one walk, flags set through __dict__ (see above)
+            for tensor in [*module._parameters.values(), *module._buffers.values()]:
+                if tensor is not None:
+                    tensor.__dict__[_HF_FLAG] = True
+            module.__dict__[_HF_FLAG] = True

@@ -8,7 +8,7 @@ at the loaded canonical Parameter after.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -26,12 +26,12 @@ def find_tie_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
     """One place a model holds a tensor: ``module.<attr>``, reached by the dotted ``name``.
 
     Tied parameters are several slots holding the same Parameter object; a module shared under two
-    names gives two slots with the same ``module`` and ``attr``.
+    names gives two slots with the same ``module`` and ``attr``. (A named tuple: a load makes one
+    per tensor several times, and a frozen dataclass costs ~5x as much to build.)
     """
 
     name: str
