@@ -184,14 +184,6 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, file.path(), e))
     }
 
-    /// Asks that the pages faults read into `[address, address + length)`, a mapping of this
-    /// file, be 2 MiB page-cache folios, each mapped by one page-table entry; whether the kernel
-    /// took the advice (`False` without transparent huge pages). An unmapped range raises.
-    fn advise_huge_pages(&self, py: Python<'_>, address: usize, length: usize) -> PyResult<bool> {
-        crate::readahead::advise_huge_pages(address, length)
-            .map_err(|e| to_py(py, self.inner.path(), e))
-    }
-
     /// Whether most of the file's bytes `[offset, offset + length)` (default: the tensor data)
     /// are not in the page cache (`cachestat(2)`; `False` for a file held in memory or where the
     /// kernel cannot say).

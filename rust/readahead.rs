@@ -244,45 +244,6 @@ pub fn populate(
     }
 }
 
-/// Asks for the page-cache pages that faults in `[addr, addr + len)` (a file mapping) read from
-/// the disk to be 2 MiB folios (`madvise(MADV_HUGEPAGE)`), which a 2 MiB-aligned mapping then maps
-/// with one page-table entry each instead of 512. Measured here on a 1 GiB file: populating a
-/// mapping of it takes 5-6 ms when a fault read it this way, 54-80 ms after
-/// `posix_fadvise(WILLNEED)` (which reads 4 KiB folios), for this load and every later one,
-/// whichever loader maps the file. Returns whether the kernel took the advice (`false` without
-/// transparent huge pages, or off Linux); pages already cached keep their size.
-pub fn advise_huge_pages(addr: usize, len: usize) -> Result<bool> {
-    #[cfg(target_os = "linux")]
-    {
-        const PAGE: usize = 4096;
-        let start = addr / PAGE * PAGE;
-        let end = addr.checked_add(len).ok_or_else(|| Error::Io {
-            detail: "huge-page advice range overflows the address space".into(),
-        })?;
-        let end = end.div_ceil(PAGE) * PAGE;
-        if end == start {
-            return Ok(false);
-        }
-        // SAFETY: advice only changes how the kernel backs the range; an unmapped range is an
-        // error (ENOMEM), not a fault.
-        let rc =
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        if rc == 0 {
-            return Ok(true);
-        }
-        let err = std::io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::EINVAL) => Ok(false), // a kernel without transparent huge pages
-            _ => Err(err.into()),
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = (addr, len);
-        Ok(false)
-    }
-}
-
 /// Reads one byte of every page of `[s, s + l)`, just populated: under a hypervisor the guest's
 /// first access to a page the disk was just read into still costs a trap to the host (no guest
 /// page fault; ~1-2 us per page, 0.2-0.6 s per GiB measured here), and paying it here, while the
@@ -421,32 +382,6 @@ mod tests {
         assert_eq!(all, len.div_ceil(4096) as u64 * 4096);
         assert_eq!(&map[..], &bytes[..]);
         drop(map);
-        std::fs::remove_file(&path).unwrap();
-    }
-
-    #[test]
-    fn huge_page_advice_is_taken_on_a_mapping_and_refused_off_one() {
-        let path = std::env::temp_dir().join(format!("fastload-hp-{}", std::process::id()));
-        let bytes: Vec<u8> = (0..(4 << 20) + 100).map(|i| (i % 241) as u8).collect();
-        File::create(&path).unwrap().write_all(&bytes).unwrap();
-        let f = File::open(&path).unwrap();
-        // SAFETY: the file is private to this test and not modified while mapped.
-        let map = unsafe { memmap2::Mmap::map(&f).unwrap() };
-        let (addr, len) = (map.as_ptr() as usize, map.len());
-        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage").is_dir();
-        assert_eq!(advise_huge_pages(addr, len).unwrap(), thp);
-        assert!(
-            !advise_huge_pages(addr, 0).unwrap(),
-            "an empty range is not advised"
-        );
-        populate(Some(&f), addr, 0, len, Some(2), true).unwrap();
-        assert_eq!(&map[..], &bytes[..]);
-        drop(map);
-        if thp {
-            // the first pages of the address space are never mapped (vm.mmap_min_addr): an error
-            // from the kernel, not a crash
-            assert!(advise_huge_pages(4096, 4096).is_err());
-        }
         std::fs::remove_file(&path).unwrap();
     }
 

@@ -4,6 +4,7 @@ and the options every load has: the report, progress bar, logging, dtype, read m
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from pathlib import Path
@@ -476,3 +477,58 @@ def test_a_directory_naming_the_architecture_can_stand_for_the_model_class(tmp_p
     by_config = fastload.from_pretrained(None, directory, progress=False)
     assert type(by_path).__name__ == "BertModel"
     assert_same_tensors(by_path, by_config)
+
+
+# --- the cyclic garbage collector is paused while a load runs -------------------------------------
+
+
+def test_a_load_pauses_the_garbage_collector_and_restores_it(saved):
+    seen = []
+
+    def build():
+        seen.append(gc.isenabled())
+        return TiedLM()
+
+    assert gc.isenabled()
+    fastload.from_pretrained(build, saved, progress=False)
+    assert seen == [False]  # paused while the model was built and loaded
+    assert gc.isenabled()
+
+
+def test_a_failed_load_restores_the_collector_and_a_disabled_one_stays_disabled(tmp_path, saved):
+    with pytest.raises(fastload.FastloadError):
+        fastload.from_pretrained(TiedLM, tmp_path / "missing.safetensors", progress=False)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        fastload.from_pretrained(TiedLM, saved, progress=False)
+        assert not gc.isenabled()  # the caller's choice is kept
+    finally:
+        gc.enable()
+
+
+def test_concurrent_loads_resume_the_collector_when_the_last_one_ends():
+    import threading
+
+    from fastload.loading import _without_gc_pauses
+
+    both_in, first_out = threading.Barrier(2), threading.Event()
+    seen: dict[str, bool] = {}
+
+    @_without_gc_pauses
+    def first() -> None:
+        both_in.wait(timeout=30)
+
+    @_without_gc_pauses
+    def second() -> None:
+        both_in.wait(timeout=30)
+        first_out.wait(timeout=30)
+        seen["after the first ended"] = gc.isenabled()
+
+    t = threading.Thread(target=second)
+    t.start()
+    first()
+    first_out.set()
+    t.join()
+    assert seen == {"after the first ended": False}  # still paused for the load under way
+    assert gc.isenabled()

@@ -60,10 +60,6 @@ class SafetensorsFile:
         mapping of this file whose byte ``offset`` is at ``address``, into the mapping in
         parallel (``MADV_POPULATE_READ``); the bytes populated. An unmapped range raises
         FastloadIOError."""
-    def advise_huge_pages(self, address: int, length: int) -> bool:
-        """Ask that the pages faults read into [address, address + length), a mapping of this
-        file, be 2 MiB page-cache folios (``MADV_HUGEPAGE``), each mapped by one page-table
-        entry; whether the kernel took the advice. An unmapped range raises FastloadIOError."""
     def mostly_uncached(self, offset: int | None = None, length: int | None = None) -> bool:
         """Whether most of the file's bytes [offset, offset + length) (default: the tensor data)
         are not in the page cache (``cachestat``); False for a file held in memory or where the

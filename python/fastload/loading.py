@@ -24,14 +24,17 @@ the public entry: it sends Hugging Face model ids, transformers classes and opti
 
 from __future__ import annotations
 
+import functools
+import gc
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -112,6 +115,42 @@ class _Clock:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+_gc_lock = threading.Lock()
+_gc_paused = 0  # loads under way that paused the cyclic garbage collector
+_gc_was_enabled = False
+
+
+def _without_gc_pauses(fn: _F) -> _F:
+    """Runs ``fn`` with Python's cyclic garbage collector paused (reference counting still frees
+    memory), restored when the last concurrent load ends.
+
+    A load creates thousands of objects that all survive (modules, parameters, plan records),
+    which is what makes the collector run: a full collection walks every object of the process,
+    and with torch and transformers imported one took 265-295 ms in the middle of a 0.3 s load of
+    4 GiB here (measured with ``gc.callbacks``). Cycles made meanwhile are collected afterwards.
+    """
+
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        global _gc_paused, _gc_was_enabled
+        with _gc_lock:
+            if _gc_paused == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_paused += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with _gc_lock:
+                _gc_paused -= 1
+                if _gc_paused == 0 and _gc_was_enabled:
+                    gc.enable()
+
+    return paused  # type: ignore[return-value]
+
+
+@_without_gc_pauses
 def load(
     target: Target,
     checkpoint: str | os.PathLike[str] | Mapping[str, torch.Tensor],

@@ -96,9 +96,6 @@ class SharedMapping:
             self._check_same_file()
             self.storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
             self._check_same_file()
-        # Pages read from the disk through this mapping become 2 MiB folios mapped by one entry
-        # each: ~10x faster to map, for this load and every later one (see WarmUp).
-        self.huge_pages = file.advise_huge_pages(self.storage.data_ptr(), file.file_size)
         self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
         self._viewed: list[tuple[int, int]] = []  # (file offset, bytes) of the views handed out
         self.views = 0
@@ -175,12 +172,11 @@ class WarmUp:
     (:meth:`SharedMapping.map_all`) while the model skeleton is built and the load planned,
     instead of after it or on the first forward pass.
 
-    A file mostly not in the page cache is populated by 8 threads (the disk serves parallel
-    requests best). Its mapping asks for 2 MiB page-cache folios (``MADV_HUGEPAGE``), which the
-    populating faults read and map with one page-table entry each; where the kernel refuses that
-    advice, ``posix_fadvise(WILLNEED)`` starts the reads first. A cached file is mapped in
-    :data:`WARM_PIECE` pieces, by the helper thread and, once the load has nothing else to do,
-    by the loading thread too (:meth:`join`): mapping 4 KiB folios costs ~60 ms per GiB here.
+    A file mostly not in the page cache is advised (``posix_fadvise(WILLNEED)``, all pieces
+    submitted at once) and populated by 8 threads (the disk serves parallel requests best). A
+    cached file is mapped in :data:`WARM_PIECE` pieces, by the helper thread and, once the load
+    has nothing else to do, by the loading thread too (:meth:`join`): mapping costs up to ~60 ms
+    per GiB here (4 KiB page-cache folios; 2 MiB ones map with one entry each, ~10x faster).
 
     Only for loads whose tensors become views (``views``: CPU, stored dtype) of files
     :func:`file_sharing` lets be mapped: copies read the file themselves, and a second stream of
@@ -200,7 +196,7 @@ class WarmUp:
         self.mappings: dict[int, SharedMapping] = {
             i: SharedMapping(f) for i, f in chosen.items() if isinstance(f, _core.SafetensorsFile)
         }
-        self.advised = 0  # bytes submitted with posix_fadvise (kernels refusing huge pages)
+        self.advised = 0  # bytes submitted to the disk (not cached when the load began)
         # Pieces of cached files, claimed by the helper thread and, in join(), the loading one;
         # listed by the helper (asking the page cache about a file takes ~5 ms per GiB).
         self._pieces: list[tuple[SharedMapping, int, int]] = []
@@ -239,8 +235,10 @@ class WarmUp:
                 self._pieces += [(m, a, b) for a, b in zip(cuts, [*cuts[1:], stop], strict=True)]
             self._listed.set()
             for m in cold:
-                if not m.huge_pages:
+                try:
                     self.advised += m.file.will_need()
+                except FastloadError as e:  # advice only: populating reads the pages anyway
+                    logger.debug("read-ahead advice for %s skipped: %s", m.path, e)
                 self._mapped.append(m.map_all(None))
             self._map_pieces()
         except FastloadError as e:
