@@ -87,7 +87,9 @@ def test_runs_go_round_robin_so_a_drift_in_machine_speed_spreads_over_every_load
 
     monkeypatch.setattr(bench, "make_checkpoint", lambda workdir, size, dtype: tmp_path)
     monkeypatch.setattr(bench, "data_bytes", lambda ckpt: 1 << 20)
-    monkeypatch.setattr(bench, "warm", lambda path: None)
+    cache: list[tuple[str, str]] = []  # what was done to the page cache, before which run
+    monkeypatch.setattr(bench, "warm", lambda path: cache.append(("read", f"run {len(order)}")))
+    monkeypatch.setattr(bench, "evict", lambda path: cache.append(("evict", f"run {len(order)}")))
     monkeypatch.setattr(bench, "run_child", fake_child)
     monkeypatch.setattr(bench, "plot", lambda results, path: None)
     loaders = ["floor(map+touch)", "fastload", "fastload(bf16->f32)"]
@@ -96,6 +98,9 @@ def test_runs_go_round_robin_so_a_drift_in_machine_speed_spreads_over_every_load
     )
     # the conversion row only runs on the bf16 checkpoint
     assert order == ["floor(map+touch)", "fastload"] * 3
+    # one page-cache state for the whole warm series (evicted, then read), then a read per run
+    assert cache[:2] == [("evict", "run 0"), ("read", "run 0")]
+    assert cache[2:] == [("read", f"run {i}") for i in range(6)]
     rows = results["results"]["warm"]["float32"]["loaders"]
     assert [r["seconds"] for r in rows["fastload"]["runs"]] == [3.0, 5.0, 7.0]
     assert rows["fastload"]["median_seconds"] == 5.0
