@@ -142,9 +142,9 @@ class SharedMapping:
     def map_all(self, threads: int | None = None) -> int:
         """Maps every page of the file's tensor data into this mapping, reading the ones not in
         the page cache (``MADV_POPULATE_READ``); returns the bytes populated. Run by
-        :class:`WarmUp` beside the skeleton build, so the views' first use finds its pages mapped
-        instead of faulting them in one by one (~65 ms per GiB here, on the caller's critical
-        path)."""
+        :class:`WarmUp` beside the skeleton build for a file mostly not cached (a cached one is
+        mapped in pieces, :meth:`map_span`), so the views' first use finds its pages mapped
+        instead of faulting them in one by one on the caller's critical path."""
         return self._populate([(self.file.data_start, self.file.file_size)], threads, cached=True)
 
     def map_span(self, start: int, stop: int) -> int:
