@@ -385,22 +385,25 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
-    #[test]
-    fn a_file_just_read_is_not_mostly_uncached() {
-        let path = std::env::temp_dir().join(format!("fastload-mu-{}", std::process::id()));
+    /// A 1 MiB file written and read back (so in the page cache), open; the caller removes it.
+    fn just_read(tag: &str) -> (std::path::PathBuf, File) {
+        let path = std::env::temp_dir().join(format!("fastload-{tag}-{}", std::process::id()));
         std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
         let _ = std::fs::read(&path).unwrap();
         let f = File::open(&path).unwrap();
+        (path, f)
+    }
+
+    #[test]
+    fn a_file_just_read_is_not_mostly_uncached() {
+        let (path, f) = just_read("mu");
         assert!(!mostly_uncached(&f, 0, 1 << 20));
         std::fs::remove_file(&path).unwrap();
     }
 
     #[test]
     fn the_page_cache_count_of_a_file_just_read_covers_it() {
-        let path = std::env::temp_dir().join(format!("fastload-cs-{}", std::process::id()));
-        std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
-        let _ = std::fs::read(&path).unwrap();
-        let f = File::open(&path).unwrap();
+        let (path, f) = just_read("cs");
         if let Some(pages) = cached_pages(&f, 0, 1 << 20) {
             assert_eq!(pages, 256);
         }

@@ -292,22 +292,17 @@ def made(monkeypatch: pytest.MonkeyPatch) -> list[WarmUp]:
     return started
 
 
-def _smaps_field(address: int, field: str) -> str:
-    """``field`` of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+def _resident_kib(address: int) -> int:
+    """Rss of the mapping of this process that holds ``address`` (from /proc/self/smaps)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             start, stop = (int(x, 16) for x in head.split("-"))
             inside = start <= address < stop
-        elif inside and head == field:
-            return line.split(maxsplit=1)[1]
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def _resident_kib(address: int) -> int:
-    """Rss of the mapping of this process that holds ``address``."""
-    return int(_smaps_field(address, "Rss:").split()[0])
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")

@@ -300,9 +300,7 @@ def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool
             module._parameters[attr] = stand_in
     try:
         for module in root.modules():
-            for tensor in [*module._parameters.values(), *module._buffers.values()]:
-                if tensor is None:
-                    continue
+            for tensor in _own_tensors(module):
                 if id(tensor) in ids:
                     tensor.__dict__.pop(_HF_FLAG, None)
                 else:
@@ -314,11 +312,15 @@ def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool
             store[attr] = param
 
 
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers ``module`` holds itself (not its children's)."""
+    return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
+
+
 def _flag_loaded_subtrees(root: nn.Module, ids: set[int]) -> bool:
     """Flags each module none of whose tensors (its own or its descendants') is a target;
     returns whether ``root`` has a target."""
-    own = [t for t in [*root._parameters.values(), *root._buffers.values()] if t is not None]
-    has = any(id(t) in ids for t in own)
+    has = any(id(t) in ids for t in _own_tensors(root))
     for child in root.children():
         has = _flag_loaded_subtrees(child, ids) or has
     # through __dict__: nn.Module.__setattr__ costs ~8 us of checks per call, the same effect
@@ -386,7 +388,6 @@ def mark_initialized(model: nn.Module) -> None:
     """
     for _, root in _transformers_roots(model):
         for module in root.modules():  # one walk, flags set through __dict__ (see above)
-            for tensor in [*module._parameters.values(), *module._buffers.values()]:
-                if tensor is not None:
-                    tensor.__dict__[_HF_FLAG] = True
+            for tensor in _own_tensors(module):
+                tensor.__dict__[_HF_FLAG] = True
             module.__dict__[_HF_FLAG] = True
