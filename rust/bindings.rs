@@ -167,7 +167,8 @@ impl PySafetensorsFile {
 
     /// Reads the not-yet-cached pages (every page with `cached`) of `[address, address +
     /// length)`, a mapping of this file whose byte `offset` is at `address`, into the mapping with
-    /// parallel `MADV_POPULATE_READ`; returns the bytes populated. A range that is not mapped
+    /// parallel `MADV_POPULATE_READ` (uncached parts read through the page cache first); returns
+    /// the bytes populated. A range that is not mapped
     /// raises `FastloadIOError`, it never crashes.
     #[pyo3(signature = (address, offset, length, threads = None, cached = false))]
     fn read_ahead(
@@ -194,16 +195,6 @@ impl PySafetensorsFile {
         let file = &*self.inner;
         // ~5 ms per GiB of 4 KiB folios: the warm-up's helper thread asks, beside the loader
         py.detach(|| file.mostly_uncached((start, len)))
-    }
-
-    /// Starts reading the tensor data into the page cache and returns without waiting for the
-    /// disk (`posix_fadvise(WILLNEED)` from parallel threads, cached parts skipped); the bytes
-    /// advised. Called from a helper thread while the model skeleton is built.
-    #[pyo3(signature = (threads = None))]
-    fn will_need(&self, py: Python<'_>, threads: Option<usize>) -> PyResult<u64> {
-        let file = Arc::clone(&self.inner);
-        py.detach(|| file.will_need(threads))
-            .map_err(|e| to_py(py, self.inner.path(), e))
     }
 
     /// The open file descriptor (None for an in-memory file), valid while this object lives.

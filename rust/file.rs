@@ -13,6 +13,7 @@ use std::os::fd::{AsRawFd, FromRawFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use memmap2::{Advice, Mmap};
 
@@ -66,6 +67,9 @@ pub struct SafetensorsFile {
     stamp: Option<(u64, i64)>,
     header: Header,
     backing: Backing,
+    /// `fstatfs` answer, asked once: an open descriptor's filesystem never changes, and a load
+    /// asks per file twice (read-ahead and allocation).
+    fs: OnceLock<crate::readahead::Filesystem>,
 }
 
 /// What a non-regular file is, for the message refusing it.
@@ -182,6 +186,7 @@ impl SafetensorsFile {
             stamp,
             header,
             backing,
+            fs: OnceLock::new(),
         })
     }
 
@@ -199,6 +204,7 @@ impl SafetensorsFile {
             stamp: None,
             header,
             backing: Backing::Memory(bytes.into_boxed_slice()),
+            fs: OnceLock::new(),
         })
     }
 
@@ -327,18 +333,6 @@ impl SafetensorsFile {
         crate::readahead::populate(file, addr, offset, len, threads, cached)
     }
 
-    /// Starts reading the file's tensor data into the page cache without waiting for it
-    /// ([`crate::readahead::will_need`]); returns the bytes advised (0 for a file held in memory).
-    pub fn will_need(&self, threads: Option<usize>) -> Result<u64> {
-        match &self.backing {
-            Backing::Pread(f) | Backing::Mapped(f, _) => {
-                let start = self.header.data_start();
-                crate::readahead::will_need(f, start, self.len - start, threads)
-            }
-            Backing::Memory(_) => Ok(0),
-        }
-    }
-
     /// Whether most of the file's bytes `[offset, offset + len)` are not in the page cache (a copy
     /// of them waits on the disk); `false` for a file held in memory or where the kernel cannot
     /// say.
@@ -356,7 +350,11 @@ impl SafetensorsFile {
     pub fn filesystem(&self) -> Result<Option<crate::readahead::Filesystem>> {
         match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => {
-                crate::readahead::filesystem_of(f).map(Some)
+                if let Some(fs) = self.fs.get() {
+                    return Ok(Some(fs.clone()));
+                }
+                let fs = crate::readahead::filesystem_of(f)?;
+                Ok(Some(self.fs.get_or_init(|| fs).clone()))
             }
             Backing::Memory(_) => Ok(None),
         }

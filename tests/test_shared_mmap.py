@@ -250,7 +250,7 @@ def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path
     warm_up.join()
     data = file.file_size - file.data_start
     mapping = warm_up.mappings[0]
-    assert warm_up.advised == data  # every byte of tensor data submitted at once
+    assert warm_up.from_disk == data  # read from the disk by the warm-up
     assert warm_up.mapped >= data
     assert _resident_kib(mapping.storage.data_ptr()) * 1024 >= file.file_size - 4096
     assert torch.equal(mapping.view("b", torch.float32), fastload.load_file(path)["b"])
@@ -271,7 +271,7 @@ def test_a_cached_file_is_mapped_in_pieces_shared_with_the_loading_thread(
     data = file.file_size - file.data_start
     # each piece mapped once, by one thread or the other (whole pages: the ends round out)
     assert data <= warm_up.mapped <= data + 2 * 4096
-    assert warm_up.advised == 0  # cached: nothing submitted to the disk
+    assert warm_up.from_disk == 0  # cached: nothing to read from the disk
     mapping = warm_up.mappings[0]
     assert _resident_kib(mapping.storage.data_ptr()) * 1024 >= file.file_size - 4096
     for name, tensor in tensors.items():

@@ -58,15 +58,12 @@ class SafetensorsFile:
     ) -> int:
         """Read the uncached pages (every page with ``cached``) of [address, address + length), a
         mapping of this file whose byte ``offset`` is at ``address``, into the mapping in
-        parallel (``MADV_POPULATE_READ``); the bytes populated. An unmapped range raises
-        FastloadIOError."""
+        parallel (uncached parts read through the page cache with ``sendfile`` to /dev/null, then
+        ``MADV_POPULATE_READ``); the bytes populated. An unmapped range raises FastloadIOError."""
     def mostly_uncached(self, offset: int | None = None, length: int | None = None) -> bool:
         """Whether most of the file's bytes [offset, offset + length) (default: the tensor data)
         are not in the page cache (``cachestat``); False for a file held in memory or where the
         kernel cannot say."""
-    def will_need(self, threads: int | None = None) -> int:
-        """Start reading the tensor data into the page cache without waiting for the disk
-        (parallel ``posix_fadvise(WILLNEED)``, cached parts skipped); the bytes advised."""
     def fileno(self) -> int | None:
         """The open file descriptor (None for a file held in memory)."""
     def keys(self) -> list[str]: ...

@@ -172,11 +172,13 @@ class WarmUp:
     (:meth:`SharedMapping.map_all`) while the model skeleton is built and the load planned,
     instead of after it or on the first forward pass.
 
-    A file mostly not in the page cache is advised (``posix_fadvise(WILLNEED)``, all pieces
-    submitted at once) and populated by 8 threads (the disk serves parallel requests best). A
-    cached file is mapped in :data:`WARM_PIECE` pieces, by the helper thread and, once the load
-    has nothing else to do, by the loading thread too (:meth:`join`): mapping costs up to ~60 ms
-    per GiB here (4 KiB page-cache folios; 2 MiB ones map with one entry each, ~10x faster).
+    A file mostly not in the page cache is read into it and mapped by 8 threads (the disk serves
+    parallel requests best), through the read path (``sendfile`` to /dev/null), which caches
+    large folios that this and every later mapping of the file maps fast (``WILLNEED`` left
+    4 KiB ones). A cached file is mapped in :data:`WARM_PIECE` pieces, by the helper thread and,
+    once the load has nothing else to do, by the loading thread too (:meth:`join`): mapping costs
+    up to ~60 ms per GiB here (4 KiB page-cache folios; 2 MiB ones map with one entry each, ~10x
+    faster).
 
     Only for loads whose tensors become views (``views``: CPU, stored dtype) of files
     :func:`file_sharing` lets be mapped: copies read the file themselves, and a second stream of
@@ -196,7 +198,7 @@ class WarmUp:
         self.mappings: dict[int, SharedMapping] = {
             i: SharedMapping(f) for i, f in chosen.items() if isinstance(f, _core.SafetensorsFile)
         }
-        self.advised = 0  # bytes submitted to the disk (not cached when the load began)
+        self.from_disk = 0  # tensor bytes of the files mostly not cached when the load began
         # Pieces of cached files, claimed by the helper thread and, in join(), the loading one;
         # listed by the helper (asking the page cache about a file takes ~5 ms per GiB).
         self._pieces: list[tuple[SharedMapping, int, int]] = []
@@ -235,10 +237,7 @@ class WarmUp:
                 self._pieces += [(m, a, b) for a, b in zip(cuts, [*cuts[1:], stop], strict=True)]
             self._listed.set()
             for m in cold:
-                try:
-                    self.advised += m.file.will_need()
-                except FastloadError as e:  # advice only: populating reads the pages anyway
-                    logger.debug("read-ahead advice for %s skipped: %s", m.path, e)
+                self.from_disk += m.file.file_size - m.file.data_start
                 self._mapped.append(m.map_all(None))
             self._map_pieces()
         except FastloadError as e:
