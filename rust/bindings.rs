@@ -167,10 +167,11 @@ impl PySafetensorsFile {
 
     /// Reads the not-yet-cached pages (every page with `cached`) of `[address, address +
     /// length)`, a mapping of this file whose byte `offset` is at `address`, into the mapping with
-    /// parallel `MADV_POPULATE_READ` (uncached parts read through the page cache first); returns
-    /// the bytes populated. A range that is not mapped
-    /// raises `FastloadIOError`, it never crashes.
-    #[pyo3(signature = (address, offset, length, threads = None, cached = false))]
+    /// parallel `MADV_POPULATE_READ`, uncached parts (every part with `cold`) read through the
+    /// page cache first; returns the bytes populated. A range that is not mapped raises
+    /// `FastloadIOError`, it never crashes.
+    #[pyo3(signature = (address, offset, length, threads = None, cached = false, cold = false))]
+    #[allow(clippy::too_many_arguments)] // the Python signature, whose flags callers pass by name
     fn read_ahead(
         &self,
         py: Python<'_>,
@@ -179,9 +180,10 @@ impl PySafetensorsFile {
         length: usize,
         threads: Option<usize>,
         cached: bool,
+        cold: bool,
     ) -> PyResult<u64> {
         let file = &*self.inner;
-        py.detach(|| file.read_ahead(address, offset, length, threads, cached))
+        py.detach(|| file.read_ahead(address, offset, length, threads, cached, cold))
             .map_err(|e| to_py(py, file.path(), e))
     }
 

@@ -325,12 +325,13 @@ impl SafetensorsFile {
         len: usize,
         threads: Option<usize>,
         cached: bool,
+        cold: bool,
     ) -> Result<u64> {
         let file = match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => Some(f),
             Backing::Memory(_) => None,
         };
-        crate::readahead::populate(file, addr, offset, len, threads, cached)
+        crate::readahead::populate(file, addr, offset, len, threads, cached, cold)
     }
 
     /// Whether most of the file's bytes `[offset, offset + len)` are not in the page cache (a copy

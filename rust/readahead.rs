@@ -115,13 +115,14 @@ fn on_threads<T: Sync>(
 
 /// Faults in the pages of `[addr, addr + len)`, a mapping of `file` whose byte `offset` is at
 /// `addr`, that are not in the page cache yet, with parallel `madvise(MADV_POPULATE_READ)` over
-/// [`READAHEAD_CHUNK`] pieces, each first read into the page cache by [`read_through`] where it
-/// is not there; returns the bytes of the pieces it populated. Cached pieces are
-/// left alone unless `cached` (faulting them later costs no I/O, and a single first access maps
-/// them about as fast as populating would; a load maps them too when a helper thread can do it
-/// while the skeleton is built). Which pieces are cached comes from `cachestat(2)` on `file`
-/// (Linux 6.5+, a fraction of a millisecond per GiB), else from `mincore(2)` on the mapping
-/// (~50 ms per GiB).
+/// [`READAHEAD_CHUNK`] pieces, each first read into the page cache by [`read_through`]; returns
+/// the bytes of the pieces it populated. Cached pieces are left alone unless `cached` (faulting
+/// them later costs no I/O, and a single first access maps them about as fast as populating
+/// would; a load maps them too when a helper thread can do it while the skeleton is built), and
+/// then read through only with `cold` (the caller found the range mostly not cached; asking per
+/// piece would cost a page-cache walk each). Which pieces are cached comes from `cachestat(2)` on
+/// `file` (Linux 6.5+, a fraction of a millisecond per GiB), else from `mincore(2)` on the
+/// mapping (~50 ms per GiB).
 ///
 /// Never dereferences the range: a range that is not mapped is an error from the kernel, not a
 /// crash. Kernels without `MADV_POPULATE_READ` (before 5.14) skip the read-ahead and return 0.
@@ -133,6 +134,7 @@ pub fn populate(
     len: usize,
     threads: Option<usize>,
     cached: bool,
+    cold: bool,
 ) -> Result<u64> {
     #[cfg(target_os = "linux")]
     {
@@ -144,11 +146,6 @@ pub fn populate(
         let end = end.div_ceil(PAGE) * PAGE;
         // The file offset of address s: the mapping is linear from (addr, offset).
         let at = |s: usize| (s as u64).wrapping_sub(addr as u64).wrapping_add(offset);
-        // None where the kernel has no cachestat(2)
-        let in_cache = |s: usize, l: usize| {
-            let pages = file.and_then(|f| cached_pages(f, at(s), l as u64))?;
-            Some(pages >= (l as u64).div_ceil(PAGE as u64))
-        };
         // (address, length, known not cached)
         let pieces: Vec<(usize, usize, bool)> = (start..end)
             .step_by(READAHEAD_CHUNK)
@@ -157,7 +154,10 @@ pub fn populate(
                 if cached {
                     return Some((s, l, false));
                 }
-                let cached = in_cache(s, l).unwrap_or_else(|| resident(s, l).unwrap_or(false));
+                let cached = match file.and_then(|f| cached_pages(f, at(s), l as u64)) {
+                    Some(pages) => pages >= (l as u64).div_ceil(PAGE as u64),
+                    None => resident(s, l).unwrap_or(false),
+                };
                 (!cached).then_some((s, l, true))
             })
             .collect();
@@ -165,11 +165,9 @@ pub fn populate(
             return Ok(0);
         }
         let work = |&(s, l, uncached): &(usize, usize, bool)| -> Result<u64> {
-            if let Some(f) = file {
-                if uncached || in_cache(s, l) == Some(false) {
-                    // Faults would read the rest; a filesystem without splice support gets them.
-                    let _ = read_through(f, at(s), l as u64);
-                }
+            if let (Some(f), true) = (file, uncached || cold) {
+                // What this does not read (no splice support) the populating faults read.
+                let _ = read_through(f, at(s), l as u64);
             }
             // In steps: the kernel holds the address space's lock for reading through one call,
             // and every mmap of the loading thread (new Python or torch memory) waits for it.
@@ -204,7 +202,7 @@ pub fn populate(
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = (file, addr, offset, len, threads, cached);
+        let _ = (file, addr, offset, len, threads, cached, cold);
         Ok(0)
     }
 }
@@ -364,13 +362,16 @@ mod tests {
         // SAFETY: the file is private to this test and not modified while mapped.
         let map = unsafe { memmap2::Mmap::map(&f).unwrap() };
         let (addr, len) = (map.as_ptr() as usize, map.len());
-        let read = populate(Some(&f), addr, 0, len, Some(4), false).unwrap();
+        let read = populate(Some(&f), addr, 0, len, Some(4), false, false).unwrap();
         assert!(read <= len.div_ceil(4096) as u64 * 4096);
         assert!(resident(addr, len).unwrap());
         assert_eq!(&map[..], &bytes[..]);
         // Now cached and mapped: nothing left to read, unless every piece is asked for.
-        assert_eq!(populate(Some(&f), addr, 0, len, Some(4), false).unwrap(), 0);
-        let all = populate(Some(&f), addr, 0, len, Some(4), true).unwrap();
+        assert_eq!(
+            populate(Some(&f), addr, 0, len, Some(4), false, false).unwrap(),
+            0
+        );
+        let all = populate(Some(&f), addr, 0, len, Some(4), true, true).unwrap();
         assert_eq!(all, len.div_ceil(4096) as u64 * 4096);
         assert_eq!(&map[..], &bytes[..]);
         drop(map);
@@ -405,7 +406,7 @@ mod tests {
     #[test]
     fn populating_an_unmapped_range_is_an_error_not_a_crash() {
         // Page 0 is never mapped in a Linux process.
-        assert!(populate(None, 0, 0, 4096, Some(1), false).is_err());
-        assert!(populate(None, 0, 0, 4096, Some(1), true).is_err());
+        assert!(populate(None, 0, 0, 4096, Some(1), false, false).is_err());
+        assert!(populate(None, 0, 0, 4096, Some(1), true, true).is_err());
     }
 }

@@ -55,11 +55,13 @@ class SafetensorsFile:
         length: int,
         threads: int | None = None,
         cached: bool = False,
+        cold: bool = False,
     ) -> int:
         """Read the uncached pages (every page with ``cached``) of [address, address + length), a
         mapping of this file whose byte ``offset`` is at ``address``, into the mapping in
-        parallel (uncached parts read through the page cache with ``sendfile`` to /dev/null, then
-        ``MADV_POPULATE_READ``); the bytes populated. An unmapped range raises FastloadIOError."""
+        parallel: uncached parts (every part with ``cold``, for a range found mostly uncached) are
+        read through the page cache (``sendfile`` to /dev/null), then ``MADV_POPULATE_READ``; the
+        bytes populated. An unmapped range raises FastloadIOError."""
     def mostly_uncached(self, offset: int | None = None, length: int | None = None) -> bool:
         """Whether most of the file's bytes [offset, offset + length) (default: the tensor data)
         are not in the page cache (``cachestat``); False for a file held in memory or where the

@@ -287,7 +287,7 @@ def _split(state: Mapping[str, torch.Tensor], limit: int) -> tuple[list[list[str
 def _stage_config(model: nn.Module, staging: Path) -> list[str]:
     """Writes the model's config (and generation config) with their own save into ``staging``;
     returns the file names written."""
-    config = copy.deepcopy(model.config)
+    config: Any = copy.deepcopy(model.config)  # a transformers PretrainedConfig
     # Runtime state only (transformers #13657): a legacy key must not be written back.
     if "gradient_checkpointing" in vars(config):
         delattr(config, "gradient_checkpointing")

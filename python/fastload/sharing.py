@@ -137,29 +137,34 @@ class SharedMapping:
         spans = _merged(self._viewed)
         if sum(stop - start for start, stop in spans) > _available_bytes() // 2:
             return 0
-        return self._populate(spans, threads, cached=False)
+        return self._populate(spans, threads, cached=False, cold=False)
 
     def map_all(self, threads: int | None = None) -> int:
-        """Maps every page of the file's tensor data into this mapping, reading the ones not in
-        the page cache (``MADV_POPULATE_READ``); returns the bytes populated. Run by
+        """Maps every page of the file's tensor data into this mapping, read through the page
+        cache first (``sendfile``, then ``MADV_POPULATE_READ``); returns the bytes populated. Run by
         :class:`WarmUp` beside the skeleton build for a file mostly not cached (a cached one is
         mapped in pieces, :meth:`map_span`), so the views' first use finds its pages mapped
         instead of faulting them in one by one on the caller's critical path."""
-        return self._populate([(self.file.data_start, self.file.file_size)], threads, cached=True)
+        spans = [(self.file.data_start, self.file.file_size)]
+        return self._populate(spans, threads, cached=True, cold=True)
 
     def map_span(self, start: int, stop: int) -> int:
         """Maps the pages of file bytes ``[start, stop)`` into this mapping, from one thread where
         they are mostly cached (CPU work only), else from parallel ones (the disk's); returns the
         bytes populated."""
         cold = self.file.mostly_uncached(start, stop - start)
-        return self._populate([(start, stop)], None if cold else 1, cached=True)
+        return self._populate([(start, stop)], None if cold else 1, cached=True, cold=cold)
 
-    def _populate(self, spans: list[tuple[int, int]], threads: int | None, *, cached: bool) -> int:
+    def _populate(
+        self, spans: list[tuple[int, int]], threads: int | None, *, cached: bool, cold: bool
+    ) -> int:
         base = self.storage.data_ptr()
         done = 0
         try:
             for start, stop in spans:
-                done += self.file.read_ahead(base + start, start, stop - start, threads, cached)
+                done += self.file.read_ahead(
+                    base + start, start, stop - start, threads=threads, cached=cached, cold=cold
+                )
         except FastloadIOError as e:
             self._check_same_file()  # a file cut short under the mapping says so
             raise FastloadIOError(f"reading ahead the mapped file failed: {e}") from e
