@@ -29,7 +29,6 @@ SIGBUS and kill the process. Replace checkpoints by writing a new file and renam
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -39,8 +38,6 @@ import torch
 from fastload import _core
 from fastload.dtypes import to_torch
 from fastload.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
-
-logger = logging.getLogger("fastload")
 
 #: The accepted values of ``from_pretrained(mmap=...)``.
 MMAP_MODES = ("auto", "shared", "copy")
