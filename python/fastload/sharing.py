@@ -136,14 +136,14 @@ class SharedMapping:
             return 0
         return self._populate(spans, threads, cached=False, cold=False)
 
-    def map_all(self, threads: int | None = None) -> int:
+    def map_all(self) -> int:
         """Maps every page of the file's tensor data into this mapping, read through the page
         cache first (``sendfile``, then ``MADV_POPULATE_READ``); returns the bytes populated. Run by
         :class:`WarmUp` beside the skeleton build for a file mostly not cached (a cached one is
         mapped in pieces, :meth:`map_span`), so the views' first use finds its pages mapped
         instead of faulting them in one by one on the caller's critical path."""
         spans = [(self.file.data_start, self.file.file_size)]
-        return self._populate(spans, threads, cached=True, cold=True)
+        return self._populate(spans, None, cached=True, cold=True)
 
     def map_span(self, start: int, stop: int) -> int:
         """Maps the pages of file bytes ``[start, stop)`` into this mapping, from one thread where
@@ -240,7 +240,7 @@ class WarmUp:
             self._listed.set()
             for m in cold:
                 self.from_disk += m.file.file_size - m.file.data_start
-                self._mapped.append(m.map_all(None))
+                self._mapped.append(m.map_all())
             self._map_pieces()
         except FastloadError as e:
             self._error = e
