@@ -70,10 +70,31 @@ def test_a_tiny_run_measures_the_floors_and_fastload_and_writes_its_results(
         assert row["median_seconds"] > 0, name
         assert len(row["runs"]) == 1
     assert "x_conversion_floor" in rows["fastload(bf16->f32)"]
+    # each run is a fresh interpreter that imported every library before its clock started
+    assert all(r["imported_in_clock"] == [] for row in rows.values() for r in row["runs"])
     written = json.loads((out / "llama-0.01GiB.json").read_text())
     assert written["results"]["warm"]["bfloat16"]["loaders"].keys() == rows.keys()
     table = (out / "llama-0.01GiB.md").read_text()
     assert "fresh-memory floor" in table and "| fastload |" in table
+
+
+def test_a_child_reports_the_modules_a_load_imported_inside_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from fastload import bench_loaders
+
+    def load_importing(loader: str, checkpoint: Path) -> list[object]:
+        sys.modules.pop("fastload_bench_probe", None)
+        sys.modules["fastload_bench_probe"] = object()  # type: ignore[assignment]
+        return []
+
+    monkeypatch.setattr(bench_loaders, "_load", load_importing)
+    measured = bench_loaders.child("floor(map+touch)", tmp_path)
+    sys.modules.pop("fastload_bench_probe", None)
+    assert measured["imported_in_clock"] == ["fastload_bench_probe"]
+    assert measured["seconds"] >= 0
 
 
 def test_runs_go_round_robin_so_a_drift_in_machine_speed_spreads_over_every_loader(

@@ -44,9 +44,8 @@ GIB = 1 << 30
 
 def compile_fastload() -> None:
     """Writes fastload's bytecode, as installing a wheel does: an editable install under
-    ``PYTHONDONTWRITEBYTECODE`` would otherwise compile the modules a first load imports from
-    source in every child (14 modules, ~18 ms measured here), which the peers, installed with
-    their bytecode, never pay."""
+    ``PYTHONDONTWRITEBYTECODE`` would otherwise compile fastload's modules from source in every
+    child, which the peers, installed with their bytecode, never do."""
     import compileall
 
     import fastload
@@ -129,13 +128,20 @@ def evict(path: Path) -> None:
         os.close(fd)
 
 
-def run_child(loader: str, checkpoint: Path, timeout: float) -> dict[str, float]:
+def run_child(loader: str, checkpoint: Path, timeout: float) -> dict[str, Any]:
     """Starts a fresh interpreter for one run and returns its measurements."""
     cmd = [sys.executable, "-m", "fastload.bench", "--child", loader, str(checkpoint)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{loader} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    measured: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    if measured.get("imported_in_clock"):
+        print(
+            f"[bench] warning: {loader} imported modules inside the clock (their import time is "
+            f"in its figure): {', '.join(measured['imported_in_clock'])}",
+            flush=True,
+        )
+    return measured
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +183,7 @@ def run(
         nbytes = data_bytes(ckpt)
         for mode in modes:
             chosen = [n for n in loaders if n not in CONVERSIONS or dtype == "bfloat16"]
-            runs: dict[str, list[dict[str, float]]] = {n: [] for n in chosen}
+            runs: dict[str, list[dict[str, Any]]] = {n: [] for n in chosen}
             if mode == "warm":
                 # The same page cache for every run: how files are read decides the size of the
                 # page-cache folios, and mapping 4 KiB ones costs ~10x more than 2 MiB ones (a

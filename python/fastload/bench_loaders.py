@@ -7,7 +7,9 @@ forward pass would. Peers are loaded the way their documentation shows for CPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -195,7 +197,7 @@ def _load(loader: str, checkpoint: Path) -> list[Any]:
     raise SystemExit(f"unknown loader {loader!r}")
 
 
-def child(loader: str, checkpoint: Path) -> dict[str, float]:
+def child(loader: str, checkpoint: Path) -> dict[str, Any]:
     """Runs one load and touch; imports happen before the clock and the RSS baseline, so that only
     the load is measured (a server has its modelling code imported already)."""
     import torch  # noqa: F401 - imported before the baseline on purpose
@@ -203,18 +205,34 @@ def child(loader: str, checkpoint: Path) -> dict[str, float]:
     from safetensors.torch import load_file  # noqa: F401
     from transformers import LlamaForCausalLM  # noqa: F401 - the model code every loader needs
 
-    import fastload.loading  # noqa: F401 - as the peers' code, imported before the baseline
+    # fastload's entry point and its transformers layer, as the peers' code above: a load then
+    # imports nothing of any library inside the clock (checked by the bench's tests)
+    import fastload.api  # noqa: F401
+    import fastload.hf.front  # noqa: F401
 
     if loader == "fastsafetensors":
         import fastsafetensors  # noqa: F401
+
+        with contextlib.suppress(ImportError):  # its torch backend, imported on first open
+            import fastsafetensors.frameworks._torch  # noqa: F401
     if loader == "runai-model-streamer":
         import runai_model_streamer  # noqa: F401
+    if loader.startswith("torch.load"):
+        with contextlib.suppress(ImportError):  # what torch.load imports on first use
+            import torch.utils.serialization.config  # noqa: F401
 
+    imported = set(sys.modules)
     rss0 = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     _touch(_load(loader, checkpoint))
     seconds = time.perf_counter() - t0
+    imported = sorted(set(sys.modules) - imported)
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec from the parent (the runner,
     # which wrote the checkpoint), while VmHWM belongs to this process's address space alone.
     peak = _status_bytes("VmHWM")
-    return {"seconds": seconds, "peak_rss_over_baseline": max(0, peak - rss0)}
+    return {
+        "seconds": seconds,
+        "peak_rss_over_baseline": max(0, peak - rss0),
+        # modules a loader imported inside the clock: import time, not load time (none expected)
+        "imported_in_clock": imported,
+    }

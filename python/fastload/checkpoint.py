@@ -41,6 +41,7 @@ from fastload.errors import (
     from_os_error,
 )
 from fastload.pickle_file import PickleFile, is_pickle
+from fastload.reader import READ_MODES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -348,8 +349,6 @@ def open_checkpoint(location: CheckpointFiles, read_mode: str = "pread") -> Open
     with the shards' contents, is a ``CheckpointError``. If the directory was replaced and its
     files deleted meanwhile (a concurrent save), the checkpoint is resolved again and reopened.
     """
-    from fastload.reader import READ_MODES
-
     if read_mode not in READ_MODES:  # checked even when only pickle files are opened
         raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
     for attempt in range(_ATTEMPTS):

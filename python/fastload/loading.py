@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from fastload import keys as keymod
+from fastload import reader
 from fastload.checkpoint import (
     OpenCheckpoint,
 )
@@ -53,6 +54,7 @@ from fastload.offload import dispatch_offloaded, offloaded_names, require_accele
 from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
+from fastload.progress import byte_progress
 from fastload.report import LoadReport
 from fastload.sharing import SharedMapping, WarmUp, check_mmap_mode, file_sharing
 from fastload.skeleton import build_skeleton, forget_constructor_values
@@ -482,9 +484,6 @@ def _read(
     """One copy call per file (all its tensors at once, so the engine parallelises across them);
     the progress bar advances per copied piece (:mod:`fastload.progress`); accelerator
     destinations of every file share ``pool``, released at the end."""
-    from fastload.progress import byte_progress
-    from fastload.reader import fill
-
     total = sum(t.numel() * t.element_size() for items in by_file.values() for _, t, *_ in items)
     written = 0
     with byte_progress(total, progress) as counter:
@@ -492,7 +491,7 @@ def _read(
             for index in sorted(by_file):
                 items = by_file[index]
                 jobs = [(n, t, s) for n, t, s, _ in items]
-                written += fill(ckpt.files[index], jobs, threads, pool, counter)
+                written += reader.fill(ckpt.files[index], jobs, threads, pool, counter)
         finally:
             pool.release()
     return written

@@ -24,7 +24,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from fastload import keys as keymod
 from fastload.errors import CheckpointError, UnsupportedError
+from fastload.hf.renames import transformers_renames
 from fastload.planning import Merge, Piece, View
 
 
@@ -45,9 +47,6 @@ def transformers_merges(
     """The merges and splits transformers' conversion mapping makes for ``model`` on the
     checkpoint ``ckpt`` (``options`` are :func:`fastload.keys.map_keys`'s); empty when every
     stored name already is a model name."""
-    from fastload import keys as keymod
-    from fastload.hf.renames import transformers_renames
-
     known = model_keys.union(options["computed"])
     key_map = options["key_map"]
     if all((key_map(k) if key_map is not None else k) in known for k in ckpt.tensors):

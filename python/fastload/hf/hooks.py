@@ -11,7 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fastload.hf.conversions import transformers_merges
+from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
+from fastload.hf.finish import finish_transformers
+from fastload.hf.renames import transformers_renames
 from fastload.hooks import ModelHooks
+from fastload.skeleton import recompute_buffers
 
 if TYPE_CHECKING:
     from fastload.checkpoint import OpenCheckpoint
@@ -39,18 +44,12 @@ class TransformersHooks(ModelHooks):
         model_keys: set[str],
         options: dict[str, Any],
     ) -> dict[str, Merge]:
-        from fastload.hf.conversions import transformers_merges
-
         return transformers_merges(model, ckpt, model_keys, options)
 
     def auto_dtype(self, ckpt: OpenCheckpoint) -> torch.dtype | None:
-        from fastload.hf.dtype_rules import auto_dtype
-
         return auto_dtype(self.config, ckpt)
 
     def renames(self, model: nn.Module, source: str) -> Callable[[], Any]:
-        from fastload.hf.renames import transformers_renames
-
         # Built only if some name does not match directly (transformers compiles ~1000 regexes).
         return functools.partial(transformers_renames, model, source)
 
@@ -66,8 +65,6 @@ class TransformersHooks(ModelHooks):
         return patterns
 
     def keep_fp32(self, model: nn.Module, dtype: torch.dtype | None) -> re.Pattern[str] | None:
-        from fastload.hf.dtype_rules import keep_fp32_pattern
-
         return keep_fp32_pattern(model, dtype)
 
     def finish(
@@ -79,9 +76,6 @@ class TransformersHooks(ModelHooks):
         device_map: DeviceMap | None,
         report: LoadReport,
     ) -> None:
-        from fastload.hf.finish import finish_transformers
-        from fastload.skeleton import recompute_buffers
-
         if built_here:  # non-persistent buffers as transformers computes them
             recompute_buffers(model)
         finish_transformers(
