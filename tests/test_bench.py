@@ -86,13 +86,11 @@ def test_a_child_reports_the_modules_a_load_imported_inside_the_clock(
     from fastload import bench_loaders
 
     def load_importing(loader: str, checkpoint: Path) -> list[object]:
-        sys.modules.pop("fastload_bench_probe", None)
-        sys.modules["fastload_bench_probe"] = object()  # type: ignore[assignment]
+        monkeypatch.setitem(sys.modules, "fastload_bench_probe", object())
         return []
 
     monkeypatch.setattr(bench_loaders, "_load", load_importing)
     measured = bench_loaders.child("floor(map+touch)", tmp_path)
-    sys.modules.pop("fastload_bench_probe", None)
     assert measured["imported_in_clock"] == ["fastload_bench_probe"]
     assert measured["seconds"] >= 0
 

@@ -221,12 +221,11 @@ def child(loader: str, checkpoint: Path) -> dict[str, Any]:
         with contextlib.suppress(ImportError):  # what torch.load imports on first use
             import torch.utils.serialization.config  # noqa: F401
 
-    imported = set(sys.modules)
+    before = set(sys.modules)
     rss0 = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     _touch(_load(loader, checkpoint))
     seconds = time.perf_counter() - t0
-    imported = sorted(set(sys.modules) - imported)
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork+exec from the parent (the runner,
     # which wrote the checkpoint), while VmHWM belongs to this process's address space alone.
     peak = _status_bytes("VmHWM")
@@ -234,5 +233,5 @@ def child(loader: str, checkpoint: Path) -> dict[str, Any]:
         "seconds": seconds,
         "peak_rss_over_baseline": max(0, peak - rss0),
         # modules a loader imported inside the clock: import time, not load time (none expected)
-        "imported_in_clock": imported,
+        "imported_in_clock": sorted(set(sys.modules) - before),
     }
