@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ pytest.importorskip("huggingface_hub")
 
 import fastload  # noqa: E402
 from fastload import CheckpointError, FastloadIOError, UnsupportedError  # noqa: E402
+from fastload.hf.hub import is_local  # noqa: E402
 from hf_cache import add_snapshot, directory_files  # noqa: E402
 from tiny_models import assert_same_tensors, make_checkpoint, make_model  # noqa: E402
 
@@ -159,3 +163,106 @@ def test_the_readme_first_example_loads_all_minilm_from_a_local_cache(tmp_path, 
     assert type(model).__name__ == "BertModel"
     assert model.name_or_path == "sentence-transformers/all-MiniLM-L6-v2"
     assert_same_tensors(model, load(None, directory))
+
+
+#: the README's first example, alone in a fresh interpreter: nothing else (transformers above all,
+#: which loads huggingface_hub's lazy submodules) is imported before the call
+FRESH_PROCESS_EXAMPLE = """
+import fastload
+model = fastload.from_pretrained("org/name")
+print(type(model).__name__)
+"""
+
+
+def test_the_readme_first_example_loads_a_model_id_in_a_fresh_process_importing_only_fastload(
+    tmp_path, source
+):
+    assert "transformers" not in FRESH_PROCESS_EXAMPLE
+    cache = tmp_path / "hub"
+    add_snapshot(cache, "org/name", directory_files(source))
+    env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS_EXAMPLE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split() == ["BertModel"]
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A checkpoint next to the cache (``tmp_path/outside``), where an escaping subfolder leads."""
+    return make_checkpoint(tmp_path / "outside", "BertModel", seed=5)
+
+
+def test_a_subfolder_climbing_out_of_the_snapshot_is_refused_naming_it(cache, outside):
+    # snapshots/<commit> -> snapshots -> models--org--tiny-bert -> hub -> tmp_path
+    assert (cache / "models--org--tiny-bert/snapshots").exists()
+    with pytest.raises(FastloadIOError, match=r"subfolder='\.\./\.\./\.\./\.\./outside'"):
+        load(REPO, cache_dir=cache, subfolder="../../../../outside")
+
+
+def test_an_absolute_subfolder_of_a_model_id_is_refused_naming_it(cache, outside):
+    with pytest.raises(FastloadIOError, match="subfolder=.*outside.* leads outside the snapshot"):
+        load(REPO, cache_dir=cache, subfolder=str(outside))
+
+
+def test_a_subfolder_climbing_out_through_an_inner_folder_is_refused_naming_it(
+    tmp_path, source, outside
+):
+    cache = tmp_path / "hub"
+    add_snapshot(cache, REPO, directory_files(source, prefix="text/"))
+    with pytest.raises(FastloadIOError, match=r"subfolder='text/\.\./"):
+        load(REPO, cache_dir=cache, subfolder="text/../../../../../outside")
+
+
+def test_a_variant_with_a_separator_is_refused_for_a_model_id_naming_it(cache):
+    with pytest.raises(FastloadIOError, match=r"variant='fp16/x'"):
+        load(REPO, cache_dir=cache, variant="fp16/x")
+
+
+def test_a_variant_climbing_out_of_a_local_directory_is_refused_naming_it(
+    tmp_path, source, outside
+):
+    directory = tmp_path / "repo"
+    directory.mkdir()
+    for f in source.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    (directory / "model.").mkdir()  # model.<variant>.safetensors would walk through it, then up
+    with pytest.raises(FastloadIOError, match=r"variant='/\.\./\.\./outside/model'"):
+        load(str(directory), variant="/../../outside/model")
+
+
+def test_a_subfolder_climbing_out_of_a_local_directory_is_refused_naming_it(tmp_path, outside):
+    # transformers joins a local subfolder as given; fastload holds a directory to the snapshot's
+    # rule (see resolve_checkpoint)
+    make_checkpoint(tmp_path / "repo" / "text", "BertModel")
+    with pytest.raises(FastloadIOError, match=r"subfolder='\.\./outside' leads outside"):
+        load(str(tmp_path / "repo"), subfolder="../outside")
+
+
+@pytest.mark.parametrize("name", ["x" * 300, "org/" + "x" * 296], ids=["one-part", "org-name"])
+def test_a_model_id_too_long_for_a_file_name_is_a_fastload_io_error_naming_it(
+    tmp_path, monkeypatch, name
+):
+    (tmp_path / "org").mkdir()  # "org/<296 x>" is then looked up, and too long, under ./org
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FastloadIOError, match=name):
+        load(name, cache_dir=tmp_path / "hub")
+
+
+def test_a_subfolder_too_long_for_a_file_name_is_a_fastload_io_error_naming_it(source):
+    with pytest.raises(FastloadIOError, match="File name too long.*subfolder='s{300}'"):
+        load(str(source), subfolder="s" * 300)
+
+
+def test_a_variant_too_long_for_a_file_name_is_a_fastload_io_error_naming_it(source):
+    with pytest.raises(FastloadIOError, match="File name too long.*variant='v{300}'"):
+        load(str(source), variant="v" * 300)
+
+
+def test_a_name_too_long_for_a_file_name_is_not_local():
+    assert is_local("x" * 300) is False

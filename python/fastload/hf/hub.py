@@ -5,17 +5,28 @@ A local directory or file is used as is. Anything else that is a valid repo id
 (``HF_HOME`` / ``HF_HUB_CACHE`` or ``cache_dir``) when it holds the revision, downloading the
 files a load needs otherwise, offline with ``HF_HUB_OFFLINE=1`` or ``local_files_only=True``.
 The cache layout is the library's business; nothing here knows it.
+
+``subfolder=`` and ``variant=`` are names inside the snapshot (or the local directory): one that
+leads outside it (``..``, an absolute or drive path, a separator in a variant) is refused before
+anything is read or downloaded, as huggingface_hub refuses such file names.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from fastload.checkpoint import INDEX_FILE, SINGLE_FILE
-from fastload.errors import CheckpointError, FastloadIOError, UnsupportedError
+from fastload.errors import (
+    CheckpointError,
+    FastloadIOError,
+    UnsupportedError,
+    from_os_error,
+)
 
 _PICKLE_SINGLE = "pytorch_model.bin"
 _PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -54,8 +65,56 @@ def _download_patterns(
     return patterns
 
 
+def _check_subfolder(subfolder: str, where: str) -> None:
+    """``FastloadIOError`` unless ``subfolder`` is a relative path inside ``where``.
+
+    The rule is huggingface_hub's for repo file names (``_validate_relative_filename``), checked
+    on the name alone (no symlink resolution: snapshot files are links to blobs elsewhere): no
+    ``..`` segment (``/`` or ``\\`` separated), nothing absolute, drive-relative or UNC under
+    POSIX or Windows rules, no NUL. An ``OSError`` (``FastloadIOError``) as transformers raises
+    ``OSError`` for a subfolder the hub refuses.
+    """
+    segments = subfolder.replace("\\", "/").split("/")
+    anchored = any(
+        p.drive or p.root
+        for p in [PurePosixPath(subfolder), *(PureWindowsPath(s) for s in subfolder.split("/"))]
+    )
+    if ".." in segments or anchored or "\x00" in subfolder:
+        raise FastloadIOError(
+            f"subfolder={subfolder!r} leads outside {where}: a subfolder is a relative path "
+            "inside it, without '..'"
+        )
+
+
+def _check_variant(variant: str | None, where: str) -> None:
+    """``FastloadIOError`` unless ``variant`` is a plain part of a file name (``fp16``)."""
+    if variant and any(bad in variant for bad in ("/", "\\", "..", "\x00")):
+        raise FastloadIOError(
+            f"variant={variant!r} leads outside {where}: a variant is part of a file name "
+            "(model.<variant>.safetensors), without '/', '\\' or '..'"
+        )
+
+
+def _probe(check: Callable[[], bool], path: Path, doing: str) -> bool:
+    """``check()`` (``path.exists``, ``path.is_file``), an ``OSError`` it raises as the
+    ``FastloadIOError`` naming ``path`` (``doing`` says which argument it came from): a name too
+    long for the filesystem (``ENAMETOOLONG``) is raised by ``Path.exists()``, not answered
+    ``False``."""
+    try:
+        return check()
+    except OSError as e:
+        raise from_os_error(e, path, doing) from e
+
+
 def is_local(name: str | os.PathLike[str]) -> bool:
-    return Path(os.fspath(name)).exists()
+    """Whether ``name`` is an existing local path; a name too long for any path (a long model id)
+    is not one."""
+    try:
+        return Path(os.fspath(name)).exists()
+    except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            return False
+        raise from_os_error(e, name) from e
 
 
 def snapshot(
@@ -69,19 +128,27 @@ def snapshot(
 ) -> Path:
     """The local snapshot directory of ``repo_id`` (downloading only what a load needs)."""
     try:
-        import huggingface_hub
+        # Each name from the submodule that defines it: huggingface_hub loads ``utils`` and
+        # ``constants`` lazily, so ``huggingface_hub.utils`` fails in a process that has not
+        # imported them (transformers does). ``snapshot_download`` is read at call time, so a
+        # patched ``huggingface_hub.snapshot_download`` is the one called.
+        from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
     except ImportError:
         raise FastloadIOError(
             f"{repo_id}: no such file or directory (and huggingface_hub, which resolves model ids, "
             "is not installed)"
         ) from None
     try:
-        huggingface_hub.utils.validate_repo_id(repo_id)
+        validate_repo_id(repo_id)
     except HFValidationError:
-        raise FastloadIOError(f"{repo_id}: no such file or directory") from None
+        longer = " (and longer than a model id may be: 96 characters)" if len(repo_id) > 96 else ""
+        raise FastloadIOError(f"{repo_id}: no such file or directory{longer}") from None
+    _check_subfolder(subfolder, f"the snapshot of {repo_id}")
+    _check_variant(variant, f"the snapshot of {repo_id}")
     options = dict(hub)
-    if huggingface_hub.constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "") in (
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "") in (
         "1",
         "ON",
         "YES",
@@ -91,7 +158,7 @@ def snapshot(
     if options.get("revision") is None:
         options.pop("revision", None)
     try:
-        path = huggingface_hub.snapshot_download(
+        path = snapshot_download(
             repo_id,
             allow_patterns=_download_patterns(subfolder, variant, pickle, remote_code),
             library_name="fastload",
@@ -118,7 +185,7 @@ def resolve_checkpoint(
     """The local directory and weights of ``name``: a local path, or a model id."""
     path = Path(os.fspath(name))
     pickle = use_safetensors is False or (use_safetensors is None and allow_pickle)
-    if not path.exists():
+    if not _local(path):
         path = snapshot(
             os.fspath(name),
             hub=hub,
@@ -127,17 +194,32 @@ def resolve_checkpoint(
             pickle=pickle,
             remote_code=remote_code,
         )
-    elif hub.get("revision") not in (None, "main"):
-        raise UnsupportedError(
-            f"{path}: revision={hub['revision']!r} applies to model ids, not local directories"
-        )
+    else:
+        # A local directory is held to the same rule as a snapshot, although transformers joins
+        # a local subfolder as given (``subfolder="../other"`` loads a sibling directory): the
+        # same call must not read outside its directory or not depending on whether the name is
+        # a path or a model id (a downloaded repo may be loaded either way, its subfolder coming
+        # from a config). A checkpoint elsewhere is loaded by naming that directory.
+        _check_subfolder(subfolder, f"the directory {path}")
+        _check_variant(variant, f"the directory {path}")
+        if hub.get("revision") not in (None, "main"):
+            raise UnsupportedError(
+                f"{path}: revision={hub['revision']!r} applies to model ids, not local directories"
+            )
     if subfolder:
         path = path / subfolder
-        if not path.exists():
+        if not _probe(path.exists, path, f"subfolder={subfolder!r}"):
             raise FastloadIOError(f"{path}: no such file or directory (subfolder={subfolder!r})")
-    if path.is_file():
+    if _probe(path.is_file, path, "the checkpoint path"):
         return Resolved(path.parent, path)
     return Resolved(path, _weights(path, variant, use_safetensors))
+
+
+def _local(path: Path) -> bool:
+    """Whether ``path`` exists here. A name too long for the filesystem (``ENAMETOOLONG``) is
+    neither a local path nor a model id (at most 96 characters): refused naming it, before the
+    hub is asked."""
+    return _probe(path.exists, path, "neither a local path nor a model id")
 
 
 def _weights(directory: Path, variant: str | None, use_safetensors: bool | None) -> Path:
@@ -153,7 +235,7 @@ def _weights(directory: Path, variant: str | None, use_safetensors: bool | None)
         return directory
     for candidate in candidates:
         f = directory / _variant(candidate, variant)
-        if f.is_file():
+        if _probe(f.is_file, f, f"variant={variant!r}"):
             return f
     wanted = " or ".join(_variant(c, variant) for c in candidates)
     raise CheckpointError(f"{directory}: no {wanted} in the directory")
