@@ -10,17 +10,17 @@ passed in already holds are served from memory instead. Only safetensors files c
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
+from fastload import _core
 from fastload.checkpoint import OpenCheckpoint
 from fastload.device_map import DISK, DeviceMap
 from fastload.errors import UnsupportedError
-from fastload.pickle_file import PickleFile
 from fastload.planning import Group
+from fastload.reader import read_tensor
 
 
 def require_accelerate() -> None:
@@ -52,24 +52,19 @@ def dispatch_offloaded(
     from accelerate import dispatch_model
     from accelerate.utils import extract_submodules_state_dict
 
-    index: dict[str, dict[str, Any]] = {}
+    disk_tensors: dict[str, tuple[_core.SafetensorsFile, str, torch.dtype]] = {}
     for group in groups:
         if group.action != "load" or group.dest is None or group.dest.device != DISK:
             continue
         slot, stored, dest = group.sources[0]
         file = ckpt.files[stored.file]
-        if isinstance(file, PickleFile):
+        if not isinstance(file, _core.SafetensorsFile):
             raise UnsupportedError(
-                f"{file.path}: only safetensors files can be offloaded to disk; tensor "
-                f"{stored.name!r} is in a pickle or an in-memory state dict"
+                f"{getattr(file, 'path', '<memory>')}: only safetensors files can be offloaded to "
+                f"disk; tensor {stored.name!r} is in a pickle or an in-memory state dict"
             )
-        entry = {
-            "safetensors_file": file.path,
-            "weight_name": stored.name,
-            "dtype": str(dest.dtype).removeprefix("torch."),
-        }
         for name in group.names:
-            index[name] = entry
+            disk_tensors[name] = (file, stored.name, dest.dtype)
     accel_map = _flat_map(model, device_map)
     disk = [p for p, d in device_map.prefixes.items() if d == DISK]
     gpus = [d for d in device_map.devices if d.type not in ("cpu", "meta")]
@@ -79,22 +74,56 @@ def dispatch_offloaded(
         main = (gpus[0].index or 0) if gpus[0].type == "cuda" else str(gpus[0])
     # What the hooks must serve from memory: disk-mapped tensors that are not in the file, and,
     # with a GPU executing them, the CPU-mapped modules (accelerate offloads those too).
-    state: dict[str, torch.Tensor] = {}
+    memory: dict[str, torch.Tensor] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         under_disk = any(p == "" or name == p or name.startswith(p + ".") for p in disk)
-        if under_disk and name not in index and tensor.device.type != "meta":
-            state[name] = tensor
+        if under_disk and name not in disk_tensors and tensor.device.type != "meta":
+            memory[name] = tensor
     if main != "cpu":
         cpu = [p for p, d in device_map.prefixes.items() if d.type == "cpu"]
-        state.update(extract_submodules_state_dict(model.state_dict(), cpu))
+        memory.update(extract_submodules_state_dict(model.state_dict(), cpu))
+    # The offloaded tensors are served as accelerate's "state dict", which its weights map asks
+    # first: read from the files this load opened and validated, not reopened by path (a
+    # checkpoint published anew into the same directory, or a chdir, would change what they read).
+    # The index names them only because dispatch_model wants one for disk entries.
     dispatch_model(
         model,
         device_map=accel_map,
         main_device=main,
-        state_dict=state or None,
-        offload_index=index,
+        state_dict=OffloadedTensors(memory, disk_tensors),
+        offload_index={name: {} for name in disk_tensors},
         offload_buffers=False,
     )
+
+
+class OffloadedTensors(Mapping[str, torch.Tensor]):
+    """The tensors accelerate's offload hooks fetch when a module runs: ``memory`` as they are,
+    and each disk-offloaded name read anew (on the CPU, in its load dtype) from the open file
+    the load validated."""
+
+    def __init__(
+        self,
+        memory: dict[str, torch.Tensor],
+        disk: dict[str, tuple[_core.SafetensorsFile, str, torch.dtype]],
+    ) -> None:
+        self._memory = memory
+        self._disk = disk
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._memory:
+            return self._memory[name]
+        file, stored, dtype = self._disk[name]
+        return read_tensor(file, stored, device=torch.device("cpu"), dtype=dtype)
+
+    def __contains__(self, name: object) -> bool:  # without reading (Mapping's would read)
+        return name in self._memory or name in self._disk
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._memory
+        yield from (n for n in self._disk if n not in self._memory)
+
+    def __len__(self) -> int:
+        return len(self._memory) + sum(n not in self._memory for n in self._disk)
 
 
 def _flat_map(model: nn.Module, device_map: DeviceMap) -> dict[str, int | str]:

@@ -19,6 +19,7 @@ from types import TracebackType
 import torch
 
 from fastload import _core
+from fastload.arguments import check_bool
 from fastload.devices import DeviceArg, parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch, torch_shape
 from fastload.errors import RequestError, UnsupportedError
@@ -53,6 +54,7 @@ def open_file(
     """
     if read_mode not in READ_MODES:
         raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    check_bool(strict, "strict", where=os.fspath(path))
     return _core.SafetensorsFile(os.fspath(path), read_mode, strict=strict)
 
 
@@ -132,6 +134,29 @@ def fill(
                 file, device_items, pool=pool, threads=threads, progress=progress
             )
     return written
+
+
+def read_tensor(
+    file: _core.SafetensorsFile,
+    name: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+) -> torch.Tensor:
+    """Tensor ``name`` of the open ``file`` as a new tensor on ``device``, converted to ``dtype``
+    (default: the stored one) during the copy where the engine can, after it otherwise."""
+    st_dtype, shape, _, _ = file.info(name)
+    where = f"{file.path}: tensor {name!r}"
+    stored = to_torch(st_dtype, where=where)
+    want = dtype if dtype is not None else stored
+    direct = want == stored or (st_dtype in CONVERTIBLE and to_st(want) in CONVERTIBLE)
+    out = torch.empty(
+        torch_shape(st_dtype, shape, where=where), dtype=want if direct else stored, device=device
+    )
+    fill(file, [(name, out, None)], threads, pool)
+    return out if direct else out.to(want)
 
 
 def _read_all(
@@ -222,19 +247,14 @@ class SafeOpen:
         dtype: torch.dtype | str | None = None,
     ) -> torch.Tensor:
         """Tensor ``name`` on ``device`` (default: the file's), converted to ``dtype`` if given."""
-        st_dtype, shape, _, _ = self.file.info(name)
-        where = f"{self.path}: tensor {name!r}"
-        stored = to_torch(st_dtype, where=where)
-        want = parse_dtype(dtype) if dtype is not None else stored
-        device = parse_device(device, where=self.path) if device is not None else self.device
-        direct = want == stored or (st_dtype in CONVERTIBLE and to_st(want) in CONVERTIBLE)
-        out = torch.empty(
-            torch_shape(st_dtype, shape, where=where),
-            dtype=want if direct else stored,
-            device=device,
+        return read_tensor(
+            self.file,
+            name,
+            device=parse_device(device, where=self.path) if device is not None else self.device,
+            dtype=parse_dtype(dtype) if dtype is not None else None,
+            threads=self.threads,
+            pool=self.staging,
         )
-        self.fill([(name, out, None)])
-        return out if direct else out.to(want)
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, in the order of their data in the file, read in one parallel pass."""

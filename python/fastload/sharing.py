@@ -28,10 +28,13 @@ SIGBUS and kill the process. Replace checkpoints by writing a new file and renam
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import math
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -75,7 +78,13 @@ def file_sharing(file: object, mmap: str) -> tuple[bool, str]:
 
 
 class SharedMapping:
-    """A private (copy-on-write) mapping of one safetensors file, handing out tensor views."""
+    """A private (copy-on-write) mapping of one safetensors file, handing out tensor views.
+
+    Each view gets a storage of its own bytes (a window of the mapping that keeps the mapping
+    alive), as if it had been allocated alone: ``torch.save`` or pickling one parameter writes
+    that parameter, not the whole checkpoint; ``share_memory_()`` moves that parameter alone;
+    safetensors' ``save_model`` sees separate tensors. The mapping is unmapped when its last
+    view is freed."""
 
     def __init__(self, file: _core.SafetensorsFile) -> None:
         self.file = file
@@ -88,11 +97,16 @@ class SharedMapping:
         by_fd = f"/proc/self/fd/{fd}" if fd is not None else None
         # shared=False maps the file MAP_PRIVATE: reads share the page cache, writes stay private.
         if by_fd is not None and os.path.exists(by_fd):
-            self.storage = torch.UntypedStorage.from_file(by_fd, False, file.file_size)
+            storage = torch.UntypedStorage.from_file(by_fd, False, file.file_size)
         else:
             self._check_same_file()
-            self.storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
+            storage = torch.UntypedStorage.from_file(self.path, False, file.file_size)
             self._check_same_file()
+        #: address of the first byte of the mapping
+        self.address: int = storage.data_ptr()
+        # The mapping as a writable buffer for torch.frombuffer, whose storages hold a reference
+        # to it (and it to the mapping's owner): one storage per view, zero-copy.
+        self._pages = _pages(file.file_size, self.address, storage)
         self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
         self._viewed: list[tuple[int, int]] = []  # (file offset, bytes) of the views handed out
         self.views = 0
@@ -117,9 +131,14 @@ class SharedMapping:
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize:
             return None
+        count = math.prod(shape)
         out = torch.empty(0, dtype=dtype)
-        out.set_(self.storage, offset // itemsize, tuple(shape))
-        self._viewed.append((offset, out.numel() * itemsize))
+        if count:  # frombuffer refuses an empty window; an empty tensor needs no bytes anyway
+            window = torch.frombuffer(self._pages, dtype=dtype, count=count, offset=offset)
+            out.set_(window.untyped_storage(), 0, tuple(shape))
+        else:
+            out.resize_(tuple(shape))
+        self._viewed.append((offset, count * itemsize))
         self.views += 1
         return out
 
@@ -155,7 +174,7 @@ class SharedMapping:
     def _populate(
         self, spans: list[tuple[int, int]], threads: int | None, *, cached: bool, cold: bool
     ) -> int:
-        base = self.storage.data_ptr()
+        base = self.address
         done = 0
         try:
             for start, stop in spans:
@@ -289,3 +308,12 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         elif length:
             spans.append((start, start + length))
     return spans
+
+
+def _pages(size: int, address: int, owner: torch.UntypedStorage) -> Any:
+    """The ``size`` bytes at ``address`` as a writable ctypes array (a buffer that
+    ``torch.frombuffer`` takes and each storage made from it references), which keeps ``owner``,
+    the storage that holds the mapping, alive as long as any tensor made from it."""
+    pages = (ctypes.c_char * size).from_address(address)
+    pages.owner = owner  # the array does not own its bytes: its owner rides along
+    return pages
