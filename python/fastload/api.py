@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 from torch import nn
 
+from fastload.arguments import check_bool, check_folder, check_names
 from fastload.device_map import DeviceMapArg
 from fastload.keys import KeyMap
 from fastload.loading import load, plain_target
@@ -273,7 +274,8 @@ def from_pretrained(
         staging_bytes: host memory for staging tensors bound for an accelerator: one pool of
             pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
             first use and shared by every shard and device of the load, so host memory during a
-            GPU load stays bounded by it. Unused for CPU destinations.
+            GPU load stays bounded by it; at most the machine's physical memory. Unused for CPU
+            destinations.
         offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to
             disk): those parameters stay in the safetensors file, on ``meta`` in the model, and
             accelerate's hooks read them onto the execution device (the map's first GPU, else
@@ -286,7 +288,31 @@ def from_pretrained(
 
     Returns:
         The model, or ``(model, report)`` with ``output_loading_info=True``.
+
+    Raises:
+        TypeError: an option of the wrong type, naming it: the flags (``strict``, ``progress``,
+            ``allow_pickle``, ...; transformers' ``local_files_only``, ``trust_remote_code``...)
+            take ``True`` or ``False`` only (transformers' also ``None``), never a truthy value;
+            ``no_split_module_classes`` a list, tuple or set of str; ``offload_folder`` a str or
+            ``os.PathLike``.
+        RequestError: an option value that cannot be used, naming it (a device that does not
+            exist, a size past :data:`fastload.units.MAX_BYTES` or a ``staging_bytes`` past the
+            machine's memory, an ``offload_folder`` that is empty or an existing file, ...).
     """
+    where = "from_pretrained"
+    for name, flag in (
+        ("output_loading_info", output_loading_info),
+        ("strict", strict),
+        ("ignore_mismatched_sizes", ignore_mismatched_sizes),
+        ("progress", progress),
+        ("gradient_checkpointing", gradient_checkpointing),
+        ("allow_pickle", allow_pickle),
+    ):
+        check_bool(flag, name, where=where)
+    no_split_module_classes = check_names(
+        no_split_module_classes, "no_split_module_classes", where=where
+    )
+    check_folder(offload_folder, "offload_folder", where=where)
     core: dict[str, Any] = {
         "device": device,
         "dtype": dtype,
@@ -311,6 +337,10 @@ def from_pretrained(
     }
     if _hugging_face_call(model, path, state_dict, model_kwargs):
         from fastload.hf.front import load_hf
+        from fastload.hf.options import check_option_types
+
+        # Here, not in load_hf: under patch_transformers transformers' own values apply.
+        check_option_types(model_kwargs, where=where)
 
         module, report = load_hf(
             model, path, config=config, state_dict=state_dict, core=core, kwargs=model_kwargs

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fastload.arguments import check_bool, check_module
 from fastload.errors import UnsupportedError
 from fastload.skeleton import is_transformers_model
 
@@ -205,8 +206,12 @@ def gradient_checkpointing_enable(
     it is never saved with the model.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``use_reentrant`` not a bool.
         UnsupportedError: the model has nothing to checkpoint (naming its class).
     """
+    where = "gradient_checkpointing_enable"
+    check_module(model, "model", where=where)
+    check_bool(use_reentrant, "use_reentrant", where=where)
     if modules is None and is_transformers_model(model):
         _transformers_enable(model, use_reentrant)
         return
@@ -219,8 +224,10 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
 
     Wrapped blocks get their original ``forward`` back (no wrapper is left behind), and for a
     transformers model its own mechanism is switched off along with the input-grad hooks that
-    :func:`gradient_checkpointing_enable` caused it to add.
+    :func:`gradient_checkpointing_enable` caused it to add. ``TypeError`` when ``model`` is not
+    an ``nn.Module``.
     """
+    check_module(model, "model", where="gradient_checkpointing_disable")
     for module in model.modules():
         _unwrap(module)
     if is_transformers_model(model):
@@ -228,7 +235,9 @@ def gradient_checkpointing_disable(model: nn.Module) -> None:
 
 
 def is_gradient_checkpointing(model: nn.Module) -> bool:
-    """Whether any block of ``model`` is checkpointed (by fastload's wrappers or transformers')."""
+    """Whether any block of ``model`` is checkpointed (by fastload's wrappers or transformers').
+    ``TypeError`` when ``model`` is not an ``nn.Module``."""
+    check_module(model, "model", where="is_gradient_checkpointing")
     for module in model.modules():
         if _STATE_ATTR in module.__dict__:
             return True

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastload.devices import parse_device
 from fastload.errors import RequestError, UnsupportedError
 from fastload.tying import group_slots, tensor_slots
 from fastload.units import format_bytes, parse_bytes
@@ -46,36 +47,19 @@ DISK = torch.device("meta")
 DeviceMapArg = DeviceLike | Mapping[str, DeviceLike]
 
 
-def parse_device(
+def map_device(
     device: DeviceLike, *, where: str = "device_map", disk: bool = False
 ) -> torch.device:
-    """A ``torch.device`` from ``"cpu"``, ``"cuda:0"``, ``0`` (CUDA device 0) or a device;
-    ``"disk"`` is :data:`DISK` when ``disk`` allows it.
-
-    CUDA devices are checked to exist, so a typo fails before anything is allocated.
-    """
-    if isinstance(device, bool):
-        raise RequestError(f"{where}: {device!r} is not a device")
+    """A device of a device map (or a ``max_memory`` key): ``"disk"`` is :data:`DISK` when
+    ``disk`` allows it, anything else is parsed by :func:`fastload.devices.parse_device`, the
+    one parser of devices (a device that does not exist fails before anything is allocated)."""
     if isinstance(device, str) and device.strip().lower() == "disk":
         if disk:
             return DISK
         raise UnsupportedError(
             f"{where}: offloading to disk needs offload_folder= (and accelerate installed)"
         )
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise RequestError(f"{where}: {device!r} is not a device ({e})") from None
-    if dev.type == "meta":
-        raise RequestError(f"{where}: 'meta' is not a device tensors can be loaded onto")
-    if dev.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = 0 if dev.index is None else dev.index
-        if index >= count:
-            raise RequestError(
-                f"{where}: device {str(dev)!r} does not exist ({count} CUDA devices available)"
-            )
-    return dev
+    return parse_device(device, where=where)
 
 
 def _contains(prefix: str, name: str) -> bool:
@@ -237,7 +221,7 @@ def default_budgets(
         if not isinstance(max_memory, Mapping):
             raise RequestError(f"max_memory must be a dict of device -> size, got {max_memory!r}")
         parsed = [
-            (parse_device(d, where="max_memory"), parse_bytes(b, where=f"max_memory[{d!r}]"))
+            (map_device(d, where="max_memory"), parse_bytes(b, where=f"max_memory[{d!r}]"))
             for d, b in max_memory.items()
         ]
         parsed.sort(key=lambda p: p[0].type == "cpu")  # stable: GPUs keep the user's order
@@ -301,7 +285,7 @@ def resolve_device_map(
         blocks = no_split_names(model, None if no_split is None else list(no_split))
         budgets = default_budgets(max_memory) + ([("disk", None)] if disk else [])
         plan = plan_auto(sizes, blocks, budgets)
-        resolved = DeviceMap({k: parse_device(v, disk=disk) for k, v in plan.items()})
+        resolved = DeviceMap({k: map_device(v, disk=disk) for k, v in plan.items()})
         logger.info("device_map='auto': %s", resolved.as_strings())
         return resolved
     if isinstance(device_map, Mapping):
@@ -311,12 +295,12 @@ def resolve_device_map(
         for prefix, device in device_map.items():
             if not isinstance(prefix, str):
                 raise RequestError(f"device_map keys must be module names, got {prefix!r}")
-            prefixes[prefix] = parse_device(device, where=f"device_map[{prefix!r}]", disk=disk)
+            prefixes[prefix] = map_device(device, where=f"device_map[{prefix!r}]", disk=disk)
         resolved = DeviceMap(prefixes)
         _check_covers(resolved, model)
         return resolved
     if isinstance(device_map, (str, int, torch.device)):
-        return DeviceMap({"": parse_device(device_map)})
+        return DeviceMap({"": map_device(device_map)})
     raise RequestError(
         f"device_map must be 'auto', a device or a dict of module name -> device; "
         f"got {device_map!r}"
@@ -343,7 +327,7 @@ def _accelerate_plan(
         # accelerate names CUDA devices by index
         budgets = {}
         for device, size in max_memory.items():
-            dev = parse_device(device, where="max_memory")
+            dev = map_device(device, where="max_memory")
             key: int | str = (dev.index or 0) if dev.type == "cuda" else dev.type
             budgets[key] = size
     if mode != "sequential":
@@ -359,7 +343,7 @@ def _accelerate_plan(
             f"device_map={mode!r}: the model does not fit in the GPUs and the CPU memory, and "
             "offloading to disk needs offload_folder=; or give more memory with max_memory"
         )
-    resolved = DeviceMap({k: parse_device(v, disk=disk) for k, v in plan.items()})
+    resolved = DeviceMap({k: map_device(v, disk=disk) for k, v in plan.items()})
     logger.info("device_map=%r (accelerate): %s", mode, resolved.as_strings())
     return resolved
 
@@ -453,8 +437,8 @@ __all__ = [
     "DeviceMap",
     "default_budgets",
     "dispatch",
+    "map_device",
     "no_split_names",
-    "parse_device",
     "plan_auto",
     "resolve_device_map",
     "tensor_sizes",

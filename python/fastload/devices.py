@@ -20,13 +20,16 @@ def parse_device(device: DeviceArg, *, where: str = "", allow_meta: bool = False
 
     Accepts what safetensors and torch accept: a ``torch.device``, a string (``"cpu"``,
     ``"cuda"``, ``"cuda:1"``, ``"mps"`` ...) or an int (an accelerator index, as torch reads it).
+    This is the one parser of devices: ``device=`` of every entry point, and each device of a
+    ``device_map`` or ``max_memory`` (:mod:`fastload.device_map`, which adds ``"disk"``).
 
     Raises:
         TypeError: ``device`` is of another type (a bool, a float, None ...).
-        RequestError: a string torch cannot parse, or ``"meta"`` where data must be read
-            (``allow_meta`` lets a caller that only builds skeletons accept it).
-        UnsupportedError: a device this process cannot use (``"cuda"`` without CUDA, an index
-            past the device count, ``"mps"`` off Apple silicon).
+        RequestError: a string torch cannot parse, a device that does not exist (``"cpu:1"``, a
+            CUDA index past the device count, ``"cuda"`` without CUDA), or ``"meta"`` where data
+            must be read (``allow_meta`` lets a caller that only builds skeletons accept it).
+        UnsupportedError: another backend this process cannot use (``"mps"`` off Apple silicon,
+            ``"xpu"`` without one ...).
     """
     prefix = f"{where}: " if where else ""
     if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
@@ -54,7 +57,21 @@ def parse_device(device: DeviceArg, *, where: str = "", allow_meta: bool = False
             "model on meta yourself if you want a skeleton"
         )
     if parsed.type == "cpu":
+        if parsed.index not in (None, 0):
+            # torch parses "cpu:1", but there is one CPU device: the index would be ignored.
+            raise RequestError(
+                f"{prefix}device {str(parsed)!r} does not exist: the CPU is one device "
+                "('cpu' or 'cpu:0')"
+            )
         return parsed
+    if parsed.type == "cuda":
+        available = torch.cuda.is_available()
+        count = torch.cuda.device_count() if available else 0
+        if (parsed.index or 0) >= count:  # "cuda" is the current device, which needs one
+            has = (
+                f"this machine has {count} CUDA device(s)" if available else "CUDA is not available"
+            )
+            raise RequestError(f"{prefix}device {str(parsed)!r} does not exist ({has})")
     why = _unusable(parsed)
     if why is not None:
         raise UnsupportedError(f"{prefix}device {str(parsed)!r} is not usable here: {why}")
@@ -63,12 +80,6 @@ def parse_device(device: DeviceArg, *, where: str = "", allow_meta: bool = False
 
 def _unusable(device: torch.device) -> str | None:
     """Why ``device`` cannot hold tensors in this process, or ``None``."""
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available (torch.cuda.is_available() is False)"
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            return f"this machine has {count} CUDA device(s)"
     if device.type == "mps" and not torch.backends.mps.is_available():
         return "MPS is not available (torch.backends.mps.is_available() is False)"
     try:

@@ -47,7 +47,7 @@ from fastload.checkpoint import (
 from fastload.device_map import DISK, DeviceMapArg, dispatch, resolve_device_map
 from fastload.devices import parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
-from fastload.errors import RequestError, UnsupportedError
+from fastload.errors import RequestError, UnsupportedError, from_os_error
 from fastload.finishing import resolve_duplicates, swap_in
 from fastload.hooks import ModelHooks, hooks_for
 from fastload.offload import dispatch_offloaded, offloaded_names, require_accelerate
@@ -227,7 +227,14 @@ def load(
             disk = offload_folder is not None
             if disk:
                 require_accelerate()
-                os.makedirs(offload_folder, exist_ok=True)  # type: ignore[arg-type]
+                try:
+                    os.makedirs(offload_folder, exist_ok=True)  # type: ignore[arg-type]
+                except OSError as e:  # the same built-in class, naming the argument
+                    raise from_os_error(
+                        e,
+                        offload_folder,
+                        "offload_folder: cannot create the directory",  # type: ignore[arg-type]
+                    ) from e
             dmap = resolve_device_map(
                 device_map,
                 module,

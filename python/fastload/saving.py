@@ -55,7 +55,8 @@ _Prepared = tuple[str, str, list[int], torch.Tensor]
 
 def parse_size(size: int | str) -> int:
     """Bytes in ``max_shard_size``: an int, or a string like ``"5GB"``, ``"500MB"`` (powers of
-    1000, as in transformers) or ``"2GiB"`` (powers of 1024)."""
+    1000, as in transformers) or ``"2GiB"`` (powers of 1024); positive and at most
+    :data:`fastload.units.MAX_BYTES` (``RequestError`` naming ``max_shard_size`` otherwise)."""
     return parse_bytes(size, where="max_shard_size", positive=True)
 
 

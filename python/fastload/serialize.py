@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fastload import _core
+from fastload.arguments import check_bool, check_module
 from fastload.devices import DeviceArg, parse_device
 from fastload.dtypes import CONVERTIBLE, TORCH_TO_ST, torch_shape
 from fastload.errors import ModelMismatchError
@@ -32,6 +33,7 @@ def load(data: bytes, *, strict: bool = False) -> dict[str, torch.Tensor]:
     in data order. ``strict`` as in :func:`fastload.safe_open`."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise TypeError(f"load takes the bytes of a safetensors file, got {type(data).__name__}")
+    check_bool(strict, "strict", where="load")
     file = _core.SafetensorsFile.from_bytes(_BYTES, bytes(data), strict=strict)
     return _read_all(file, torch.device("cpu"), None, None)
 
@@ -157,8 +159,8 @@ def save_model(
     ``force_contiguous`` is accepted for compatibility; fastload's ``save_file`` packs
     non-contiguous tensors in any case.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"save_model needs an nn.Module, got {type(model).__name__}")
+    check_module(model, where="save_model")
+    check_bool(force_contiguous, "force_contiguous", where="save_model")
     state_dict = model.state_dict()
     meta = dict(metadata) if metadata is not None else None
     for kept, dropped in _remove_duplicate_names(state_dict).items():
@@ -188,8 +190,8 @@ def load_model(
     model has them. ``strict=True`` raises :class:`ModelMismatchError` (a ``RuntimeError``) for
     missing or unexpected names; a shape that differs from the model's always raises it.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"load_model needs an nn.Module, got {type(model).__name__}")
+    check_module(model, where="load_model")
+    check_bool(strict, "strict", where="load_model")
     where = os.fspath(filename)
     parse_device(device, where=where)
     state = model.state_dict(keep_vars=True)

@@ -16,6 +16,7 @@ shard, device or tensor.
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from fastload import _core
 from fastload.dtypes import to_st
 from fastload.errors import RequestError
-from fastload.units import parse_bytes
+from fastload.units import MAX_BYTES, parse_bytes
 
 #: Size of one staging buffer: large enough that a host-to-device copy runs at full bandwidth,
 #: small enough that two of them are negligible next to a model.
@@ -34,6 +35,17 @@ DEFAULT_NUM_BUFFERS = 2
 DEFAULT_STAGING_BYTES = DEFAULT_BUFFER_BYTES * DEFAULT_NUM_BUFFERS
 # Below this a buffer would turn the copy into many tiny host-to-device transfers.
 _MIN_BUFFER_BYTES = 64
+
+
+def max_staging_bytes() -> int:
+    """The largest ``staging_bytes``: the machine's physical memory (the pool is host memory,
+    pinned for a GPU; more can never be allocated), or :data:`fastload.units.MAX_BYTES` where
+    the operating system does not say."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return MAX_BYTES
+    return min(physical, MAX_BYTES) if physical > 0 else MAX_BYTES
 
 
 @dataclass
@@ -89,10 +101,17 @@ class StagingPool:
     @classmethod
     def sized(cls, staging_bytes: int | str | None) -> StagingPool:
         """A pool of :data:`DEFAULT_NUM_BUFFERS` buffers sharing ``staging_bytes`` (an int or a
-        size string such as ``"256MiB"``; ``None``: :data:`DEFAULT_STAGING_BYTES`)."""
+        size string such as ``"256MiB"``; ``None``: :data:`DEFAULT_STAGING_BYTES`), at most
+        :func:`max_staging_bytes` (``RequestError`` naming ``staging_bytes`` otherwise)."""
         if staging_bytes is None:
             return cls()
-        total = parse_bytes(staging_bytes, where="staging_bytes", positive=True)
+        total = parse_bytes(
+            staging_bytes,
+            where="staging_bytes",
+            positive=True,
+            maximum=max_staging_bytes(),
+            bound="the memory of this machine (the pool is host memory)",
+        )
         per = total // DEFAULT_NUM_BUFFERS
         if per < _MIN_BUFFER_BYTES:
             raise RequestError(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastload.arguments import check_module
 from fastload.errors import RequestError
 
 
@@ -65,7 +66,17 @@ def unused_parameters(
     Returns:
         The names, in ``model.named_parameters()`` order; empty when DDP needs no
         ``find_unused_parameters=True``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``loss_fn`` is neither ``None`` nor
+            callable.
     """
+    check_module(model, "model", where="unused_parameters")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            f"unused_parameters: loss_fn must be a callable or None, got "
+            f"{type(loss_fn).__name__} {loss_fn!r}"
+        )
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     saved = [p.grad for _, p in params]
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastload.arguments import check_bool
 from fastload.errors import UnsupportedError
 
 #: option -> ("honoured" | "refused", what fastload does)
@@ -100,6 +101,38 @@ _DEFAULTS: dict[str, Any] = {
 _CORE = ("device_map", "max_memory", "tp_plan", "ignore_mismatched_sizes", "offload_folder")
 
 HUB = ("cache_dir", "force_download", "local_files_only", "token", "revision", "tqdm_class")
+
+#: the options that are flags in transformers (``None`` means "not used", as for every option)
+FLAGS = (
+    "force_download",
+    "local_files_only",
+    "use_safetensors",
+    "weights_only",
+    "ignore_mismatched_sizes",
+    "output_loading_info",
+    "low_cpu_mem_usage",
+    "trust_remote_code",
+    "disable_mmap",
+    "_from_auto",
+    "_fast_init",
+    "offload_state_dict",
+    "offload_buffers",
+    "use_kernels",
+    "allow_all_kernels",
+    "from_tf",
+    "from_flax",
+)
+
+
+def check_option_types(kwargs: dict[str, Any], *, where: str = "from_pretrained") -> None:
+    """``TypeError`` naming the first flag of :data:`FLAGS` in ``kwargs`` that is neither
+    ``True``, ``False`` nor ``None`` (``local_files_only="no"`` would be true).
+
+    For fastload's own ``from_pretrained`` only: under :func:`fastload.hf.patch_transformers`,
+    transformers' call shape applies, and transformers reads these flags by truthiness."""
+    for name in FLAGS:
+        if name in kwargs:
+            check_bool(kwargs[name], name, where=where, optional=True)
 
 
 def _unused(name: str, value: Any) -> bool:
