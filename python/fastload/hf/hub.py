@@ -195,12 +195,9 @@ def resolve_checkpoint(
             remote_code=remote_code,
         )
     else:
-        # A local directory is held to the same rule as a snapshot, although transformers joins
-        # a local subfolder as given (``subfolder="../other"`` loads a sibling directory): the
-        # same call must not read outside its directory or not depending on whether the name is
-        # a path or a model id (a downloaded repo may be loaded either way, its subfolder coming
-        # from a config). A checkpoint elsewhere is loaded by naming that directory.
-        _check_subfolder(subfolder, f"the directory {path}")
+        # A local directory's subfolder is joined as given, as transformers joins it (the caller
+        # names local paths anyway; ``subfolder="../other"`` is a sibling directory). A variant
+        # is part of a file name everywhere, never a path.
         _check_variant(variant, f"the directory {path}")
         if hub.get("revision") not in (None, "main"):
             raise UnsupportedError(
