@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ pytest.importorskip("huggingface_hub")
 import fastload  # noqa: E402
 from fastload import CheckpointError, FastloadIOError, UnsupportedError  # noqa: E402
 from fastload.hf.hub import is_local  # noqa: E402
+from fresh import run_script  # noqa: E402
 from hf_cache import add_snapshot, directory_files  # noqa: E402
 from tiny_models import assert_same_tensors, make_checkpoint, make_model  # noqa: E402
 
@@ -181,15 +180,8 @@ def test_the_readme_first_example_loads_a_model_id_in_a_fresh_process_importing_
     cache = tmp_path / "hub"
     add_snapshot(cache, "org/name", directory_files(source))
     env = dict(os.environ, HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
-    child = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS_EXAMPLE],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert child.returncode == 0, child.stderr
-    assert child.stdout.split() == ["BertModel"]
+    out = run_script(FRESH_PROCESS_EXAMPLE, cwd=tmp_path, env=env)
+    assert out.split() == ["BertModel"]
 
 
 @pytest.fixture

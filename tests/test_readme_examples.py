@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 
+from fresh import run_script  # noqa: E402
 from hf_cache import add_snapshot, directory_files  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402
 
@@ -63,12 +62,4 @@ def test_a_readme_example_runs_in_a_fresh_interpreter(
     workdir: tuple[Path, dict[str, str]], example: str
 ) -> None:
     work, env = workdir
-    done = subprocess.run(
-        [sys.executable, "-c", example],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, f"{example}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    run_script(example, cwd=work, env=env)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from fresh import run_script  # noqa: E402
 from tiny_models import make_checkpoint  # noqa: E402
 
 #: bigger than the tiny default, so that one parameter and the whole file differ by ~1000x
@@ -32,23 +30,10 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_user(script: str, *args: object, cwd: Path | None = None) -> dict:
-    """Runs ``script`` as a user's file in a fresh interpreter with ``args`` as ``sys.argv[1:]``;
-    the script prints one JSON line last, returned here. Fails with the child's output if it
-    fails."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with tempfile.TemporaryDirectory() as where:
-        path = Path(where) / "user.py"  # a file, so that spawned workers can import it
-        path.write_text(textwrap.dedent(script))
-        done = subprocess.run(
-            [sys.executable, str(path), *map(str, args)],
-            capture_output=True,
-            text=True,
-            env=env,
-            cwd=cwd,
-            timeout=300,
-        )
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """Runs ``script`` as a user's file in a fresh interpreter (offline) with ``args`` as
+    ``sys.argv[1:]``; the script prints one JSON line last, returned here."""
+    out = run_script(script, *args, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_torch_save_of_one_parameter_writes_that_parameter_not_the_checkpoint(llama, tmp_path):
