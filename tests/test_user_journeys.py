@@ -110,7 +110,7 @@ def test_a_parameter_sent_to_a_worker_process_arrives_with_its_values(llama):
             weight = model.model.layers[1].mlp.down_proj.weight
             ctx = mp.get_context("spawn")  # as DataLoader workers on macOS/Windows and CUDA
             queue, answers = ctx.Queue(), ctx.Queue()
-            child = ctx.Process(target=worker, args=(queue, answers))
+            child = ctx.Process(target=worker, args=(queue, answers), daemon=True)
             child.start()
             queue.put(weight)
             got = answers.get(timeout=120)
