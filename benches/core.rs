@@ -12,8 +12,9 @@ use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use fastload::convert::convert;
-use fastload::copy::{copy, default_threads, Request, Selection};
+use fastload::copy::{copy, Request, Selection};
 use fastload::header::{build_header, parse_buffer};
+use fastload::pool::default_threads;
 use fastload::{Dtype, ReadMode, SafetensorsFile};
 
 fn thousand_tensor_file() -> Vec<u8> {

@@ -3,46 +3,23 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::copy::{self, Progress, Request, Selection};
+use crate::copy::{self, Request, Selection};
 use crate::dtype::{Dtype, ALL_DTYPES};
 use crate::error::Error;
 use crate::file::{ReadMode, SafetensorsFile};
-use crate::write::{self, Source};
+use crate::pool;
 
-/// Raises `err` as the matching `fastload.errors` class, prefixed with the file name.
-fn to_py(py: Python<'_>, path: &std::path::Path, err: Error) -> PyErr {
-    if let Error::Os { errno, detail } = &err {
-        // The OSError subclass of the errno (FileNotFoundError ...), built by fastload.errors.
-        let made = py
-            .import("fastload.errors")
-            .and_then(|m| m.getattr("os_error"))
-            .and_then(|f| f.call1((path.display().to_string(), *errno, detail.clone())))
-            .map(PyErr::from_value);
-        return made.unwrap_or_else(|e| e);
-    }
-    let class = match &err {
-        Error::UnknownTensor { .. } => "TensorNotFoundError",
-        Error::UnsupportedConversion { .. } => "UnsupportedError",
-        Error::Io { .. } => "FastloadIOError",
-        Error::Cancelled => "LoadCancelledError",
-        e if e.is_file_error() => "CheckpointError",
-        _ => "RequestError",
-    };
-    let msg = format!("{}: {err}", path.display());
-    let made = py
-        .import("fastload.errors")
-        .and_then(|m| m.getattr(class))
-        .and_then(|cls| cls.call1((msg.clone(),)))
-        .map(PyErr::from_value);
-    made.unwrap_or_else(|e| e)
-}
+mod errors;
+mod watch;
+mod writing;
+
+use errors::to_py;
+use watch::{watched, PyProgress, WATCH_BYTES};
 
 fn parse_dtype(name: &str) -> PyResult<Dtype> {
     Dtype::parse(name)
@@ -292,7 +269,7 @@ impl PySafetensorsFile {
         }
         let file = &*self.inner;
         let err = |e| to_py(py, file.path(), e);
-        copy::check_threads(threads).map_err(err)?;
+        pool::check_threads(threads).map_err(err)?;
         let plan = copy::plan(file, &requests).map_err(err)?;
         // Raw pointers are not Send; the plan only holds them as addresses.
         let plan = SendPlan(plan);
@@ -342,213 +319,6 @@ unsafe impl Send for SendPlan {}
 // SAFETY: as Send: the addresses are only written through `execute`'s disjoint pieces.
 unsafe impl Sync for SendPlan {}
 
-/// Copies at least this many bytes are watched for Ctrl-C (smaller ones finish in milliseconds
-/// and skip the watcher's thread).
-const WATCH_BYTES: u64 = 16 << 20;
-
-/// How often a watched copy re-takes the GIL for signals and the progress callback.
-const WATCH_EVERY: Duration = Duration::from_millis(50);
-
-/// What the copy thread tells the watching thread.
-enum Event {
-    /// A task finished; the progress counter then read this many bytes.
-    Task(u64),
-    /// The copy stopped with this result.
-    Finished(crate::error::Result<u64>),
-}
-
-/// Runs `plan` on a scoped thread while the calling thread, GIL released, waits for it. After
-/// each task (about `CHUNK` bytes) and every [`WATCH_EVERY`] at least, the calling thread re-takes
-/// the GIL to run signal handlers and `callback(bytes done)`. An exception from either cancels
-/// the copy; it is raised once the copy has stopped (destinations are never written after this
-/// returns).
-fn watched(
-    py: Python<'_>,
-    file: &SafetensorsFile,
-    plan: SendPlan,
-    threads: Option<usize>,
-    progress: &Progress,
-    callback: Option<Py<PyAny>>,
-) -> PyResult<u64> {
-    let (result, raised) = py.detach(|| {
-        let (tx, rx) = mpsc::channel();
-        std::thread::scope(|s| {
-            let plan = &plan;
-            let done_tx = tx.clone();
-            s.spawn(move || {
-                let tick = move |done: u64| {
-                    let _ = tx.send(Event::Task(done));
-                };
-                // SAFETY: forwarded from `copy_into`; the scope outlives the copy.
-                let r =
-                    unsafe { copy::execute(file, &plan.0, threads, Some(progress), Some(&tick)) };
-                let _ = done_tx.send(Event::Finished(r));
-            });
-            let mut raised: Option<PyErr> = None;
-            let mut seen = 0u64;
-            loop {
-                let done = match rx.recv_timeout(WATCH_EVERY) {
-                    Ok(Event::Finished(r)) => return (r, raised),
-                    Ok(Event::Task(done)) => done,
-                    Err(RecvTimeoutError::Timeout) => progress.done(),
-                    Err(RecvTimeoutError::Disconnected) => {
-                        let lost = Error::Io {
-                            detail: "the copy thread stopped without a result".into(),
-                        };
-                        return (Err(lost), raised);
-                    }
-                };
-                // Tasks finish out of order on several threads: report the largest count seen.
-                seen = seen.max(done);
-                if raised.is_some() {
-                    continue;
-                }
-                raised = Python::attach(|py| {
-                    py.check_signals()?;
-                    if let Some(cb) = &callback {
-                        cb.call1(py, (seen,))?;
-                    }
-                    Ok::<(), PyErr>(())
-                })
-                .err();
-                if raised.is_some() {
-                    progress.cancel();
-                }
-            }
-        })
-    });
-    if let Some(e) = raised {
-        return Err(e);
-    }
-    result.map_err(|e| to_py(py, file.path(), e))
-}
-
-/// Progress of copies, shared with Python: `done` bytes so far, `cancel()` to stop them between
-/// pieces (they raise `LoadCancelledError`), and an optional `callback(done)` that a copy calls
-/// with the GIL held after each task of about `CHUNK` bytes and every few tens of milliseconds
-/// (an exception from it cancels the copy).
-#[pyclass(frozen, module = "fastload._core", name = "Progress")]
-struct PyProgress {
-    inner: Arc<Progress>,
-    callback: Option<Py<PyAny>>,
-}
-
-impl PyProgress {
-    fn create(callback: Option<Py<PyAny>>) -> Self {
-        PyProgress {
-            inner: Arc::new(Progress::new()),
-            callback,
-        }
-    }
-}
-
-#[pymethods]
-impl PyProgress {
-    #[new]
-    #[pyo3(signature = (callback = None))]
-    fn new(callback: Option<Py<PyAny>>) -> Self {
-        Self::create(callback)
-    }
-
-    /// Destination bytes written so far by the copies given this object.
-    #[getter]
-    fn done(&self) -> u64 {
-        self.inner.done()
-    }
-
-    /// Whether `cancel()` was called.
-    #[getter]
-    fn cancelled(&self) -> bool {
-        self.inner.is_cancelled()
-    }
-
-    /// Stops running copies at their next piece; later copies given this object do not start.
-    fn cancel(&self) {
-        self.inner.cancel();
-    }
-
-    /// Counts `nbytes` written by a copy outside the engine (pickle files).
-    fn add(&self, nbytes: u64) {
-        self.inner.add_external(nbytes);
-    }
-
-    fn __repr__(&self) -> String {
-        format!(
-            "Progress(done={}, cancelled={})",
-            self.inner.done(),
-            self.inner.is_cancelled()
-        )
-    }
-}
-
-/// One source: (name, dtype, shape, pointer, byte length).
-type SourceSpec = (String, String, Vec<u64>, usize, usize);
-
-/// Writes tensors to a new file at `path` (never overwriting one), fsynced; returns bytes written.
-#[pyfunction]
-#[pyo3(signature = (path, tensors, metadata = None, threads = None))]
-fn write_file(
-    py: Python<'_>,
-    path: PathBuf,
-    tensors: Vec<SourceSpec>,
-    metadata: Option<HashMap<String, String>>,
-    threads: Option<usize>,
-) -> PyResult<u64> {
-    let sources = sources_of(tensors)?;
-    let meta = sorted_metadata(metadata);
-    let sources = SendSources(sources);
-    let p = path.clone();
-    // SAFETY: the Python caller keeps the source tensors alive during the call.
-    let done = py.detach(move || {
-        let s = sources;
-        unsafe { write::write_file(&p, &s.0, meta.as_deref(), threads) }
-    });
-    done.map_err(|e| to_py(py, &path, e))
-}
-
-/// The safetensors bytes of `tensors` (a file's whole content, built in memory).
-#[pyfunction]
-#[pyo3(signature = (tensors, metadata = None))]
-fn serialize<'py>(
-    py: Python<'py>,
-    tensors: Vec<SourceSpec>,
-    metadata: Option<HashMap<String, String>>,
-) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
-    let sources = sources_of(tensors)?;
-    let meta = sorted_metadata(metadata);
-    // SAFETY: the Python caller keeps the source tensors alive during the call.
-    let bytes = unsafe { write::serialize(&sources, meta.as_deref()) }
-        .map_err(|e| to_py(py, std::path::Path::new("<bytes>"), e))?;
-    Ok(pyo3::types::PyBytes::new(py, &bytes))
-}
-
-fn sources_of(tensors: Vec<SourceSpec>) -> PyResult<Vec<Source>> {
-    let mut sources = Vec::with_capacity(tensors.len());
-    for (name, dtype, shape, ptr, len) in tensors {
-        let dtype = parse_dtype(&dtype)?;
-        sources.push(Source {
-            name,
-            dtype,
-            shape,
-            ptr: ptr as *const u8,
-            len,
-        });
-    }
-    Ok(sources)
-}
-
-fn sorted_metadata(metadata: Option<HashMap<String, String>>) -> Option<Vec<(String, String)>> {
-    let mut meta: Option<Vec<(String, String)>> = metadata.map(|m| m.into_iter().collect());
-    if let Some(m) = meta.as_mut() {
-        m.sort();
-    }
-    meta
-}
-
-struct SendSources(Vec<Source>);
-// SAFETY: sources are read-only addresses the caller keeps valid during the call.
-unsafe impl Send for SendSources {}
-
 /// Validates a whole file without reading tensor data; returns the number of tensors.
 #[pyfunction]
 #[pyo3(signature = (path, *, strict = false))]
@@ -569,20 +339,20 @@ fn dtype_bits() -> HashMap<&'static str, usize> {
 /// Copy threads used when none are given.
 #[pyfunction]
 fn default_threads() -> usize {
-    copy::default_threads()
+    pool::default_threads()
 }
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
     m.add_class::<PyProgress>()?;
-    m.add_function(wrap_pyfunction!(write_file, m)?)?;
-    m.add_function(wrap_pyfunction!(serialize, m)?)?;
+    m.add_function(wrap_pyfunction!(writing::write_file, m)?)?;
+    m.add_function(wrap_pyfunction!(writing::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;
     m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
     m.add("CHUNK", copy::CHUNK)?;
-    m.add("MAX_THREADS", copy::MAX_THREADS)?;
+    m.add("MAX_THREADS", pool::MAX_THREADS)?;
     Ok(())
 }

@@ -3,8 +3,13 @@
 //! Messages name the tensor where there is one. The file name is added by the caller that knows it
 //! (see [`crate::file::SafetensorsFile`] and the Python bindings), so the same validation code
 //! serves in-memory buffers and files.
+//!
+//! An operating-system error stays whole: [`Error::Io`] and [`Error::Os`] keep the
+//! [`std::io::Error`] as their [`source`](std::error::Error::source). [`Error::kind`] sorts the
+//! variants by who is at fault, exhaustively, and the Python bindings raise one class per kind.
 
 use std::fmt;
+use std::sync::Arc;
 
 /// Everything that can go wrong while reading a safetensors file or copying out of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,11 +95,16 @@ pub enum Error {
     InvalidThreads { threads: u64, max: usize },
     /// The copy was cancelled through its progress object (or by Ctrl-C).
     Cancelled,
-    /// An operating-system error.
-    Io { detail: String },
+    /// An I/O failure without an `errno`: an [`std::io::Error`] that carries none (its message is
+    /// `detail`), or one of the engine's own (a mapping found truncated, a pool that could not
+    /// start), with the operating-system error behind it, if any, as `source`.
+    Io {
+        detail: String,
+        source: Option<IoError>,
+    },
     /// An operating-system error with its `errno` (the bindings raise the matching `OSError`
-    /// subclass, e.g. `FileNotFoundError` for `ENOENT`).
-    Os { errno: i32, detail: String },
+    /// subclass, e.g. `FileNotFoundError` for `ENOENT`); the message is `source`'s.
+    Os { errno: i32, source: IoError },
     /// The file is not in the safetensors format; `looks_like` says what its first bytes suggest.
     NotSafetensors { looks_like: String },
 }
@@ -136,23 +146,72 @@ impl Error {
         }
     }
 
+    /// Who is at fault. Exhaustive on purpose: a new variant does not compile until it is given
+    /// its kind here (and so, in the bindings, its Python class).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::FileTooSmall { .. }
+            | Error::HeaderTooLarge { .. }
+            | Error::HeaderPastEof { .. }
+            | Error::HeaderNotUtf8 { .. }
+            | Error::InvalidJson { .. }
+            | Error::HeaderNotObject
+            | Error::InvalidTensorEntry { .. }
+            | Error::UnknownDtype { .. }
+            | Error::InvalidShape { .. }
+            | Error::InvalidOffsets { .. }
+            | Error::SpanMismatch { .. }
+            | Error::OffsetsPastEof { .. }
+            | Error::DuplicateName { .. }
+            | Error::Overlap { .. }
+            | Error::Gap { .. }
+            | Error::TrailingBytes { .. }
+            | Error::InvalidMetadata { .. }
+            | Error::FileShrunk { .. }
+            | Error::FileChanged { .. }
+            | Error::NotRegularFile { .. }
+            | Error::NotSafetensors { .. } => ErrorKind::File,
+            Error::UnknownTensor { .. } => ErrorKind::MissingTensor,
+            Error::UnsupportedConversion { .. } => ErrorKind::Unsupported,
+            Error::DestinationSize { .. }
+            | Error::NullDestination { .. }
+            | Error::InvalidSource { .. }
+            | Error::InvalidSelection { .. }
+            | Error::InvalidThreads { .. } => ErrorKind::Request,
+            Error::Cancelled => ErrorKind::Cancelled,
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Os { errno, .. } => ErrorKind::Os { errno: *errno },
+        }
+    }
+
     /// Whether the error is about the file's content (as opposed to the caller's request or the
     /// operating system). The bindings raise content errors as `CheckpointError`.
     pub fn is_file_error(&self) -> bool {
-        !matches!(
-            self,
-            Error::UnknownTensor { .. }
-                | Error::DestinationSize { .. }
-                | Error::NullDestination { .. }
-                | Error::InvalidSource { .. }
-                | Error::UnsupportedConversion { .. }
-                | Error::InvalidSelection { .. }
-                | Error::InvalidThreads { .. }
-                | Error::Cancelled
-                | Error::Io { .. }
-                | Error::Os { .. }
-        )
+        self.kind() == ErrorKind::File
     }
+}
+
+/// Who is at fault in an [`Error`], which decides how it is reported: the Python bindings raise
+/// one `fastload.errors` class per kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The file's content breaks a rule of the format, is not safetensors at all, or changed on
+    /// disk while it was read (`CheckpointError`).
+    File,
+    /// A tensor name the file does not contain (`TensorNotFoundError`).
+    MissingTensor,
+    /// A dtype conversion the engine does not do (`UnsupportedError`).
+    Unsupported,
+    /// The caller's request is inconsistent: a destination of the wrong size or null, a selection
+    /// outside the tensor, a tensor to write that does not match its shape, a thread count out of
+    /// range (`RequestError`).
+    Request,
+    /// The copy was cancelled (`LoadCancelledError`).
+    Cancelled,
+    /// An I/O failure without an `errno` (`FastloadIOError`).
+    Io,
+    /// An operating-system error with its `errno` (the `FastloadIOError` subclass of the errno).
+    Os { errno: i32 },
 }
 
 impl fmt::Display for Error {
@@ -242,7 +301,8 @@ impl fmt::Display for Error {
                 write!(f, "threads must be between 1 and {max}, got {threads}")
             }
             Error::Cancelled => write!(f, "the copy was cancelled before it finished"),
-            Error::Io { detail } | Error::Os { detail, .. } => write!(f, "I/O error: {detail}"),
+            Error::Io { detail, .. } => write!(f, "I/O error: {detail}"),
+            Error::Os { source, .. } => write!(f, "I/O error: {source}"),
             Error::NotSafetensors { looks_like } => {
                 write!(f, "not a safetensors file: it looks like {looks_like}")
             }
@@ -250,19 +310,69 @@ impl fmt::Display for Error {
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    /// The [`std::io::Error`] behind an [`Error::Os`], or behind an [`Error::Io`] that has one.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Os { source, .. }
+            | Error::Io {
+                source: Some(source),
+                ..
+            } => Some(source.get()),
+            _ => None,
+        }
+    }
+}
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Self {
         match e.raw_os_error() {
             Some(errno) => Error::Os {
                 errno,
-                detail: e.to_string(),
+                source: e.into(),
             },
             None => Error::Io {
                 detail: e.to_string(),
+                source: Some(e.into()),
             },
         }
+    }
+}
+
+/// An [`std::io::Error`] kept whole inside an [`Error`]. Shared, so that errors stay `Clone` (a
+/// header keeps its strict-reading error, the bindings hand errors between threads); compared by
+/// what it says (kind, `errno`, message), since `std::io::Error` has no equality.
+#[derive(Clone, Debug)]
+pub struct IoError(Arc<std::io::Error>);
+
+impl IoError {
+    /// The error itself.
+    pub fn get(&self) -> &std::io::Error {
+        &self.0
+    }
+}
+
+impl From<std::io::Error> for IoError {
+    fn from(e: std::io::Error) -> Self {
+        IoError(Arc::new(e))
+    }
+}
+
+impl PartialEq for IoError {
+    fn eq(&self, other: &Self) -> bool {
+        let (a, b) = (self.get(), other.get());
+        Arc::ptr_eq(&self.0, &other.0)
+            || (a.kind() == b.kind()
+                && a.raw_os_error() == b.raw_os_error()
+                && a.to_string() == b.to_string())
+    }
+}
+
+impl Eq for IoError {}
+
+impl fmt::Display for IoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
     }
 }
 

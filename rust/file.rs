@@ -105,6 +105,7 @@ fn open_regular(dir: Option<RawFd>, name: &Path) -> Result<File> {
     };
     let cname = CString::new(name.as_os_str().as_bytes()).map_err(|_| Error::Io {
         detail: "path contains a NUL byte".into(),
+        source: None,
     })?;
     let base = dir.unwrap_or(libc::AT_FDCWD);
     // stat first: refuses a FIFO or a device without opening it at all.

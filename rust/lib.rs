@@ -9,6 +9,7 @@
 //! * [`file`]: opening a file and reading its bytes (pread or mmap).
 //! * [`convert`]: F32 / F16 / BF16 / F64 conversion.
 //! * [`copy`]: planning and running the parallel copy.
+//! * [`pool`]: thread counts and the shared worker pools.
 //! * [`readahead`]: filesystem detection and parallel read-ahead of mappings (zero-copy loads).
 //! * [`write`]: writing safetensors files.
 //! * `bindings` (feature `python`): the `fastload._core` extension module.
@@ -19,6 +20,7 @@ pub mod dtype;
 pub mod error;
 pub mod file;
 pub mod header;
+pub mod pool;
 pub mod readahead;
 pub mod sniff;
 pub mod write;
@@ -29,6 +31,6 @@ mod bindings;
 mod corpus_replay;
 
 pub use dtype::Dtype;
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use file::{ReadMode, SafetensorsFile};
 pub use header::{Header, TensorInfo};

@@ -6,8 +6,8 @@ use std::fs::File;
 
 use rayon::prelude::*;
 
-use crate::copy::pool;
 use crate::error::{Error, Result};
+use crate::pool::{pool, READAHEAD_THREADS};
 
 /// The filesystem a file lives on, from `fstatfs(2)`'s `f_type`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,10 +94,6 @@ pub const READAHEAD_CHUNK: usize = 32 << 20;
 /// Bytes one `MADV_POPULATE_READ` call maps (see [`populate`]).
 const POPULATE_STEP: usize = 4 << 20;
 
-/// Threads that issue read-ahead: I/O-bound (they sleep in the disk queue), so more than the
-/// cores; eight keeps a local NVMe or virtio disk's queue full.
-pub const READAHEAD_THREADS: usize = 8;
-
 /// The sum of `work` over `pieces`, on `threads` read-ahead threads (default
 /// [`READAHEAD_THREADS`]); in the calling thread when one thread or one piece is enough.
 #[cfg(target_os = "linux")]
@@ -142,6 +138,7 @@ pub fn populate(
         let start = addr / PAGE * PAGE;
         let end = addr.checked_add(len).ok_or_else(|| Error::Io {
             detail: "read-ahead range overflows the address space".into(),
+            source: None,
         })?;
         let end = end.div_ceil(PAGE) * PAGE;
         // The file offset of address s: the mapping is linear from (addr, offset).
@@ -194,6 +191,7 @@ pub fn populate(
                     detail: "the mapped file is shorter than when it was opened (truncated \
                              while loading)"
                         .into(),
+                    source: Some(err.into()),
                 }),
                 _ => Err(err.into()),
             }

@@ -11,10 +11,11 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use crate::copy::{check_threads, pool, CHUNK};
+use crate::copy::CHUNK;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::header::build_header;
+use crate::pool::{check_threads, pool};
 
 /// A tensor to write: its bytes are `len` bytes at `ptr`, owned by the caller.
 #[derive(Clone, Debug)]

@@ -1,0 +1,194 @@
+//! Planning a copy: every request checked against the header before a byte is written, and the
+//! work cut into tasks of about [`CHUNK`] source bytes.
+
+use super::{Request, Selection, CHUNK};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::file::SafetensorsFile;
+use crate::header::TensorInfo;
+
+/// A raw destination pointer handed to worker threads. The caller of `execute` guarantees the
+/// buffers are valid and not aliased for the duration of the call.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DstPtr(pub(super) *mut u8);
+// SAFETY: tasks write disjoint byte ranges of buffers the caller keeps alive during `execute`.
+unsafe impl Send for DstPtr {}
+unsafe impl Sync for DstPtr {}
+
+/// One contiguous run of source bytes and where its (possibly converted) elements go.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Piece {
+    pub(super) src: u64,
+    pub(super) src_len: u64,
+    pub(super) dst: DstPtr,
+    pub(super) dst_len: usize,
+    pub(super) from: Dtype,
+    pub(super) to: Dtype,
+}
+
+/// The validated work of one `execute` call.
+#[derive(Debug, Default)]
+pub struct Plan {
+    pub(super) tasks: Vec<Vec<Piece>>,
+    src_bytes: u64,
+    pub(super) dst_bytes: u64,
+}
+
+impl Plan {
+    /// Bytes that will be read from the file.
+    pub fn src_bytes(&self) -> u64 {
+        self.src_bytes
+    }
+
+    /// `(offset, len)` of the file bytes from the first piece read to the end of the last.
+    pub(super) fn src_span(&self) -> (u64, u64) {
+        let pieces = self.tasks.iter().flatten();
+        let start = pieces.clone().map(|p| p.src).min().unwrap_or(0);
+        let end = pieces.map(|p| p.src + p.src_len).max().unwrap_or(0);
+        (start, end.saturating_sub(start))
+    }
+
+    /// Bytes that will be written to destinations.
+    pub fn dst_bytes(&self) -> u64 {
+        self.dst_bytes
+    }
+
+    /// Number of parallel tasks.
+    pub fn tasks(&self) -> usize {
+        self.tasks.len()
+    }
+}
+
+/// Runs of `(first element, element count)` that a selection takes from a tensor, merged where
+/// they touch.
+fn runs(t: &TensorInfo, sel: Selection) -> Result<Vec<(u64, u64)>> {
+    let bad = |detail: String| Error::InvalidSelection {
+        tensor: t.name.clone(),
+        detail,
+    };
+    let numel = t.numel();
+    match sel {
+        Selection::All => Ok(vec![(0, numel)]),
+        Selection::Elements { start, stop } => {
+            if start > stop || stop > numel {
+                return Err(bad(format!(
+                    "elements [{start}, {stop}) of a tensor with {numel}"
+                )));
+            }
+            Ok(vec![(start, stop - start)])
+        }
+        Selection::Slice { dim, start, stop } => {
+            let Some(&size) = t.shape.get(dim) else {
+                return Err(bad(format!(
+                    "dimension {dim} of a {}-d tensor",
+                    t.shape.len()
+                )));
+            };
+            if start > stop || stop > size {
+                return Err(bad(format!(
+                    "[{start}, {stop}) along dimension {dim} of size {size}"
+                )));
+            }
+            // An empty tensor or an empty range reads nothing. Checked first: with a 0 elsewhere
+            // in the shape, the products below could overflow (found by the copy_plan fuzzer).
+            if numel == 0 || start == stop {
+                return Ok(vec![]);
+            }
+            // numel > 0, so every dimension is >= 1 and these products are at most numel.
+            let outer: u64 = t.shape[..dim].iter().product();
+            let inner: u64 = t.shape[dim + 1..].iter().product();
+            let count = (stop - start) * inner;
+            if count == size * inner {
+                return Ok(vec![(0, numel)]);
+            }
+            Ok((0..outer)
+                .map(|o| ((o * size + start) * inner, count))
+                .collect())
+        }
+    }
+}
+
+/// Validates `requests` against the file and cuts them into tasks.
+pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
+    let header = file.header();
+    let base = header.data_start();
+    let mut plan = Plan::default();
+    let mut current: Vec<Piece> = Vec::new();
+    let mut current_bytes = 0u64;
+    for r in requests {
+        let t = header.get(&r.name).ok_or_else(|| Error::UnknownTensor {
+            tensor: r.name.clone(),
+        })?;
+        let (from, to) = (t.dtype, r.dtype);
+        let converting = from != to;
+        if converting && !(from.is_convertible_float() && to.is_convertible_float()) {
+            return Err(Error::UnsupportedConversion {
+                tensor: t.name.clone(),
+                from: from.name().into(),
+                to: to.name().into(),
+            });
+        }
+        if from.itemsize().is_none() && r.selection != Selection::All {
+            return Err(Error::InvalidSelection {
+                tensor: t.name.clone(),
+                detail: format!("{from} is a packed sub-byte type; only whole tensors can be read"),
+            });
+        }
+        let runs = runs(t, r.selection)?;
+        let total: u64 = runs.iter().map(|r| r.1).sum();
+        let expected = to.bytes_for(total).unwrap_or(u64::MAX);
+        if expected != r.len as u64 {
+            return Err(Error::DestinationSize {
+                tensor: t.name.clone(),
+                expected,
+                actual: r.len as u64,
+            });
+        }
+        if r.len > 0 && r.ptr.is_null() {
+            return Err(Error::NullDestination {
+                tensor: t.name.clone(),
+            });
+        }
+        // For packed types (whole tensor, same dtype) count bytes; otherwise elements.
+        let (src_unit, dst_unit) = match (from.itemsize(), to.itemsize()) {
+            (Some(s), Some(d)) => (s as u64, d as u64),
+            _ => (1, 1),
+        };
+        let runs = if src_unit == 1 && from.itemsize().is_none() {
+            vec![(0, t.nbytes())]
+        } else {
+            runs
+        };
+        let per_task = (CHUNK / src_unit.max(dst_unit)).max(1);
+        let mut dst_off = 0u64;
+        for (first, count) in runs {
+            let mut done = 0;
+            while done < count {
+                let k = per_task.min(count - done);
+                let piece = Piece {
+                    src: base + t.begin + (first + done) * src_unit,
+                    src_len: k * src_unit,
+                    // SAFETY of the arithmetic: dst_off + k * dst_unit <= r.len, checked above.
+                    dst: DstPtr(r.ptr.wrapping_add(dst_off as usize)),
+                    dst_len: (k * dst_unit) as usize,
+                    from,
+                    to,
+                };
+                dst_off += k * dst_unit;
+                done += k;
+                plan.src_bytes += piece.src_len;
+                plan.dst_bytes += piece.dst_len as u64;
+                current_bytes += piece.src_len.max(1);
+                current.push(piece);
+                if current_bytes >= CHUNK {
+                    plan.tasks.push(std::mem::take(&mut current));
+                    current_bytes = 0;
+                }
+            }
+        }
+    }
+    if !current.is_empty() {
+        plan.tasks.push(current);
+    }
+    Ok(plan)
+}

@@ -1,0 +1,231 @@
+//! Tests of the copy engine: planning and running, on real files in both read modes.
+
+use super::*;
+use crate::file::{ReadMode, SafetensorsFile};
+use crate::header::build_header;
+use half::bf16;
+use std::io::Write;
+
+fn write(tensors: &[(&str, Dtype, Vec<u64>, Vec<u8>)]) -> std::path::PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let spec: Vec<(String, Dtype, Vec<u64>)> = tensors
+        .iter()
+        .map(|t| (t.0.to_string(), t.1, t.2.clone()))
+        .collect();
+    let (mut buf, _) = build_header(&spec, None).unwrap();
+    for t in tensors {
+        buf.extend_from_slice(&t.3);
+    }
+    let path = std::env::temp_dir().join(format!(
+        "fastload-copy-{}-{}.st",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(&buf)
+        .unwrap();
+    path
+}
+
+fn req(name: &str, dst: &mut [u8], dtype: Dtype, selection: Selection) -> Request {
+    Request {
+        name: name.into(),
+        ptr: dst.as_mut_ptr(),
+        len: dst.len(),
+        dtype,
+        selection,
+    }
+}
+
+#[test]
+fn copies_whole_tensors_in_both_modes_and_with_many_threads() {
+    let big: Vec<u8> = (0..(3 * CHUNK as usize + 123))
+        .map(|i| (i % 251) as u8)
+        .collect();
+    let path = write(&[
+        ("small", Dtype::U8, vec![3], vec![1, 2, 3]),
+        ("big", Dtype::U8, vec![big.len() as u64], big.clone()),
+    ]);
+    for mode in [ReadMode::Pread, ReadMode::Mmap] {
+        let f = SafetensorsFile::open(&path, mode).unwrap();
+        for threads in [1, 4] {
+            let (mut a, mut b) = (vec![0u8; 3], vec![0u8; big.len()]);
+            let reqs = [
+                req("small", &mut a, Dtype::U8, Selection::All),
+                req("big", &mut b, Dtype::U8, Selection::All),
+            ];
+            let p = plan(&f, &reqs).unwrap();
+            assert!(p.tasks() >= 4);
+            assert_eq!(
+                unsafe { execute(&f, &p, Some(threads), None, None) }.unwrap(),
+                big.len() as u64 + 3
+            );
+            assert_eq!(a, [1, 2, 3]);
+            assert!(b == big);
+        }
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn converts_bf16_to_f32_on_the_way() {
+    let vals = [1.5f32, -2.25, 1024.0];
+    let raw: Vec<u8> = vals
+        .iter()
+        .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+        .collect();
+    let path = write(&[("w", Dtype::BF16, vec![3], raw)]);
+    for mode in [ReadMode::Pread, ReadMode::Mmap] {
+        let f = SafetensorsFile::open(&path, mode).unwrap();
+        let mut out = vec![0u8; 12];
+        unsafe { copy(&f, &[req("w", &mut out, Dtype::F32, Selection::All)], None) }.unwrap();
+        let got: Vec<f32> = out
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, vals);
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn slices_rows_and_columns_and_element_ranges() {
+    // 3 x 4 matrix of u16 0..12
+    let raw: Vec<u8> = (0u16..12).flat_map(|v| v.to_le_bytes()).collect();
+    let path = write(&[("m", Dtype::U16, vec![3, 4], raw)]);
+    let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+    let read = |sel: Selection, n: usize| {
+        let mut out = vec![0u8; n * 2];
+        unsafe { copy(&f, &[req("m", &mut out, Dtype::U16, sel)], Some(2)) }.unwrap();
+        out.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        read(
+            Selection::Slice {
+                dim: 0,
+                start: 1,
+                stop: 3
+            },
+            8
+        ),
+        (4..12).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        read(
+            Selection::Slice {
+                dim: 1,
+                start: 2,
+                stop: 4
+            },
+            6
+        ),
+        vec![2, 3, 6, 7, 10, 11]
+    );
+    assert_eq!(
+        read(Selection::Elements { start: 5, stop: 7 }, 2),
+        vec![5, 6]
+    );
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn slices_of_an_empty_tensor_with_huge_dimensions_read_nothing() {
+    // Found by the copy_plan fuzzer: the products of the other dimensions overflowed (with
+    // [0, 2^33, 2^33], which the header now refuses; these still multiply to 2^62).
+    let path = write(&[("e", Dtype::U8, vec![0, 1 << 31, 1 << 31], vec![])]);
+    let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+    for dim in 0..3 {
+        let stop = if dim == 0 { 0 } else { 2 };
+        let sel = Selection::Slice {
+            dim,
+            start: 0,
+            stop,
+        };
+        let p = plan(&f, &[req("e", &mut [], Dtype::U8, sel)]).unwrap();
+        assert_eq!((p.src_bytes(), p.dst_bytes()), (0, 0));
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn rejects_bad_requests_before_writing_anything() {
+    let path = write(&[
+        ("a", Dtype::I32, vec![2], vec![1, 0, 0, 0, 2, 0, 0, 0]),
+        ("b", Dtype::F4, vec![4], vec![0x12, 0x34]),
+    ]);
+    let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+    let mut ok = vec![0u8; 8];
+    let mut short = vec![7u8; 4];
+    let rule = |reqs: &[Request]| unsafe { copy(&f, reqs, None) }.unwrap_err().rule();
+    // The valid first request must not have been written when the second fails.
+    assert_eq!(
+        rule(&[
+            req("a", &mut ok, Dtype::I32, Selection::All),
+            req("a", &mut short, Dtype::I32, Selection::All)
+        ]),
+        "destination-size"
+    );
+    assert_eq!(ok, vec![0u8; 8]);
+    assert_eq!(
+        rule(&[req("zz", &mut ok, Dtype::I32, Selection::All)]),
+        "unknown-tensor"
+    );
+    assert_eq!(
+        rule(&[req("a", &mut ok, Dtype::F64, Selection::All)]),
+        "unsupported-conversion"
+    );
+    assert_eq!(
+        rule(&[req(
+            "a",
+            &mut short,
+            Dtype::I32,
+            Selection::Elements { start: 1, stop: 3 }
+        )]),
+        "invalid-selection"
+    );
+    assert_eq!(
+        rule(&[req(
+            "a",
+            &mut short,
+            Dtype::I32,
+            Selection::Slice {
+                dim: 1,
+                start: 0,
+                stop: 1
+            }
+        )]),
+        "invalid-selection"
+    );
+    assert_eq!(
+        rule(&[req(
+            "b",
+            &mut short,
+            Dtype::F4,
+            Selection::Elements { start: 0, stop: 2 }
+        )]),
+        "invalid-selection"
+    );
+    let null = Request {
+        name: "a".into(),
+        ptr: std::ptr::null_mut(),
+        len: 8,
+        dtype: Dtype::I32,
+        selection: Selection::All,
+    };
+    assert_eq!(rule(&[null]), "null-destination");
+    let mut packed = vec![0u8; 2];
+    unsafe {
+        copy(
+            &f,
+            &[req("b", &mut packed, Dtype::F4, Selection::All)],
+            None,
+        )
+    }
+    .unwrap();
+    assert_eq!(packed, [0x12, 0x34]);
+    std::fs::remove_file(path).unwrap();
+}
