@@ -392,8 +392,8 @@ def test_report_to_dict_has_transformers_loading_info_keys(tmp_path):
     st_save_file(tensors, tmp_path / "model.safetensors")
     _, report = load(TiedLM, tmp_path)
     info = report.to_dict()
-    assert info["missing_keys"] == ["body.0.weight", "body.0.bias"]
-    assert info["unexpected_keys"] == ["extra"]
+    assert info["missing_keys"] == {"body.0.weight", "body.0.bias"}
+    assert info["unexpected_keys"] == {"extra"}
 
 
 def test_without_output_loading_info_only_the_model_is_returned(saved):

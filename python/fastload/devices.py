@@ -8,6 +8,9 @@ be used in this process is refused with a fastload error that says why.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from fastload.errors import RequestError, UnsupportedError
@@ -90,4 +93,24 @@ def _unusable(device: torch.device) -> str | None:
     return None
 
 
-__all__ = ["DeviceArg", "parse_device"]
+__all__ = ["DeviceArg", "ambient_device", "cpu_by_default", "parse_device"]
+
+
+def ambient_device() -> torch.device | None:
+    """The device torch's factory functions allocate on by default here, when it is not the CPU:
+    an enclosing ``with torch.device(...)`` block, or ``torch.set_default_device(...)``; ``None``
+    when they allocate on the CPU."""
+    device = torch.empty(0).device  # what a factory call without device= gets, contexts included
+    return None if device.type == "cpu" else device
+
+
+@contextlib.contextmanager
+def cpu_by_default() -> Iterator[None]:
+    """Factory calls without ``device=`` allocate on the CPU inside the block, whatever the
+    caller's ambient device (:func:`ambient_device`) is; nothing is entered when it is already
+    the CPU (a device context intercepts every torch call)."""
+    if ambient_device() is None:
+        yield
+        return
+    with torch.device("cpu"):
+        yield

@@ -68,8 +68,12 @@ class TensorRefusedError(RequestError, RuntimeError):
 
 class ModelMismatchError(CheckpointError, RuntimeError):
     """``load_model`` found a tensor whose shape differs from the model's, or (``strict=True``)
-    missing or unexpected names. A ``RuntimeError`` too, as ``load_state_dict`` and safetensors
-    raise."""
+    missing or unexpected names; ``from_pretrained`` found checkpoint tensors of another shape
+    (without ``ignore_mismatched_sizes=True``). A ``RuntimeError`` too, as ``load_state_dict``,
+    safetensors and transformers raise."""
+
+    #: (model name, checkpoint shape, model shape) of each tensor of another shape, where known
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
 
 
 class FastloadFileNotFoundError(FastloadIOError, FileNotFoundError):

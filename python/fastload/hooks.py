@@ -48,6 +48,17 @@ class ModelHooks:
         name."""
         return {}
 
+    def collision_order(self) -> Callable[[str], Any] | None:
+        """``None``: two checkpoint tensors that map onto one model tensor are refused
+        (``CheckpointError``); a sort key of checkpoint names: the first in that order loads."""
+        return None
+
+    def refuse_no_match(self) -> bool:
+        """Whether a checkpoint none of whose tensors matches the model is refused
+        (``CheckpointError``: a checkpoint of another model, or the wrong file); ``False``
+        loads it, every model tensor missing."""
+        return True
+
     def auto_dtype(self, ckpt: OpenCheckpoint) -> torch.dtype | None:
         """What ``dtype="auto"`` means for a model built for this load (``None``: each
         tensor's stored dtype)."""

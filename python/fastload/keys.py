@@ -141,12 +141,15 @@ def map_keys(
     renames: Sequence[Rename] | Callable[[], Sequence[Rename]] = (),
     source: str = "checkpoint",
     computed: Collection[str] = (),
+    collision_order: Callable[[str], object] | None = None,
 ) -> KeyMapping:
     """Maps every checkpoint name onto a model name (see the module docstring for the order).
 
     ``renames`` may be a callable that builds them: it is called only when some name does not
     match a model name (or one of the ``computed`` buffers the model fills itself) directly.
-    Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both.
+    Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both;
+    with ``collision_order`` (a sort key of checkpoint names) the first of them in that order
+    lands there instead, and the other is dropped (neither matched nor unexpected).
     """
     checkpoint_keys = list(checkpoint_keys)
     if callable(renames):
@@ -157,6 +160,8 @@ def map_keys(
         renames = () if direct else renames()
     out = KeyMapping()
     owner: dict[str, str] = {}
+    if collision_order is not None:
+        checkpoint_keys.sort(key=collision_order)
     for original in checkpoint_keys:
         mapped = name = key_map(original) if key_map is not None else original
         for rename in renames:
@@ -169,6 +174,11 @@ def map_keys(
             name = mapped
         if name not in model_keys:
             out.unmatched[original] = name
+            continue
+        if name in owner and collision_order is not None:
+            logger.debug(
+                "%s: %r also maps to %r, loaded from %r", source, original, name, owner[name]
+            )
             continue
         if name in owner:
             raise CheckpointError(

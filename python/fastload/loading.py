@@ -45,7 +45,7 @@ from fastload.checkpoint import (
     OpenCheckpoint,
 )
 from fastload.device_map import DISK, DeviceMapArg, dispatch, resolve_device_map
-from fastload.devices import parse_device
+from fastload.devices import cpu_by_default, parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import RequestError, UnsupportedError, from_os_error
 from fastload.finishing import resolve_duplicates, swap_in
@@ -152,6 +152,24 @@ def _without_gc_pauses(fn: _F) -> _F:
     return paused  # type: ignore[return-value]
 
 
+def _device_explicit(fn: _F) -> _F:
+    """Runs ``fn`` with torch's factory functions allocating on the CPU unless told otherwise.
+
+    The load's devices are its arguments (``device``, ``device_map``): an ambient device context
+    of the caller (``with torch.device("meta")``, ``torch.set_default_device("cuda")``) must not
+    leak into the skeleton's buffers, the family's finishing code or any temporary, as it would
+    put tensors on a device nobody asked for (a meta buffer in a loaded model, a CPU mapping
+    viewed as a meta tensor). fastload's own allocations name their device as well."""
+
+    @functools.wraps(fn)
+    def explicit(*args: Any, **kwargs: Any) -> Any:
+        with cpu_by_default():
+            return fn(*args, **kwargs)
+
+    return explicit  # type: ignore[return-value]
+
+
+@_device_explicit
 @_without_gc_pauses
 def load(
     target: Target,
@@ -177,11 +195,14 @@ def load(
     allow_pickle: bool = False,
     staging_bytes: int | str | None = None,
     offload_folder: str | os.PathLike[str] | None = None,
+    read_ahead: bool = True,
     seconds: dict[str, float] | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target``; the options are
-    :func:`fastload.from_pretrained`'s. ``seconds`` are phases already spent by the caller
-    (resolving a model id), put first in the report."""
+    :func:`fastload.from_pretrained`'s. ``read_ahead=False`` starts no read-ahead thread
+    (:class:`~fastload.sharing.WarmUp`): with ``threads=1`` the whole load runs on the calling
+    thread. ``seconds`` are phases already spent by the caller (resolving a model id), put first
+    in the report."""
     clock = _Clock()
     clock.seconds.update(seconds or {})
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
@@ -208,7 +229,8 @@ def load(
         # the disk starts on the files now, and their pages are mapped, while the skeleton is
         # built and the load planned; only where the tensors will be views of the mappings
         views = target_device.type == "cpu" and device_map is None and tp_plan is None
-        warm_up = WarmUp(ckpt.files, mmap, views=views and want in (None, stored))
+        views = views and want in (None, stored) and read_ahead
+        warm_up = WarmUp(ckpt.files, mmap, views=views)
     location = ckpt.location
     source = str(location.index or location.files[0])
 
@@ -264,7 +286,9 @@ def load(
         )
 
     with clock.phase("allocate"):
-        by_file = _allocate(groups, placement, ckpt, report, mmap, warm_up.mappings)
+        by_file = _allocate(
+            groups, placement, ckpt, report, mmap, warm_up.mappings, threads=threads
+        )
 
     with clock.phase("read"):
         report.bytes_written = _read(ckpt, by_file, threads=threads, progress=progress, pool=pool)
@@ -372,6 +396,8 @@ def _allocate(
     report: LoadReport | None = None,
     mmap: str = "shared",
     premapped: Mapping[int, SharedMapping] | None = None,
+    *,
+    threads: int | None = None,
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
     (tensor name, destination, selection, source bytes).
@@ -461,7 +487,7 @@ def _allocate(
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
     for i, mapping in mappings.items():
         if i not in premapped:
-            mapping.prefetch()
+            mapping.prefetch(threads)
     if report is not None and shared is not None:
         report.sharing = {
             f.path: _sharing_line(why, mappings.get(i), len(by_file.get(i, ())))

@@ -19,7 +19,7 @@ from torch import nn
 from fastload import keys as keymod
 from fastload.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.dtypes import CONVERTIBLE, to_st
-from fastload.errors import CheckpointError, UnsupportedError
+from fastload.errors import CheckpointError, ModelMismatchError, UnsupportedError
 from fastload.hooks import ModelHooks
 from fastload.placement import Destination, Placement, selected_shape
 from fastload.report import LoadReport
@@ -142,6 +142,7 @@ def plan(
         "renames": hooks.renames(model, source),
         "source": source,
         "computed": computed,
+        "collision_order": hooks.collision_order(),
     }
     merges = hooks.merges(model, ckpt, model_keys, options)
     merged = {p.stored for m in merges.values() for p in m.pieces}
@@ -176,10 +177,12 @@ def plan(
         shown = "\n  ".join(wrong[:20]) + (
             f"\n  ... ({len(wrong) - 20} more)" if len(wrong) > 20 else ""
         )
-        raise CheckpointError(
+        error = ModelMismatchError(
             f"{len(wrong)} checkpoint tensors do not have the model's shape (pass "
             f"ignore_mismatched_sizes=True to re-initialize them instead):\n  {shown}"
         )
+        error.mismatched = list(report.mismatched)  # (model name, checkpoint, model shape)
+        raise error
     mismatched = {m[0] for m in report.mismatched}
 
     # Unexpected checkpoint tensors.
@@ -206,7 +209,14 @@ def plan(
         if group.template.device.type == "meta" or (reinit and not group.is_buffer):
             group.action = "init"
 
-    if not pairs and not merges and ckpt.tensors and model_keys and not report.mismatched:
+    if (
+        not pairs
+        and not merges
+        and ckpt.tensors
+        and model_keys
+        and not report.mismatched
+        and hooks.refuse_no_match()
+    ):
         raise CheckpointError(
             f"{source}: none of its {len(ckpt.tensors)} tensors matches a tensor of "
             f"{type(model).__name__} (checkpoint names such as "

@@ -108,7 +108,11 @@ def fill(
         if dest.device.type != "cpu":
             remote.setdefault(dest.device, []).append((name, dest, selection))
             continue
-        target = dest if dest.is_contiguous() else torch.empty(dest.shape, dtype=dest.dtype)
+        target = (
+            dest
+            if dest.is_contiguous()
+            else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        )
         if target is not dest:
             after.append((dest, target))
         keep.append(target)

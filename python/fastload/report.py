@@ -76,11 +76,13 @@ class LoadReport:
         return sum(self.seconds.values())
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys transformers' ``output_loading_info`` dict has, for code written against it."""
+        """The keys and types transformers' ``output_loading_info`` dict has, for code written
+        against it: sets of names (and of ``(name, checkpoint shape, model shape)``), a list of
+        error messages."""
         return {
-            "missing_keys": list(self.missing),
-            "unexpected_keys": list(self.unexpected),
-            "mismatched_keys": list(self.mismatched),
+            "missing_keys": set(self.missing),
+            "unexpected_keys": set(self.unexpected),
+            "mismatched_keys": {(n, tuple(c), tuple(m)) for n, c, m in self.mismatched},
             "error_msgs": [],
         }
 

@@ -128,11 +128,13 @@ class SharedMapping:
         if stored != dtype:
             return None
         offset = self.file.data_start + begin
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if offset % itemsize:
             return None
         count = math.prod(shape)
-        out = torch.empty(0, dtype=dtype)
+        # explicitly on the CPU, where the mapping is: an ambient device context
+        # (``with torch.device("meta")``, ``torch.set_default_device``) must not leak in
+        out = torch.empty(0, dtype=dtype, device="cpu")
         if count:  # frombuffer refuses an empty window; an empty tensor needs no bytes anyway
             window = torch.frombuffer(self._pages, dtype=dtype, count=count, offset=offset)
             out.set_(window.untyped_storage(), 0, tuple(shape))

@@ -59,7 +59,7 @@ class _Piece:
 
 class _Buffer:
     def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
         self.event: torch.cuda.Event | None = None
 
     def wait(self) -> None:

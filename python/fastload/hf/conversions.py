@@ -20,12 +20,13 @@ naming the tensor as stored in the file.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fastload import keys as keymod
-from fastload.errors import CheckpointError, UnsupportedError
+from fastload.errors import ModelMismatchError, UnsupportedError
 from fastload.hf.renames import transformers_renames
 from fastload.planning import Merge, Piece, View
 
@@ -113,6 +114,7 @@ def plan_merges(
                 continue
             kinds = [type(op).__name__ for op in converter.operations]
             if kinds in (["Chunk"], ["Split"]):
+                _check_own_operations(converter, stored, source)
                 splits.update(
                     _split(
                         stored, names[stored], converted, converter, resolve, model_shapes, source
@@ -121,6 +123,7 @@ def plan_merges(
                 break
             target = resolve(converted)
             if target is not None:
+                _check_own_operations(converter, stored, source)
                 entry = collected.setdefault(target, (converter, {}))
                 entry[1].setdefault(pattern, []).append(stored)
             break
@@ -130,6 +133,35 @@ def plan_merges(
     }
     merges.update(splits)
     return merges
+
+
+def _conversion_error(text: str) -> ModelMismatchError:
+    """A conversion that cannot be made: a ``RuntimeError`` (and a ``CheckpointError``) in
+    transformers' words, as its loader raises after a failed conversion."""
+    return ModelMismatchError(
+        f"We encountered some issues during automatic conversion of the weights: {text}"
+    )
+
+
+def _check_own_operations(converter: Any, stored: str, source: str) -> None:
+    """``UnsupportedError`` unless every operation of ``converter`` is transformers' own class
+    with transformers' own ``convert``: fastload plans what transformers' operations do, and an
+    operation replaced or patched (a subclass, a plugin, a mock) may do anything else."""
+    for op in converter.operations:
+        cls = type(op)
+        convert = getattr(cls, "convert", None)
+        own = (
+            cls.__module__ == "transformers.core_model_loading"
+            and inspect.isfunction(convert)
+            and convert.__module__ == cls.__module__
+            and convert.__qualname__ == f"{cls.__name__}.convert"
+        )
+        if not own:
+            raise UnsupportedError(
+                f"{source}: tensor {stored!r} needs the conversion {cls.__qualname__}, whose "
+                "convert is not transformers' own (replaced or patched); fastload only plans "
+                "transformers' own conversions: load it with transformers"
+            )
 
 
 def _split(
@@ -160,7 +192,7 @@ def _split(
     else:
         sizes = [model_shapes[t][dim] for t in targets]  # type: ignore[index]
     if any(size <= 0 for size in sizes) or sum(sizes) != length:
-        raise CheckpointError(
+        raise _conversion_error(
             f"{source}: tensor {stored!r} has shape {list(shape)}; it cannot be split along "
             f"dimension {dim} into the model's {targets}"
         )
@@ -224,7 +256,7 @@ def _stack(
     shapes = {tuple(names[n]) for n in stored}
     if len(shapes) != 1:
         listed = ", ".join(f"{n!r} {list(names[n])}" for n in stored)
-        raise CheckpointError(f"{source}: expert tensors to stack differ in shape: {listed}")
+        raise _conversion_error(f"{source}: expert tensors to stack differ in shape: {listed}")
     shape = list(shapes.pop())
     dim = dim if dim >= 0 else dim + len(shape) + 1
     merged = tuple(shape[:dim] + [len(stored)] + shape[dim:])
@@ -239,7 +271,7 @@ def _concatenate(
     rest = {tuple(s[:dim] + s[dim + 1 :]) for s in shapes}
     if len(rest) != 1:
         stored = ", ".join(repr(p[1][0][0]) for p in parts)
-        raise CheckpointError(
+        raise _conversion_error(
             f"{source}: tensors {stored} cannot be concatenated along dimension {dim}: shapes "
             f"{shapes}"
         )

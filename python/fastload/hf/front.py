@@ -24,6 +24,7 @@ from torch import nn
 from fastload.errors import CheckpointError, FastloadError, RequestError
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
+from fastload.hf.context import check_not_quantized
 from fastload.hf.hooks import TransformersHooks
 from fastload.hf.options import split_options
 from fastload.loading import Target, load, plain_target
@@ -41,9 +42,11 @@ def load_hf(
     state_dict: Mapping[str, torch.Tensor] | None,
     core: dict[str, Any],
     kwargs: dict[str, Any],
+    contract: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads a model named the Hugging Face way; ``core`` are the core loader's options, and
-    ``kwargs`` transformers' options and config / ``__init__`` arguments."""
+    ``kwargs`` transformers' options and config / ``__init__`` arguments. ``contract``: under the
+    patch, what loads at all is transformers' rule (:class:`TransformersHooks`)."""
     start = time.perf_counter()
     kwargs = dict(kwargs)
     opts = split_options(kwargs)
@@ -83,7 +86,7 @@ def load_hf(
             allow_pickle=bool(core.get("allow_pickle")),
             remote_code=opts.trust_remote_code,
         )
-    hooks = TransformersHooks(generation_config=opts.generation_config)
+    hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
 
     if isinstance(model, nn.Module):
         if config is not None or kwargs:
@@ -102,6 +105,8 @@ def load_hf(
             trust_remote_code=opts.trust_remote_code,
             code_revision=opts.code_revision,
         )
+        # never a quantized checkpoint loaded as an unquantized model (fastload.hf.context)
+        check_not_quantized(cfg, path if path is not None else cls.__name__)
         _prepare_config(cfg, opts.config_attrs, init_kwargs, source)
         cfg.name_or_path = os.fspath(path) if path is not None else cfg.name_or_path
         hooks.config = cfg  # dtype="auto" reads the config's dtype

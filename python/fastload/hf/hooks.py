@@ -31,11 +31,29 @@ class TransformersHooks(ModelHooks):
 
     ``generation_config`` (transformers' option of that name) replaces the checkpoint's after
     loading; ``config`` is the config the model is built from (for ``dtype="auto"``).
+    ``contract=True`` (under the patch): what loads at all is transformers' rule: a checkpoint
+    none of whose tensors matches loads with every tensor missing, and of two checkpoint tensors
+    mapping onto one model tensor the first in transformers' order loads.
     """
 
-    def __init__(self, *, generation_config: Any = None, config: Any = None) -> None:
+    def __init__(
+        self, *, generation_config: Any = None, config: Any = None, contract: bool = False
+    ) -> None:
         self.generation_config = generation_config
         self.config = config
+        self.contract = contract
+
+    def collision_order(self) -> Callable[[str], Any] | None:
+        if not self.contract:
+            return None
+        try:  # transformers visits checkpoint names in this order; the first one loads
+            from transformers.core_model_loading import dot_natural_key
+        except ImportError:
+            from fastload.hf.conversions import _natural as dot_natural_key
+        return dot_natural_key
+
+    def refuse_no_match(self) -> bool:
+        return not self.contract
 
     def merges(
         self,

@@ -8,9 +8,10 @@ own implementation, with one log line saying why. The patch is undone by
 :func:`unpatch_transformers`, or at the end of ``with patch_transformers():``.
 
 What the caller gets is what transformers returns: the model, or ``(model, loading_info)`` with
-``output_loading_info=True`` where ``loading_info`` is the dict transformers returns
-(:meth:`LoadReport.to_dict`). The full :class:`~fastload.report.LoadReport` of the latest patched
-load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger.
+``output_loading_info=True`` where ``loading_info`` is the dict transformers returns (sets, as
+transformers has them), and the load is reported on transformers' logger in its words
+(:mod:`fastload.hf.contract`). The full :class:`~fastload.report.LoadReport` of the latest
+patched load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def _transformers_own(cls: type, name: Any, args: tuple[Any, ...], kwargs: dict[
     return original.__func__(cls, name, *args, **kwargs)
 
 
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized())
+
+
 def _from_pretrained(
     cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
 ) -> Any:
@@ -96,14 +103,24 @@ def _from_pretrained(
         reason = "positional __init__ arguments"
     elif pretrained_model_name_or_path is None and kwargs.get("state_dict") is None:
         reason = "no model name or state_dict"
+    elif kwargs.get("tp_plan") is not None and not _distributed():
+        # transformers then loads an ordinary model (with its deprecation warning)
+        reason = "tp_plan without an initialized torch.distributed"
     else:
+        from fastload.hf.context import ambient_core_options
+        from fastload.hf.contract import finish_contract
         from fastload.hf.front import load_hf
 
         options = dict(kwargs)
         info = bool(options.pop("output_loading_info", False))
         config = options.pop("config", None)
         state_dict = options.pop("state_dict", None)
-        core: dict[str, Any] = {}
+        # transformers loads tensors of another shape re-initialized, reports them, then raises
+        # unless they were to be ignored (fastload.hf.contract)
+        ignore_mismatched = bool(options.get("ignore_mismatched_sizes"))
+        options["ignore_mismatched_sizes"] = True
+        # the ambient device and transformers' environment variables (fastload.hf.context)
+        core: dict[str, Any] = ambient_core_options(options)
         try:
             model, report = load_hf(
                 cls,
@@ -112,6 +129,7 @@ def _from_pretrained(
                 state_dict=state_dict,
                 core=core,
                 kwargs=options,
+                contract=True,
             )
         except (UnsupportedError, PickleRefusedError) as e:
             reason = str(e)
@@ -122,7 +140,13 @@ def _from_pretrained(
                 cls.__name__,
                 pretrained_model_name_or_path,
             )
-            return (model, report.to_dict()) if info else model
+            loading_info = finish_contract(
+                model,
+                pretrained_model_name_or_path,
+                report,
+                ignore_mismatched_sizes=ignore_mismatched,
+            )
+            return (model, loading_info) if info else model
     logger.warning(
         "fastload: %s.from_pretrained(%r) is left to transformers: %s",
         cls.__name__,
