@@ -72,6 +72,12 @@ def run(tests: Path, shim: Path, target: str, k: str | None, patched: bool, out:
     return junit
 
 
+def regressions_of(unpatched: dict[str, str], patched: dict[str, str]) -> list[str]:
+    """The tests that pass unpatched and do not pass patched (failed, skipped or not collected),
+    sorted."""
+    return sorted(t for t, o in unpatched.items() if o == "passed" and patched.get(t) != "passed")
+
+
 def counts(result: dict[str, str]) -> str:
     n = {o: sum(v == o for v in result.values()) for o in ("passed", "failed", "skipped")}
     passed, failed, skipped = n["passed"], n["failed"], n["skipped"]
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     for target, k in parts:
         before = outcomes(run(args.tests, args.shim, target, k, False, args.out))
         after = outcomes(run(args.tests, args.shim, target, k, True, args.out))
-        lost = sorted(t for t, o in before.items() if o == "passed" and after.get(t) != "passed")
+        lost = regressions_of(before, after)
         regressions += lost
         lines.append(f"{target}\n  unpatched: {counts(before)}\n  patched:   {counts(after)}")
         if lost:
