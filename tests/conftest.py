@@ -15,6 +15,9 @@ import re
 
 import pytest
 
+# fixtures of the patch's tests (tests/patching.py): ``unpatched``, ``transformers_loads``
+pytest_plugins = ["patching"]
+
 _GPU_WORDS = re.compile(r"cuda|gpu", re.IGNORECASE)
 
 

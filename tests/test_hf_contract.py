@@ -19,11 +19,7 @@ import fastload  # noqa: E402
 from fastload.errors import CheckpointError, ModelMismatchError  # noqa: E402
 from tiny_models import make_checkpoint, make_model, model_class  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def unpatched() -> Iterator[None]:
-    yield
-    fastload.unpatch_transformers()
+pytestmark = pytest.mark.usefixtures("unpatched")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -20,32 +19,12 @@ pytest.importorskip("transformers")
 import fastload  # noqa: E402
 from tiny_models import assert_same_tensors, make_checkpoint, make_model  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def unpatched() -> Iterator[None]:
-    yield
-    fastload.unpatch_transformers()
+pytestmark = pytest.mark.usefixtures("unpatched")
 
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("bert"), "BertModel")
-
-
-@pytest.fixture
-def transformers_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names transformers' own weight loading ran for."""
-    from transformers.modeling_utils import PreTrainedModel
-
-    calls: list[str] = []
-    real = PreTrainedModel.__dict__["_load_pretrained_model"]
-
-    def counting(*args, **kwargs):
-        calls.append(type(args[0]).__name__ if args else "?")
-        return real.__func__(*args, **kwargs)
-
-    monkeypatch.setattr(PreTrainedModel, "_load_pretrained_model", staticmethod(counting))
-    return calls
 
 
 def with_quantization_config(directory: Path, quantization: dict) -> Path:

@@ -4,7 +4,6 @@ served by fastload, with callers unchanged; undone on exit."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,10 +18,7 @@ from tiny_models import assert_same_tensors, make_checkpoint  # noqa: E402
 SENTENCES = ["fastload reads safetensors checkpoints.", "A second, longer sentence to embed."]
 
 
-@pytest.fixture(autouse=True)
-def unpatched() -> Iterator[None]:
-    yield
-    fastload.unpatch_transformers()
+pytestmark = pytest.mark.usefixtures("unpatched")
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +28,6 @@ def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def fastload_loads(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastload: loaded")]
-
-
-@pytest.fixture
-def transformers_loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names transformers' own weight loading ran for."""
-    from transformers.modeling_utils import PreTrainedModel
-
-    calls: list[str] = []
-    real = PreTrainedModel.__dict__["_load_pretrained_model"]
-
-    def counting(*args, **kwargs):
-        calls.append(type(args[0]).__name__ if args else "?")
-        return real.__func__(*args, **kwargs)
-
-    monkeypatch.setattr(PreTrainedModel, "_load_pretrained_model", staticmethod(counting))
-    return calls
 
 
 def test_under_the_patch_sentence_transformer_loads_once_through_fastload_with_equal_embeddings(
