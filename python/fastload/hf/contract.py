@@ -29,14 +29,8 @@ def loading_info(model: nn.Module, report: LoadReport) -> Any:
     """fastload's report as transformers' ``LoadStateDictInfo`` (sets of names and shapes)."""
     from transformers.utils.loading_report import LoadStateDictInfo
 
-    values: dict[str, Any] = {
-        "missing_keys": set(report.missing),
-        "unexpected_keys": set(report.unexpected),
-        "mismatched_keys": {(n, tuple(c), tuple(m)) for n, c, m in report.mismatched},
-        "error_msgs": [],
-        "conversion_errors": {},
-        "skipped_pp_keys": set(),
-    }
+    # the report's own transformers-shaped dict, plus the fields newer transformers versions have
+    values = {**report.to_dict(), "conversion_errors": {}, "skipped_pp_keys": set()}
     fields = getattr(LoadStateDictInfo, "__dataclass_fields__", values)
     return LoadStateDictInfo(**{k: v for k, v in values.items() if k in fields})
 
