@@ -242,12 +242,15 @@ impl PySafetensorsFile {
 
     /// Fills destinations given as `(name, ptr, nbytes, dtype, selection)`; returns bytes written.
     ///
+    /// Private (`_copy_into`): it writes to raw addresses, so Python reaches it only through
+    /// `fastload.engine.copy_into`, which derives each address and length from a tensor.
+    ///
     /// Every job is validated before any byte is written. The GIL is released while copying;
     /// a long copy (or one given `progress`) is watched from the calling thread, which re-takes
     /// the GIL every few tens of milliseconds to run signal handlers (Ctrl-C cancels the copy and
     /// raises `KeyboardInterrupt`) and `progress`'s callback. The caller must keep each
     /// destination alive and untouched until this returns.
-    #[pyo3(signature = (jobs, threads = None, progress = None))]
+    #[pyo3(name = "_copy_into", signature = (jobs, threads = None, progress = None))]
     fn copy_into(
         &self,
         py: Python<'_>,

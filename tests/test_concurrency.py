@@ -23,6 +23,7 @@ from torch import nn
 
 import fastload
 from fastload import _core
+from fastload.engine import copy_into
 from tensor_samples import assert_bitwise_equal
 
 T = TypeVar("T")
@@ -129,7 +130,7 @@ POLL = 0.0002
 
 
 def _copy_job(file: _core.SafetensorsFile, dest: torch.Tensor) -> list[Any]:
-    return [("w", dest.data_ptr(), dest.numel() * dest.element_size(), "F32", None)]
+    return [("w", dest, "F32", None)]
 
 
 def test_another_python_thread_runs_and_can_cancel_while_a_copy_is_under_way(
@@ -148,7 +149,7 @@ def test_another_python_thread_runs_and_can_cancel_while_a_copy_is_under_way(
 
         def load(progress: _core.Progress = progress, errors: list[BaseException] = errors) -> None:
             try:
-                file.copy_into(_copy_job(file, dest), 1, progress)
+                copy_into(file, _copy_job(file, dest), 1, progress)
             except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 errors.append(e)
 
@@ -202,7 +203,7 @@ def test_a_signal_during_a_copy_runs_its_python_handler_and_stops_the_copy(
         try:
             sender.start()
             try:
-                file.copy_into(_copy_job(file, dest), 1, progress)
+                copy_into(file, _copy_job(file, dest), 1, progress)
             except _Interrupted:
                 # Cancelled; its last pieces may have finished before the cancel was seen.
                 assert progress.cancelled
@@ -220,13 +221,14 @@ CTRL_C = textwrap.dedent(
     import os, signal, sys, threading, time
     import torch
     from fastload import _core
+    from fastload.engine import copy_into
     # Python leaves SIGINT ignored if it started that way (a background job of a shell script):
     # install the handler an interactive Python has, the one Ctrl-C reaches
     signal.signal(signal.SIGINT, signal.default_int_handler)
     file = _core.SafetensorsFile(sys.argv[1])
     dest = torch.empty(int(sys.argv[2]))
     total = dest.numel() * dest.element_size()
-    job = [("w", dest.data_ptr(), total, "F32", None)]
+    job = [("w", dest, "F32", None)]
     for _ in range(20):
         progress = _core.Progress()
         def press(progress=progress):
@@ -238,7 +240,7 @@ CTRL_C = textwrap.dedent(
         try:
             sender.start()
             try:
-                file.copy_into(job, 1, progress)
+                copy_into(file, job, 1, progress)
             except KeyboardInterrupt:
                 print("interrupted", progress.cancelled)
                 break

@@ -18,6 +18,7 @@ from safetensors.torch import save_file as st_save_file
 
 from fastload import _core
 from fastload.dtypes import to_st
+from fastload.engine import copy_into
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 BITS = {torch.float64: torch.int64, torch.float32: torch.int32}
@@ -91,8 +92,7 @@ def _fastload_to(t: torch.Tensor, dst: torch.dtype, path: Path) -> torch.Tensor:
     st_save_file({"t": t}, str(path))
     file = _core.SafetensorsFile(str(path))
     out = torch.empty(t.shape, dtype=dst)
-    nbytes = out.numel() * out.element_size()
-    file.copy_into([("t", out.data_ptr(), nbytes, to_st(dst), None)], 1)
+    copy_into(file, [("t", out, to_st(dst), None)], 1)
     return out
 
 

@@ -16,6 +16,7 @@ from safetensors.torch import save_file as st_save_file
 
 import fastload
 from fastload import _core
+from fastload.engine import copy_into
 
 CHUNK = _core.CHUNK
 N = 6 * CHUNK // 4  # F32 elements: six copy tasks
@@ -50,9 +51,9 @@ def test_a_file_rewritten_in_place_during_a_copy_is_reported_not_returned_torn(
             rewrites.append(done)
             _rewrite_in_place(six_chunks)
 
-    job = [("w", dest.data_ptr(), N * 4, "F32", None)]
+    job = [("w", dest, "F32", None)]
     with pytest.raises(fastload.CheckpointError, match=r"\[file-changed\]") as err:
-        file.copy_into(job, 1, _core.Progress(rewrite_once))
+        copy_into(file, job, 1, _core.Progress(rewrite_once))
     assert rewrites and 0 < rewrites[0] < N * 4
     assert str(six_chunks) in str(err.value)
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file as st_save_file
 from torch import nn
 
 import fastload
+from fastload.engine import copy_into
 from fastload.errors import (
     CheckpointError,
     PickleRefusedError,
@@ -416,10 +417,7 @@ def test_a_pickle_file_checks_every_job_before_writing_any(
     good = torch.zeros(2, 3)
     scratch = torch.zeros(64, dtype=torch.uint8)
     name, nbytes, st_dtype, selection = job
-    jobs = [
-        ("w", good.data_ptr(), 24, "F32", None),
-        (name, scratch.data_ptr(), nbytes, st_dtype, selection),
-    ]
+    jobs = [("w", good, "F32", None), (name, scratch[:nbytes], st_dtype, selection)]
     with pytest.raises(error, match=rf"^{re.escape(str(file.path))}: \[{rule}\]"):
-        file.copy_into(jobs)
+        copy_into(file, jobs)
     assert not good.any() and not scratch.any()

@@ -11,6 +11,7 @@ from torch import nn
 
 import fastload
 from fastload import _core
+from fastload.engine import copy_into
 from fastload.progress import DISABLE_VARS, binary_unit
 
 CHUNK = _core.CHUNK
@@ -55,7 +56,7 @@ def test_the_counter_reports_each_copied_piece_of_a_single_file(wide: Path) -> N
     dest = torch.empty(6 * CHUNK // 4)
     seen: list[int] = []
     progress = _core.Progress(seen.append)
-    file.copy_into([("w", dest.data_ptr(), 6 * CHUNK, "F32", None)], 1, progress)
+    copy_into(file, [("w", dest, "F32", None)], 1, progress)
     # After every task (one chunk here) the callback gets the count; a slow machine may add
     # repeats from the periodic wake-ups, never a decrease.
     assert seen == sorted(seen)

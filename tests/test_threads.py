@@ -14,6 +14,7 @@ from torch import nn
 
 import fastload
 from fastload import _core
+from fastload.engine import copy_into
 from fastload.threads import MAX_THREADS
 
 BAD = [0, -1, MAX_THREADS + 1, 10_000, True, 2.0, "4"]
@@ -73,9 +74,9 @@ def test_a_thread_count_outside_the_range_is_refused_by_the_save_paths_before_wr
 def test_the_engine_refuses_a_count_above_the_cap_itself(three_chunks: Path) -> None:
     file = _core.SafetensorsFile(str(three_chunks))
     out = torch.empty(3 * _core.CHUNK // 4)
-    job = [("w", out.data_ptr(), 3 * _core.CHUNK, "F32", None)]
+    job = [("w", out, "F32", None)]
     with pytest.raises(fastload.RequestError, match=r"\[invalid-threads\]"):
-        file.copy_into(job, MAX_THREADS + 1)
+        copy_into(file, job, MAX_THREADS + 1)
     with pytest.raises(fastload.RequestError, match=r"\[invalid-threads\]"):
         _core.write_file(str(three_chunks.with_name("x.safetensors")), [], None, 0)
     assert not three_chunks.with_name("x.safetensors").exists()

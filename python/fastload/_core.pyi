@@ -72,10 +72,13 @@ class SafetensorsFile:
     def metadata(self) -> dict[str, str] | None: ...
     def tensors(self) -> list[tuple[str, str, list[int], int, int]]: ...
     def info(self, name: str) -> tuple[str, list[int], int, int]: ...
-    def copy_into(
+    def _copy_into(
         self, jobs: list[_Job], threads: int | None = None, progress: Progress | None = None
     ) -> int:
         """Validate every job, then fill the destinations in parallel with the GIL released.
+
+        Private: the jobs name raw addresses. Call ``fastload.engine.copy_into``, which takes
+        tensors and derives each address and length from one.
 
         ``threads``: 1..MAX_THREADS (``RequestError`` otherwise). A long copy, or one given
         ``progress``, runs signal handlers (Ctrl-C: ``KeyboardInterrupt``) and ``progress``'s

@@ -195,6 +195,7 @@ def _read_all(file: Any, scratch: Any) -> int:
     import torch
 
     from fastload import _core
+    from fastload.engine import copy_into
 
     bits = _core.dtype_bits()
     total = 0
@@ -202,7 +203,7 @@ def _read_all(file: Any, scratch: Any) -> int:
         nbytes = end - begin
         if bits[st_dtype] % 8:  # packed sub-byte type: only whole tensors can be read
             buf = torch.empty(nbytes, dtype=torch.uint8)
-            file.copy_into([(name, buf.data_ptr(), nbytes, st_dtype, None)])
+            copy_into(file, [(name, buf, st_dtype, None)])
             total += nbytes
             continue
         itemsize = bits[st_dtype] // 8
@@ -211,7 +212,7 @@ def _read_all(file: Any, scratch: Any) -> int:
         for start in range(0, numel, step):
             stop = min(numel, start + step)
             length = (stop - start) * itemsize
-            file.copy_into([(name, scratch.data_ptr(), length, st_dtype, [start, stop])])
+            copy_into(file, [(name, scratch[:length], st_dtype, [start, stop])])
             total += length
     return total
 

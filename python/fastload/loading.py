@@ -8,7 +8,8 @@ The load runs in phases, each timed in the :class:`~fastload.report.LoadReport`:
 3. **plan**: map checkpoint names onto model names and apply the key policies
    (:mod:`fastload.planning`); decide each tensor's destination (:mod:`fastload.placement`);
 4. **allocate** every destination once, on its final device and dtype;
-5. **read**: one Rust ``copy_into`` per file fills all of that file's destinations in parallel;
+5. **read**: one Rust copy per file (:func:`fastload.engine.copy_into`) fills all of that file's
+   destinations in parallel;
 6. **finish**: swap the new tensors into the model and initialize what the checkpoint lacks
    (:mod:`fastload.finishing`), then dispatch, tensor-parallel wrapping, the model family's own
    finishing (:mod:`fastload.hooks`), and the train/eval mode.

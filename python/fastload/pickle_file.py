@@ -2,8 +2,9 @@
 
 ``from_pretrained(..., allow_pickle=True)`` opens each pickle file as a :class:`PickleFile`, which
 offers the interface of :class:`fastload._core.SafetensorsFile` that the loader uses (``path``,
-``keys``, ``tensors``, ``info``, ``metadata``, ``copy_into``), so its tensors go through exactly the
-same pipeline as a safetensors file's: key mapping, policies, placement, dtype conversion, tying.
+``keys``, ``tensors``, ``info``, ``metadata``, ``_copy_into``), so its tensors go through
+exactly the same pipeline as a safetensors file's: key mapping, policies, placement, dtype
+conversion, tying.
 
 ``weights_only=True`` unpickles tensors and plain containers only: a pickle naming any other
 global (the ``__reduce__`` trick that runs code) is refused before anything of it runs. The file is
@@ -36,7 +37,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 #: how a pickle file is read, as the load report names it
 READ_MODE = "torch.load(weights_only)"
 
-# (name, data pointer, byte length, safetensors dtype, selection), as SafetensorsFile.copy_into
+# (name, data pointer, byte length, safetensors dtype, selection), as SafetensorsFile._copy_into
 _Job = tuple[str, int, int, str, "list[int] | None"]
 
 
@@ -173,10 +174,11 @@ class PickleFile:
             )
         return self._info[name]
 
-    def copy_into(
+    def _copy_into(
         self, jobs: list[_Job], threads: int | None = None, progress: Any | None = None
     ) -> int:
-        """Fills caller-owned destinations, like ``SafetensorsFile.copy_into``: every job is
+        """Fills caller-owned destinations, like ``SafetensorsFile._copy_into`` (reached through
+        :func:`fastload.engine.copy_into`, which takes tensors): every job is
         checked (name, dtype pair, selection, destination size) before any byte is written, with
         the same error classes; returns bytes written. ``threads`` is unused (torch copies);
         ``progress`` (a ``_core.Progress``) counts the bytes once they are written."""

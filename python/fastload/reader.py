@@ -22,6 +22,7 @@ from fastload import _core
 from fastload.arguments import check_bool
 from fastload.devices import DeviceArg, parse_device
 from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch, torch_shape
+from fastload.engine import CopyItem, copy_into
 from fastload.errors import RequestError, UnsupportedError
 from fastload.slices import SafeSlice
 from fastload.streaming import StagingPool
@@ -29,7 +30,7 @@ from fastload.threads import check_threads
 
 READ_MODES = ("pread", "mmap")
 
-# (tensor name, destination tensor, selection) -- selection as _core.SafetensorsFile.copy_into takes
+# (tensor name, destination tensor, selection): selection as the engine takes it (engine.copy_into)
 FillItem = tuple[str, torch.Tensor, "list[int] | None"]
 
 
@@ -97,8 +98,7 @@ def fill(
     The caller must not free or resize a destination until this returns.
     """
     check_threads(threads, file.path)
-    jobs: list[tuple[str, int, int, str, list[int] | None]] = []
-    keep: list[torch.Tensor] = []  # keeps temporaries alive until the copy is done
+    jobs: list[CopyItem] = []  # hold the contiguous temporaries until the copy is done
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
     remote: dict[torch.device, list[FillItem]] = {}
     for name, dest, selection in items:
@@ -115,17 +115,8 @@ def fill(
         )
         if target is not dest:
             after.append((dest, target))
-        keep.append(target)
-        jobs.append(
-            (
-                name,
-                target.data_ptr(),
-                target.numel() * target.element_size(),
-                to_st(target.dtype),
-                selection,
-            )
-        )
-    written = file.copy_into(jobs, threads, progress) if jobs else 0
+        jobs.append((name, target, to_st(target.dtype), selection))
+    written = copy_into(file, jobs, threads, progress) if jobs else 0
     with torch.no_grad():  # destinations may be parameters that require grad
         for dest, target in after:
             dest.copy_(target)

@@ -23,6 +23,7 @@ import torch
 
 from fastload import _core
 from fastload.dtypes import to_st
+from fastload.engine import copy_into
 from fastload.errors import RequestError
 from fastload.units import MAX_BYTES, parse_bytes
 
@@ -243,12 +244,11 @@ def stream_into(
             # until the stream is synchronized below.
             buf = pool.oversize_buffer(offset, pinned=cuda)
             oversize.append(buf)
-        base = buf.data.data_ptr()
         jobs = []
         for p, off, nbytes in batch:
             sel = p.selection if p.selection is not None else [p.start, p.stop]
-            jobs.append((p.name, base + off, nbytes, to_st(p.dest.dtype), sel))
-        file.copy_into(jobs, threads, progress)
+            jobs.append((p.name, buf.data[off : off + nbytes], to_st(p.dest.dtype), sel))
+        copy_into(file, jobs, threads, progress)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx, torch.no_grad():
             for p, off, nbytes in batch:

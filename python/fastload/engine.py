@@ -1,0 +1,50 @@
+"""The one door to the Rust engine's raw copy.
+
+``_core.SafetensorsFile._copy_into`` writes to raw addresses: any caller holding an integer could
+corrupt memory with it. :func:`copy_into` is the only caller: it takes tensors and derives each
+address and byte length from the tensor itself, keeping the tensors alive for the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fastload import _core
+from fastload.errors import RequestError
+
+#: (tensor name, destination, dtype wanted as a safetensors name, selection) for
+#: :func:`copy_into`: the destination's bytes receive the tensor (or its selection) in that dtype
+CopyItem = tuple[str, torch.Tensor, str, "list[int] | None"]
+
+
+def copy_into(
+    file: _core.SafetensorsFile | Any,
+    items: Iterable[CopyItem],
+    threads: int | None = None,
+    progress: _core.Progress | None = None,
+) -> int:
+    """The one door to the engine's raw copy (``file._copy_into``): each destination is a
+    contiguous CPU tensor whose address and byte length are taken from the tensor itself, and
+    which this call keeps alive until the copy is done. Returns the bytes written.
+
+    ``file`` is a ``_core.SafetensorsFile`` or a :class:`~fastload.pickle_file.PickleFile` (the
+    same interface). The engine validates every item before it writes a byte."""
+    keep: list[torch.Tensor] = []
+    jobs: list[tuple[str, int, int, str, list[int] | None]] = []
+    for name, dest, st_dtype, selection in items:
+        if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu":
+            raise RequestError(f"{file.path}: tensor {name!r}: the destination is not a CPU tensor")
+        if not dest.is_contiguous():
+            raise RequestError(f"{file.path}: tensor {name!r}: the destination is not contiguous")
+        keep.append(dest)
+        jobs.append(
+            (name, dest.data_ptr(), dest.numel() * dest.element_size(), st_dtype, selection)
+        )
+    written: int = file._copy_into(jobs, threads, progress)
+    return written
+
+
+__all__ = ["CopyItem", "copy_into"]
