@@ -267,7 +267,7 @@ def test_legacy_gradient_checkpointing_key_in_config_json_does_not_switch_it_on(
     import json
     import shutil
 
-    from fastload.checkpointing import is_gradient_checkpointing
+    from fastload.gradient_checkpointing import is_gradient_checkpointing
 
     path = shutil.copytree(saved("BertModel"), tmp_path / "old")
     config = json.loads((path / "config.json").read_text())
@@ -281,7 +281,7 @@ def test_legacy_gradient_checkpointing_key_in_config_json_does_not_switch_it_on(
 
 
 def test_gradient_checkpointing_option_enables_it_and_leaves_train_mode(saved):
-    from fastload.checkpointing import is_gradient_checkpointing
+    from fastload.gradient_checkpointing import is_gradient_checkpointing
 
     model = fastload.from_pretrained(
         model_class("LlamaForCausalLM"),

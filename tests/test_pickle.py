@@ -8,7 +8,6 @@ which refuses the malicious global too.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -115,13 +114,6 @@ def test_the_safetensors_readers_refuse_a_pickle_file_as_malformed(
     assert not marker.exists()
 
 
-_HAS_ALLOW_PICKLE = "allow_pickle" in inspect.signature(fastload.from_pretrained).parameters
-needs_allow_pickle = pytest.mark.skipif(
-    not _HAS_ALLOW_PICKLE, reason="from_pretrained has no allow_pickle parameter yet (issue 6)"
-)
-
-
-@needs_allow_pickle
 def test_allow_pickle_still_refuses_a_malicious_pickle(tmp_path: Path, marker: Path) -> None:
     path = _malicious(tmp_path / "pytorch_model.bin", marker)
     with pytest.raises(CheckpointError) as info:
@@ -130,7 +122,6 @@ def test_allow_pickle_still_refuses_a_malicious_pickle(tmp_path: Path, marker: P
     assert not marker.exists()
 
 
-@needs_allow_pickle
 def test_allow_pickle_loads_a_plain_state_dict_pickle(tmp_path: Path) -> None:
     # Values a freshly built _model() does not have, so only a real load matches them.
     want = {k: v + 1 for k, v in _model().state_dict().items()}

@@ -20,7 +20,7 @@ from torch import nn
 
 import fastload
 from fastload import _core, publish, saving
-from fastload.checkpointing import is_gradient_checkpointing
+from fastload.gradient_checkpointing import is_gradient_checkpointing
 from fastload.saving import parse_size
 from tensor_samples import assert_bitwise_equal, every_dtype_tensors
 

@@ -36,9 +36,9 @@ _EXPORTS: dict[str, str] = {
     "SafeOpen": "fastload.reader",
     "from_pretrained": "fastload.api",
     "LoadReport": "fastload.report",
-    "gradient_checkpointing_enable": "fastload.checkpointing",
-    "gradient_checkpointing_disable": "fastload.checkpointing",
-    "is_gradient_checkpointing": "fastload.checkpointing",
+    "gradient_checkpointing_enable": "fastload.gradient_checkpointing",
+    "gradient_checkpointing_disable": "fastload.gradient_checkpointing",
+    "is_gradient_checkpointing": "fastload.gradient_checkpointing",
     "unused_parameters": "fastload.training",
     "save_pretrained": "fastload.saving",
     "save_file": "fastload.saving",
@@ -86,13 +86,15 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
     from fastload.api import from_pretrained as from_pretrained
-    from fastload.checkpointing import (
+    from fastload.gradient_checkpointing import (
         gradient_checkpointing_disable as gradient_checkpointing_disable,
     )
-    from fastload.checkpointing import (
+    from fastload.gradient_checkpointing import (
         gradient_checkpointing_enable as gradient_checkpointing_enable,
     )
-    from fastload.checkpointing import is_gradient_checkpointing as is_gradient_checkpointing
+    from fastload.gradient_checkpointing import (
+        is_gradient_checkpointing as is_gradient_checkpointing,
+    )
     from fastload.hf.patch import patch_transformers as patch_transformers
     from fastload.hf.patch import unpatch_transformers as unpatch_transformers
     from fastload.reader import SafeOpen as SafeOpen

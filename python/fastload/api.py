@@ -8,17 +8,21 @@ anything else straight to the core loader (:func:`fastload.loading.load`).
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import nn
 
-from fastload.arguments import check_bool, check_folder, check_names
+from fastload.arguments import check_bool
 from fastload.device_map import DeviceMapArg
+from fastload.hf.auto import is_auto_class
+from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
+from fastload.hooks import ModelHooks
 from fastload.keys import KeyMap
+from fastload.load_options import DEFAULTS, LoadOptions, split_load_options
 from fastload.loading import load, plain_target
 from fastload.report import LoadReport
 from fastload.skeleton import is_transformers_model
@@ -62,6 +66,7 @@ def from_pretrained(
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
+    read_ahead: bool = ...,
     **model_kwargs: Any,
 ) -> M: ...
 
@@ -94,6 +99,7 @@ def from_pretrained(
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
+    read_ahead: bool = ...,
     **model_kwargs: Any,
 ) -> tuple[M, LoadReport]: ...
 
@@ -126,6 +132,7 @@ def from_pretrained(
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
+    read_ahead: bool = ...,
     **model_kwargs: Any,
 ) -> nn.Module: ...
 
@@ -158,6 +165,7 @@ def from_pretrained(
     allow_pickle: bool = ...,
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
+    read_ahead: bool = ...,
     **model_kwargs: Any,
 ) -> tuple[nn.Module, LoadReport]: ...
 
@@ -167,29 +175,9 @@ def from_pretrained(
     path: PathArg | None = None,
     *,
     output_loading_info: bool = False,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "auto",
-    strict: bool = False,
-    missing: Missing = "warn",
-    unexpected: Unexpected = "warn",
-    ignore_mismatched_sizes: bool = False,
-    key_map: KeyMap | None = None,
-    progress: bool = True,
-    gradient_checkpointing: bool = False,
-    read_mode: ReadMode = "pread",
-    mmap: MmapMode = "auto",
-    threads: int | None = None,
     config: Any = None,
     state_dict: Mapping[str, torch.Tensor] | None = None,
-    device_map: DeviceMapArg | DeviceMapMode | None = None,
-    max_memory: dict[Any, int | str] | None = None,
-    no_split_module_classes: list[str] | None = None,
-    tp_plan: str | dict[str, str] | None = None,
-    process_group: Any = None,
-    allow_pickle: bool = False,
-    staging_bytes: int | str | None = None,
-    offload_folder: PathArg | None = None,
-    **model_kwargs: Any,
+    **kwargs: Any,
 ) -> Any:
     """Builds (or takes) a model and loads a safetensors checkpoint into it.
 
@@ -276,6 +264,8 @@ def from_pretrained(
             first use and shared by every shard and device of the load, so host memory during a
             GPU load stays bounded by it; at most the machine's physical memory. Unused for CPU
             destinations.
+        read_ahead: ``False`` starts no read-ahead thread beside the skeleton build (with
+            ``threads=1`` the whole load then runs on the calling thread); default ``True``.
         offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to
             disk): those parameters stay in the safetensors file, on ``meta`` in the model, and
             accelerate's hooks read them onto the execution device (the map's first GPU, else
@@ -300,55 +290,53 @@ def from_pretrained(
             machine's memory, an ``offload_folder`` that is empty or an existing file, ...).
     """
     where = "from_pretrained"
-    for name, flag in (
-        ("output_loading_info", output_loading_info),
-        ("strict", strict),
-        ("ignore_mismatched_sizes", ignore_mismatched_sizes),
-        ("progress", progress),
-        ("gradient_checkpointing", gradient_checkpointing),
-        ("allow_pickle", allow_pickle),
-    ):
-        check_bool(flag, name, where=where)
-    no_split_module_classes = check_names(
-        no_split_module_classes, "no_split_module_classes", where=where
-    )
-    check_folder(offload_folder, "offload_folder", where=where)
-    core: dict[str, Any] = {
-        "device": device,
-        "dtype": dtype,
-        "strict": strict,
-        "missing": missing,
-        "unexpected": unexpected,
-        "ignore_mismatched_sizes": ignore_mismatched_sizes,
-        "key_map": key_map,
-        "progress": progress,
-        "gradient_checkpointing": gradient_checkpointing,
-        "read_mode": read_mode,
-        "mmap": mmap,
-        "threads": threads,
-        "device_map": device_map,
-        "max_memory": max_memory,
-        "no_split_module_classes": no_split_module_classes,
-        "tp_plan": tp_plan,
-        "process_group": process_group,
-        "allow_pickle": allow_pickle,
-        "staging_bytes": staging_bytes,
-        "offload_folder": offload_folder,
-    }
+    check_bool(output_loading_info, "output_loading_info", where=where)
+    given, model_kwargs = split_load_options(kwargs)
     if _hugging_face_call(model, path, state_dict, model_kwargs):
         from fastload.hf.front import load_hf
         from fastload.hf.options import check_option_types
 
         # Here, not in load_hf: under patch_transformers transformers' own values apply.
         check_option_types(model_kwargs, where=where)
-
         module, report = load_hf(
-            model, path, config=config, state_dict=state_dict, core=core, kwargs=model_kwargs
+            model, path, config=config, state_dict=state_dict, given=given, kwargs=model_kwargs
         )
     else:
         assert path is not None  # _hugging_face_call takes every call without one
-        module, report = load(plain_target(model, config, model_kwargs), path, **core)
+        options = LoadOptions.create(where, **given)
+        target = plain_target(model, config, model_kwargs, choose_hooks=_family_hooks)
+        module, report = load(target, path, options)
     return (module, report) if output_loading_info else module
+
+
+def _public_signature() -> inspect.Signature:
+    """``from_pretrained``'s parameters as ``help()``, ``inspect`` and editors show them, with
+    their defaults (:data:`fastload.load_options.DEFAULTS`). The implementation takes the load
+    options as ``**kwargs`` so that it knows which ones the caller gave."""
+    p = inspect.Parameter
+    params = [
+        p("model", p.POSITIONAL_OR_KEYWORD, default=None),
+        p("path", p.POSITIONAL_OR_KEYWORD, default=None),
+        p("output_loading_info", p.KEYWORD_ONLY, default=False),
+        p("config", p.KEYWORD_ONLY, default=None),
+        p("state_dict", p.KEYWORD_ONLY, default=None),
+        *(p(name, p.KEYWORD_ONLY, default=value) for name, value in DEFAULTS.items()),
+        p("model_kwargs", p.VAR_KEYWORD),
+    ]
+    return inspect.Signature(params)
+
+
+from_pretrained.__signature__ = _public_signature()  # type: ignore[attr-defined]
+
+
+def _family_hooks(module: nn.Module) -> ModelHooks:
+    """The hooks of a model built by a factory (:func:`fastload.hf.hooks.family_hooks` for a
+    transformers model: the Hugging Face layer is imported only then)."""
+    if is_transformers_model(module):
+        from fastload.hf.hooks import family_hooks
+
+        return family_hooks(module)
+    return ModelHooks()
 
 
 def _hugging_face_call(
@@ -356,20 +344,14 @@ def _hugging_face_call(
 ) -> bool:
     """Whether the call needs the Hugging Face layer: a model id or directory instead of a
     class, a transformers class or model, an Auto class, a path that is not local (a model id),
-    a state dict, or one of transformers' option names."""
+    a state dict, or one of transformers' option names (honoured or refused there, never handed
+    to a module's ``__init__``)."""
     if model is None or isinstance(model, (str, os.PathLike)) or path is None:
         return True
-    if state_dict is not None or is_transformers_model(model) or _is_auto_class(model):
+    if state_dict is not None or is_transformers_model(model) or is_auto_class(model):
+        return True
+    if any(name in TRANSFORMERS_OPTIONS for name in model_kwargs):
         return True
     if isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path)):
         return "/" in os.fspath(path) and not os.path.isabs(os.fspath(path))
     return False
-
-
-def _is_auto_class(obj: Any) -> bool:
-    factory = sys.modules.get("transformers.models.auto.auto_factory")
-    return (
-        factory is not None
-        and isinstance(obj, type)
-        and issubclass(obj, factory._BaseAutoModelClass)
-    )

@@ -33,6 +33,7 @@ import torch
 
 from fastload import _core, json_text
 from fastload.dtypes import to_torch
+from fastload.engine import TensorFile
 from fastload.errors import (
     CheckpointError,
     FastloadIOError,
@@ -148,6 +149,8 @@ class StoredTensor:
     st_dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    #: where its bytes begin in the file's data section (a safetensors header's offset)
+    begin: int = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,7 +163,7 @@ class OpenCheckpoint:
     """A resolved checkpoint with every file opened (headers validated by the Rust core)."""
 
     location: CheckpointFiles
-    files: list[_core.SafetensorsFile | PickleFile]
+    files: list[TensorFile]
     tensors: dict[str, StoredTensor] = field(default_factory=dict)
 
     @property
@@ -395,7 +398,7 @@ def _open_once(location: CheckpointFiles, read_mode: str) -> OpenCheckpoint:
                         f"{location.index}: shard {shard_name!r} holds tensor {name!r} but the "
                         f"index lists it {where} [index-mismatch]"
                     )
-            tensors[name] = StoredTensor(name, i, st_dtype, tuple(shape), end - begin)
+            tensors[name] = StoredTensor(name, i, st_dtype, tuple(shape), end - begin, begin)
     if location.weight_map is not None:
         for name, shard in location.weight_map.items():
             if name not in tensors:

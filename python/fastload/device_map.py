@@ -30,6 +30,7 @@ from torch import nn
 
 from fastload.devices import parse_device
 from fastload.errors import RequestError, UnsupportedError
+from fastload.keys import within
 from fastload.tying import group_slots, tensor_slots
 from fastload.units import format_bytes, parse_bytes
 
@@ -41,15 +42,31 @@ GPU_HEADROOM = 0.9
 
 DeviceLike = str | int | torch.device
 
-#: how a device map marks tensors offloaded to disk: they stay on ``meta`` in the model and are read
-#: from the checkpoint file when their module runs (accelerate's offload hooks)
-DISK = torch.device("meta")
+
+class Disk:
+    """The place of tensors a device map offloads to disk: they are not allocated, stay on
+    ``meta`` in the model, and are read from the checkpoint file when their module runs
+    (accelerate's offload hooks, :mod:`fastload.offload`). Not a ``torch.device``: nothing can
+    be allocated there by mistake."""
+
+    type = "disk"
+    index = None
+
+    def __repr__(self) -> str:
+        return "DISK"
+
+    def __str__(self) -> str:
+        return "disk"
+
+
+#: the one :class:`Disk`
+DISK = Disk()
+#: where a device map puts a tensor
+Place = torch.device | Disk
 DeviceMapArg = DeviceLike | Mapping[str, DeviceLike]
 
 
-def map_device(
-    device: DeviceLike, *, where: str = "device_map", disk: bool = False
-) -> torch.device:
+def map_device(device: DeviceLike, *, where: str = "device_map", disk: bool = False) -> Place:
     """A device of a device map (or a ``max_memory`` key): ``"disk"`` is :data:`DISK` when
     ``disk`` allows it, anything else is parsed by :func:`fastload.devices.parse_device`, the
     one parser of devices (a device that does not exist fails before anything is allocated)."""
@@ -60,10 +77,6 @@ def map_device(
             f"{where}: offloading to disk needs offload_folder= (and accelerate installed)"
         )
     return parse_device(device, where=where)
-
-
-def _contains(prefix: str, name: str) -> bool:
-    return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
 
 # --------------------------------------------------------------------------------------------
@@ -99,7 +112,7 @@ def plan_auto(
     for name, nbytes in sizes.items():
         if nbytes < 0:
             raise RequestError(f"plan_auto: size of {name!r} is negative ({nbytes})")
-        block = next((b for b in blocks if _contains(b, name) and b != name), None)
+        block = next((b for b in blocks if within(b, name) and b != name), None)
         if block is None:
             block = name if name in blocks else name.rpartition(".")[0]
         units[block] = units.get(block, 0) + nbytes
@@ -140,21 +153,21 @@ def plan_auto(
 class DeviceMap:
     """A checked device map: ``device_of(name)`` is the device of the longest containing prefix."""
 
-    prefixes: dict[str, torch.device]
+    prefixes: dict[str, Place]
 
-    def device_of(self, name: str) -> torch.device:
+    def device_of(self, name: str) -> Place:
         best: str | None = None
         for prefix in self.prefixes:
-            if _contains(prefix, name) and (best is None or len(prefix) > len(best)):
+            if within(prefix, name) and (best is None or len(prefix) > len(best)):
                 best = prefix
         if best is None:
             raise RequestError(f"device_map: no entry covers tensor {name!r}")
         return self.prefixes[best]
 
     @property
-    def devices(self) -> list[torch.device]:
+    def devices(self) -> list[Place]:
         """The distinct devices used, in map order."""
-        out: list[torch.device] = []
+        out: list[Place] = []
         for dev in self.prefixes.values():
             if dev not in out:
                 out.append(dev)
@@ -162,7 +175,7 @@ class DeviceMap:
 
     def as_strings(self) -> dict[str, str]:
         """``{prefix: "cuda:0"}``, e.g. for a report or ``json.dumps``."""
-        return {k: "disk" if v == DISK else str(v) for k, v in self.prefixes.items()}
+        return {k: str(v) for k, v in self.prefixes.items()}
 
     def accelerate_map(self) -> dict[str, int | str]:
         """The map as accelerate and transformers write it (``hf_device_map``): CUDA devices by
@@ -184,12 +197,7 @@ class DeviceMap:
 def no_split_names(model: nn.Module, classes: Iterable[str] | None = None) -> list[str]:
     """Names of the modules of ``model`` whose class is in ``classes`` (default: the union of
     ``_no_split_modules`` of the model and its submodules, as transformers declares them)."""
-    if classes is None:
-        found: set[str] = set()
-        for module in model.modules():
-            found.update(getattr(module, "_no_split_modules", None) or ())
-        classes = found
-    wanted = set(classes)
+    wanted = set(no_split_classes(model) if classes is None else classes)
     return [name for name, m in model.named_modules() if type(m).__name__ in wanted and name]
 
 
@@ -321,7 +329,7 @@ def _accelerate_plan(
             f"device_map={mode!r} is planned by accelerate, which is not installed "
             "(pip install accelerate); device_map='auto' uses fastload's own planner"
         ) from None
-    classes = list(no_split) if no_split is not None else _no_split_classes(model)
+    classes = list(no_split) if no_split is not None else no_split_classes(model)
     budgets: dict[int | str, int | str] | None = None
     if max_memory is not None:
         # accelerate names CUDA devices by index
@@ -348,7 +356,8 @@ def _accelerate_plan(
     return resolved
 
 
-def _no_split_classes(model: nn.Module) -> list[str]:
+def no_split_classes(model: nn.Module) -> list[str]:
+    """The union of ``_no_split_modules`` of ``model`` and its submodules."""
     found: set[str] = set()
     for module in model.modules():
         found.update(getattr(module, "_no_split_modules", None) or ())
@@ -364,7 +373,7 @@ def _check_covers(device_map: DeviceMap, model: nn.Module) -> None:
             f"device_map names {unknown!r}, which are neither modules nor tensors of "
             f"{type(model).__name__}"
         )
-    uncovered = [n for n in names if not any(_contains(p, n) for p in device_map.prefixes)]
+    uncovered = [n for n in names if not any(within(p, n) for p in device_map.prefixes)]
     if uncovered:
         shown = ", ".join(uncovered[:5]) + (" ..." if len(uncovered) > 5 else "")
         raise RequestError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastload.errors import UnsupportedError
+from fastload.errors import RequestError, UnsupportedError
 
 # Conversions the Rust copy engine does during the copy.
 CONVERTIBLE = frozenset({"F32", "F16", "BF16", "F64"})
@@ -105,3 +105,14 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
         if isinstance(candidate, torch.dtype):
             return candidate
     raise UnsupportedError(f"unknown dtype {value!r}")
+
+
+def conversion_dtype(value: str | torch.dtype) -> torch.dtype:
+    """``value`` as a dtype the copy engine converts to (one of :data:`CONVERTIBLE`), else
+    ``RequestError``; ``UnsupportedError`` for a name that is no dtype at all."""
+    want = parse_dtype(value)
+    if to_st(want) not in CONVERTIBLE:
+        raise RequestError(
+            f"dtype must be a floating-point type (float32/float16/bfloat16/float64), got {want}"
+        )
+    return want

@@ -8,7 +8,7 @@ address and byte length from the tensor itself, keeping the tensors alive for th
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,8 +20,32 @@ from fastload.errors import RequestError
 CopyItem = tuple[str, torch.Tensor, str, "list[int] | None"]
 
 
+class TensorFile(Protocol):
+    """An opened checkpoint file the pipeline reads: ``_core.SafetensorsFile`` (validated by
+    Rust) or :class:`~fastload.pickle_file.PickleFile` (a pickle or an in-memory state dict,
+    behaving like one)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    def keys(self) -> list[str]: ...
+
+    def metadata(self) -> dict[str, str] | None: ...
+
+    def tensors(self) -> list[tuple[str, str, list[int], int, int]]: ...
+
+    def info(self, name: str) -> tuple[str, list[int], int, int]: ...
+
+    def _copy_into(
+        self, jobs: list[Any], threads: int | None = None, progress: Any | None = None
+    ) -> int: ...
+
+
 def copy_into(
-    file: _core.SafetensorsFile | Any,
+    file: TensorFile,
     items: Iterable[CopyItem],
     threads: int | None = None,
     progress: _core.Progress | None = None,

@@ -47,7 +47,7 @@ def resolve_duplicates(groups: list[Group]) -> None:
     for group in groups:
         if not group.extra or group.new is None:
             continue
-        canonical = group.sources[0][0]
+        canonical = group.sources[0].slot
         for slot, tensor in group.extra:
             if slot.key == canonical.key:
                 continue  # the same storage place under two names: nothing to untie

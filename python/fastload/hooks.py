@@ -1,31 +1,76 @@
-"""What a model family adds to the core pipeline, as a small interface.
+"""What a model family adds to the core pipeline, as a small interface, and its vocabulary.
 
 The core loader knows torch modules only. A family of models with conventions of its own
 (transformers models: registered renames, buffers that used to be persistent, finishing steps)
-supplies a :class:`ModelHooks`; :func:`hooks_for` picks it. The Hugging Face layer
-(:mod:`fastload.hf`) is imported only when a transformers model is detected, so the core never
-imports it up front.
+supplies a :class:`ModelHooks`. The entry of a load chooses it (:class:`fastload.loading.Target`'s
+``hooks``, or its ``choose_hooks`` for a model built from a factory): the core never asks which
+family a model belongs to. A family that assembles model tensors from pieces of stored ones
+describes them as :class:`Merge` records of :class:`Piece` steps.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from fastload.skeleton import is_transformers_model
-
 if TYPE_CHECKING:
     from fastload.checkpoint import OpenCheckpoint
     from fastload.device_map import DeviceMap
-    from fastload.keys import Rename
-    from fastload.planning import Merge
+    from fastload.keys import KeyRules, Rename
     from fastload.report import LoadReport
     from fastload.tying import Slot
+
+
+@dataclass(frozen=True)
+class Select:
+    """A step from a tensor to the part a piece fills: ``tensor.select(dim, index)``."""
+
+    dim: int
+    index: int
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.select(self.dim, self.index)
+
+
+@dataclass(frozen=True)
+class Narrow:
+    """A step from a tensor to the part a piece fills: ``tensor.narrow(dim, start, length)``."""
+
+    dim: int
+    start: int
+    length: int
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.narrow(self.dim, self.start, self.length)
+
+
+View = Select | Narrow
+
+
+@dataclass
+class Piece:
+    """One stored tensor (or the part ``selection``, ``(dim, start, stop)``, takes of it) and
+    the part of a model tensor it fills (``views``, applied in order)."""
+
+    stored: str
+    views: tuple[View, ...]
+    selection: tuple[int, int, int] | None = None
+
+
+@dataclass
+class Merge:
+    """A model tensor assembled from pieces of stored tensors (a model family's conversions:
+    transformers' merged MoE experts, split fused ``qkv``; see :meth:`ModelHooks.merges`)."""
+
+    target: str
+    shape: tuple[int, ...]
+    pieces: list[Piece] = field(default_factory=list)
 
 
 class ModelHooks:
@@ -41,11 +86,11 @@ class ModelHooks:
         model: nn.Module,
         ckpt: OpenCheckpoint,
         model_keys: set[str],
-        options: dict[str, Any],
+        rules: KeyRules,
     ) -> dict[str, Merge]:
-        """Model tensors assembled from pieces of stored tensors, by model name (``options``
-        are :func:`fastload.keys.map_keys`'s). The stored tensors they use are not mapped by
-        name."""
+        """Model tensors assembled from pieces of stored tensors, by model name (``rules``: how
+        names map, :class:`fastload.keys.KeyRules`). The stored tensors they use are not mapped
+        by name."""
         return {}
 
     def collision_order(self) -> Callable[[str], Any] | None:
@@ -82,13 +127,3 @@ class ModelHooks:
         report: LoadReport,
     ) -> None:
         """Runs after the tensors are in place and before the train/eval mode is set."""
-
-
-def hooks_for(model: nn.Module) -> ModelHooks:
-    """The hooks of ``model``'s family: transformers' for a transformers model (the Hugging Face
-    layer is imported here, at the point one is detected), plain ones otherwise."""
-    if is_transformers_model(model):
-        from fastload.hf.hooks import TransformersHooks
-
-        return TransformersHooks()
-    return ModelHooks()

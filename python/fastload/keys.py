@@ -25,7 +25,10 @@ from torch import nn
 
 from fastload import json_text
 from fastload.errors import CheckpointError, RequestError
-from fastload.saving import TIED_KEY
+
+#: the metadata key under which fastload's saver records the names of tied tensors it stores
+#: once (``{alias: canonical name}``)
+TIED_KEY = "fastload.tied"
 
 logger = logging.getLogger("fastload")
 
@@ -36,6 +39,12 @@ KeyMap = Callable[[str], str] | Mapping[str, str]
 Rename = Callable[[str], str]
 
 _LEGACY = {"gamma": "weight", "beta": "bias"}
+
+
+def within(prefix: str, name: str) -> bool:
+    """Whether the dotted name ``name`` is ``prefix`` or inside it (``""`` contains every name):
+    ``"layers.1"`` contains ``"layers.1.mlp.weight"``, not ``"layers.10.mlp.weight"``."""
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
 
 def resolve_policies(strict: bool, missing: str, unexpected: str) -> tuple[str, str]:
@@ -132,25 +141,40 @@ def adjust(name: str, prefix: str | None, model_keys: set[str]) -> str:
     return name
 
 
-def map_keys(
-    checkpoint_keys: Iterable[str],
-    model_keys: set[str],
-    *,
-    base_model_prefix: str | None = None,
-    key_map: Rename | None = None,
-    renames: Sequence[Rename] | Callable[[], Sequence[Rename]] = (),
-    source: str = "checkpoint",
-    computed: Collection[str] = (),
-    collision_order: Callable[[str], object] | None = None,
-) -> KeyMapping:
-    """Maps every checkpoint name onto a model name (see the module docstring for the order).
+@dataclass(frozen=True)
+class KeyRules:
+    """How checkpoint names become model names in one load (see the module docstring for the
+    order): the model's base-model prefix, the caller's ``key_map``, the model family's
+    ``renames`` (or a builder of them, called only when some name does not match directly),
+    the non-persistent buffers the model ``computed`` itself, and the family's
+    ``collision_order`` (see :func:`map_keys`)."""
 
-    ``renames`` may be a callable that builds them: it is called only when some name does not
-    match a model name (or one of the ``computed`` buffers the model fills itself) directly.
+    base_model_prefix: str | None = None
+    key_map: Rename | None = None
+    renames: Sequence[Rename] | Callable[[], Sequence[Rename]] = ()
+    #: the checkpoint, named in messages
+    source: str = "checkpoint"
+    computed: Collection[str] = ()
+    collision_order: Callable[[str], object] | None = None
+
+    def rename(self, name: str) -> str:
+        """``name`` after the caller's ``key_map``."""
+        return self.key_map(name) if self.key_map is not None else name
+
+
+def map_keys(
+    checkpoint_keys: Iterable[str], model_keys: set[str], rules: KeyRules = KeyRules()
+) -> KeyMapping:
+    """Maps every checkpoint name onto a model name under ``rules``.
+
+    ``rules.renames`` may be a callable that builds them: it is called only when some name does
+    not match a model name (or one of the ``computed`` buffers the model fills itself) directly.
     Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both;
-    with ``collision_order`` (a sort key of checkpoint names) the first of them in that order
-    lands there instead, and the other is dropped (neither matched nor unexpected).
+    with ``rules.collision_order`` (a sort key of checkpoint names) the first of them in that
+    order lands there instead, and the other is dropped (neither matched nor unexpected).
     """
+    base_model_prefix, key_map, renames = rules.base_model_prefix, rules.key_map, rules.renames
+    source, computed, collision_order = rules.source, rules.computed, rules.collision_order
     checkpoint_keys = list(checkpoint_keys)
     if callable(renames):
         # Building an architecture's registered renames is costly (transformers compiles about a

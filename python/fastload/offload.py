@@ -19,6 +19,7 @@ from fastload import _core
 from fastload.checkpoint import OpenCheckpoint
 from fastload.device_map import DISK, DeviceMap
 from fastload.errors import UnsupportedError
+from fastload.keys import within
 from fastload.planning import Group
 from fastload.reader import read_tensor
 
@@ -56,7 +57,7 @@ def dispatch_offloaded(
     for group in groups:
         if group.action != "load" or group.dest is None or group.dest.device != DISK:
             continue
-        slot, stored, dest = group.sources[0]
+        stored, dest = group.sources[0].stored, group.sources[0].dest
         file = ckpt.files[stored.file]
         if not isinstance(file, _core.SafetensorsFile):
             raise UnsupportedError(
@@ -67,7 +68,7 @@ def dispatch_offloaded(
             disk_tensors[name] = (file, stored.name, dest.dtype)
     accel_map = _flat_map(model, device_map)
     disk = [p for p, d in device_map.prefixes.items() if d == DISK]
-    gpus = [d for d in device_map.devices if d.type not in ("cpu", "meta")]
+    gpus = [d for d in device_map.devices if d.type not in ("cpu", "disk")]
     # accelerate compares the main device with the string "cpu": give it its own spelling
     main: int | str = "cpu"
     if gpus:
@@ -76,7 +77,7 @@ def dispatch_offloaded(
     # with a GPU executing them, the CPU-mapped modules (accelerate offloads those too).
     memory: dict[str, torch.Tensor] = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        under_disk = any(p == "" or name == p or name.startswith(p + ".") for p in disk)
+        under_disk = any(within(p, name) for p in disk)
         if under_disk and name not in disk_tensors and tensor.device.type != "meta":
             memory[name] = tensor
     if main != "cpu":
@@ -134,11 +135,8 @@ def _flat_map(model: nn.Module, device_map: DeviceMap) -> dict[str, int | str]:
     prefixes = list(device_map.prefixes)
     out: dict[str, int | str] = {}
 
-    def inside(name: str, prefix: str) -> bool:
-        return name == "" or prefix.startswith(name + ".")
-
     def visit(name: str, module: nn.Module) -> None:
-        if not any(p != name and inside(name, p) for p in prefixes):
+        if not any(p != name and within(name, p) for p in prefixes):
             out[name] = by_name[_longest(prefixes, name)]
             return
         for attr in [*module._parameters, *module._buffers]:
@@ -153,7 +151,7 @@ def _flat_map(model: nn.Module, device_map: DeviceMap) -> dict[str, int | str]:
 
 def _longest(prefixes: list[str], name: str) -> str:
     best = max(
-        (p for p in prefixes if p == "" or name == p or name.startswith(p + ".")),
+        (p for p in prefixes if within(p, name)),
         key=len,
         default=None,
     )

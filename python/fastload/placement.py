@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fastload.checkpoint import StoredTensor
-from fastload.device_map import DISK, DeviceMap
+from fastload.device_map import DISK, DeviceMap, Place
 from fastload.dtypes import CONVERTIBLE, to_st
 from fastload.tensor_parallel import TPLayout
 
@@ -27,9 +27,17 @@ class Destination:
     (flat elements) or ``[dim, start, stop]`` (a slice along ``dim``, e.g. a tensor-parallel shard).
     """
 
-    device: torch.device
+    #: a device, or :data:`~fastload.device_map.DISK` (left in the file, read when used)
+    device: Place
     dtype: torch.dtype
     selection: Selection = None
+
+    @property
+    def memory(self) -> torch.device:
+        """The device it is allocated on (never asked of a tensor left on disk)."""
+        if not isinstance(self.device, torch.device):
+            raise AssertionError("a tensor offloaded to disk is not allocated")
+        return self.device
 
 
 def selected_shape(shape: tuple[int, ...], selection: Selection) -> tuple[int, ...]:

@@ -1,9 +1,16 @@
-"""The load plan: which checkpoint tensor fills which model tensor, and what happens to the rest.
+"""The load plan: which checkpoint tensor fills which model tensor, how, and what happens to
+the rest.
 
 The model's tensors are grouped by identity (a tie group is one tensor under several names); every
 group is loaded, initialized or kept. Checkpoint names are mapped onto model names by
 :mod:`fastload.keys`, shapes and dtypes are checked before anything is allocated, and the missing /
-unexpected policies are applied. The result is the list of groups and the :class:`LoadReport`.
+unexpected policies are applied. Each loaded tensor gets its destination
+(:mod:`fastload.placement`) and its mode: a view of the file's mapping, a copy, a conversion, a
+slice (a tensor-parallel shard), pieces merged into one tensor, or left on disk (offloaded).
+
+The result, a :class:`LoadPlan`, is the one record of these decisions: allocation, reading and
+finishing consume it and decide nothing again; the :class:`LoadReport`'s counts are derived from
+it once.
 """
 
 from __future__ import annotations
@@ -11,22 +18,45 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
+from fastload import _core
 from fastload import keys as keymod
 from fastload.checkpoint import OpenCheckpoint, StoredTensor
+from fastload.device_map import DISK
 from fastload.dtypes import CONVERTIBLE, to_st
+from fastload.engine import TensorFile
 from fastload.errors import CheckpointError, ModelMismatchError, UnsupportedError
-from fastload.hooks import ModelHooks
+from fastload.hooks import Merge, ModelHooks, View
+from fastload.load_options import LoadOptions
 from fastload.placement import Destination, Placement, selected_shape
 from fastload.report import LoadReport
-from fastload.saving import TIED_KEY
+from fastload.sharing import file_sharing
 from fastload.tying import Slot, group_slots, tensor_slots
 
 logger = logging.getLogger("fastload")
+
+
+#: how a loaded tensor gets its bytes
+MODES = ("view", "copy", "convert", "slice", "merge", "offload")
+
+
+@dataclass
+class Source:
+    """A model tensor (``slot``) that checkpoint tensor ``stored`` fills: where it goes
+    (``dest``) and how (``mode``, one of :data:`MODES`)."""
+
+    slot: Slot
+    stored: StoredTensor
+    dest: Destination
+    mode: str = "copy"
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the file it takes."""
+        return source_bytes(self.stored, self.dest)
 
 
 @dataclass
@@ -35,8 +65,8 @@ class Group:
 
     slots: list[Slot]
     template: torch.Tensor
-    # loaded members (slot, stored tensor, destination), canonical first
-    sources: list[tuple[Slot, StoredTensor, Destination]] = field(default_factory=list)
+    # loaded members, canonical first
+    sources: list[Source] = field(default_factory=list)
     action: str = "keep"  # "load" | "init" | "keep"
     dest: Destination | None = None
     new: torch.Tensor | None = None
@@ -59,31 +89,6 @@ class Group:
         return [s.name for s in self.slots if not s.is_buffer or s.persistent]
 
 
-#: one step from a model tensor to the part a piece fills: ("select", dim, index) or
-#: ("narrow", dim, start, length)
-View = tuple[Any, ...]
-
-
-@dataclass
-class Piece:
-    """One stored tensor (or the part ``selection``, ``(dim, start, stop)``, takes of it) and
-    the part of a model tensor it fills."""
-
-    stored: str
-    views: tuple[View, ...]
-    selection: tuple[int, int, int] | None = None
-
-
-@dataclass
-class Merge:
-    """A model tensor assembled from pieces of stored tensors (a model family's conversions:
-    transformers' merged MoE experts, split fused ``qkv``; see :meth:`ModelHooks.merges`)."""
-
-    target: str
-    shape: tuple[int, ...]
-    pieces: list[Piece] = field(default_factory=list)
-
-
 @dataclass(frozen=True)
 class StoredPiece:
     """A :class:`Piece` resolved against the checkpoint: what the copy engine reads, and where."""
@@ -96,10 +101,7 @@ class StoredPiece:
     def view(self, tensor: torch.Tensor) -> torch.Tensor:
         """The part of the model tensor ``tensor`` this piece fills (a view of it)."""
         for step in self.views:
-            if step[0] == "select":
-                tensor = tensor.select(step[1], step[2])
-            else:
-                tensor = tensor.narrow(step[1], step[2], step[3])
+            tensor = step.apply(tensor)
         return tensor
 
 
@@ -113,20 +115,44 @@ def _authorization(model: nn.Module, extra_unexpected: list[str]) -> keymod.Auth
     )
 
 
+@dataclass
+class LoadPlan:
+    """What one load does, decided once: every tensor group with its sources, destinations and
+    modes (:class:`Group`, :class:`Source`), and the report of what matched."""
+
+    groups: list[Group]
+    report: LoadReport
+    #: file index -> (whether its tensors may be views of its mapping, why in words)
+    sharing: dict[int, tuple[bool, str]]
+
+    def sources(self, *modes: str) -> list[Source]:
+        """The sources of the loaded groups in any of ``modes`` (all of them without)."""
+        return [
+            src
+            for g in self.groups
+            if g.action == "load"
+            for src in g.sources
+            if not modes or src.mode in modes
+        ]
+
+    @property
+    def merged(self) -> list[Group]:
+        """The groups assembled from stored pieces."""
+        return [g for g in self.groups if g.action == "load" and g.pieces is not None]
+
+
 def plan(
     model: nn.Module,
     ckpt: OpenCheckpoint,
     placement: Placement,
+    options: LoadOptions,
     *,
-    key_map: keymod.Rename | None,
-    missing_policy: str,
-    unexpected_policy: str,
-    ignore_mismatched_sizes: bool,
     source: str,
     hooks: ModelHooks,
-) -> tuple[list[Group], LoadReport]:
+) -> LoadPlan:
     """Matches checkpoint tensors to model tensors, checks shapes and dtypes, applies the key
-    policies, and decides what happens to every tensor group (load, initialize, keep)."""
+    policies, and decides what happens to every tensor group (load, initialize, keep) and how
+    each loaded tensor is read."""
     slots = tensor_slots(model)
     groups = [Group(slots=g, template=g[0].tensor) for g in group_slots(slots)]
     group_of = {s.name: g for g in groups for s in g.slots}
@@ -136,21 +162,21 @@ def plan(
     computed = {s.name for s in slots if s.is_buffer and not s.persistent}
     prefix = getattr(model, "base_model_prefix", None) or None
 
-    options: dict[str, Any] = {
-        "base_model_prefix": prefix,
-        "key_map": key_map,
-        "renames": hooks.renames(model, source),
-        "source": source,
-        "computed": computed,
-        "collision_order": hooks.collision_order(),
-    }
-    merges = hooks.merges(model, ckpt, model_keys, options)
+    rules = keymod.KeyRules(
+        base_model_prefix=prefix,
+        key_map=options.key_map,
+        renames=hooks.renames(model, source),
+        source=source,
+        computed=computed,
+        collision_order=hooks.collision_order(),
+    )
+    merges = hooks.merges(model, ckpt, model_keys, rules)
     merged = {p.stored for m in merges.values() for p in m.pieces}
     names = [n for n in ckpt.tensors if n not in merged] if merged else ckpt.tensors
-    mapping = keymod.map_keys(names, model_keys, **options)
+    mapping = keymod.map_keys(names, model_keys, rules)
     report = LoadReport(renamed=mapping.renamed)
     pairs = list(mapping.to_model.items())
-    pairs += _alias_pairs(ckpt, mapping, model_keys, group_of, options)
+    pairs += _alias_pairs(ckpt, mapping, model_keys, group_of, rules)
 
     # Sources, with shapes checked against the model before anything is allocated.
     wrong: list[str] = []
@@ -169,11 +195,11 @@ def plan(
             )
             continue
         _check_dtype(ckpt, stored, model_name, group.template)
-        group.sources.append((slot, stored, dest))
+        group.sources.append(Source(slot, stored, dest))
     for merge in merges.values():
         _add_merge(merge, ckpt, placement, group_of[merge.target], slot_of[merge.target])
         report.renamed.update((p.stored, merge.target) for p in merge.pieces)
-    if wrong and not ignore_mismatched_sizes:
+    if wrong and not options.ignore_mismatched_sizes:
         shown = "\n  ".join(wrong[:20]) + (
             f"\n  ... ({len(wrong) - 20} more)" if len(wrong) > 20 else ""
         )
@@ -197,7 +223,7 @@ def plan(
 
     # What each group does, and missing model tensors.
     for group in groups:
-        group.sources.sort(key=lambda s: position[s[0].name])
+        group.sources.sort(key=lambda s: position[s.slot.name])
         if group.sources:
             group.action = "load"
             continue
@@ -208,6 +234,11 @@ def plan(
                 listed.append(name)
         if group.template.device.type == "meta" or (reinit and not group.is_buffer):
             group.action = "init"
+        first = group.slots[0]
+        dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
+        if dest.device == DISK:  # not in the file: kept in memory, served to the offload hooks
+            dest = Destination(torch.device("cpu"), dest.dtype, dest.selection)
+        group.dest = dest
 
     if (
         not pairs
@@ -224,15 +255,94 @@ def plan(
             f"{keymod.format_names(sorted(model_keys), 3)}): a checkpoint of another model, or the "
             "wrong file"
         )
-    _apply_policies(report, missing_policy, unexpected_policy, source)
-    report.tensors_loaded = sum(len(g.sources) for g in groups)
-    report.bytes_read = sum(
-        source_bytes(stored, dest)
-        for g in groups
-        if g.pieces is None
-        for _, stored, dest in g.sources
-    ) + sum(p.nbytes for g in groups for p in g.pieces or ())
-    return groups, report
+    _apply_policies(report, options.missing, options.unexpected, source)
+    sharing = {i: file_sharing(f, options.mmap) for i, f in enumerate(ckpt.files)}
+    out = LoadPlan(groups, report, sharing)
+    _decide_modes(out, ckpt)
+    _count(out, ckpt)
+    return out
+
+
+def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
+    """How each loaded tensor is read. A whole CPU tensor in its stored dtype, from a file that
+    may be mapped (:func:`~fastload.sharing.file_sharing`) at an offset aligned for its dtype,
+    is a view of the mapping; an untied alias of a stored tensor gets a copy, not a second
+    view."""
+    viewed: set[str] = set()
+    for group in plan.groups:
+        if group.action != "load":
+            continue
+        if group.pieces is not None:
+            group.sources[0].mode = "merge"
+            dest = group.sources[0].dest
+            if dest.device == DISK:
+                raise UnsupportedError(
+                    f"{group.pieces[0].stored.name!r} is merged into or split from "
+                    f"{group.slots[0].name!r}, which the device map offloads to disk; fastload "
+                    "reads offloaded tensors by their stored name only: map that module to a "
+                    "device"
+                )
+            continue
+        for src in group.sources:
+            stored, dest = src.stored, src.dest
+            if dest.device == DISK:  # stays in the file; read when its module runs
+                src.mode = "offload"
+            elif dest.selection is not None:
+                src.mode = "slice"
+            elif to_st(dest.dtype) != stored.st_dtype:
+                src.mode = "convert"
+            elif (
+                dest.device.type == "cpu"
+                and plan.sharing[stored.file][0]
+                and stored.name not in viewed
+                and _aligned(ckpt.files[stored.file], stored, dest.dtype)
+            ):
+                viewed.add(stored.name)
+                src.mode = "view"
+            else:
+                src.mode = "copy"
+
+
+def _aligned(file: TensorFile, stored: StoredTensor, dtype: torch.dtype) -> bool:
+    """Whether the bytes of ``stored`` lie at a file offset aligned for ``dtype`` (a view needs
+    it; safetensors' writers align, other writers may not)."""
+    if not isinstance(file, _core.SafetensorsFile):
+        return False
+    return (file.data_start + stored.begin) % dtype.itemsize == 0
+
+
+def _count(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
+    """The report's counts of what the plan reads, shares and leaves on disk."""
+    report = plan.report
+    loaded = plan.sources("view", "copy", "convert", "slice", "merge")
+    report.tensors_loaded = len(loaded)
+    report.bytes_read = sum(s.nbytes for s in loaded if s.mode != "merge")
+    report.bytes_read += sum(p.nbytes for g in plan.merged for p in g.pieces or ())
+    report.bytes_offloaded = sum(s.nbytes for s in plan.sources("offload"))
+    report.bytes_shared = sum(s.nbytes for s in plan.sources("view"))
+    views: dict[int, int] = {}
+    copies: dict[int, int] = {}
+    for s in loaded:
+        if s.mode == "view":
+            views[s.stored.file] = views.get(s.stored.file, 0) + 1
+        elif s.mode != "merge":
+            copies[s.stored.file] = copies.get(s.stored.file, 0) + 1
+    for g in plan.merged:
+        for p in g.pieces or ():
+            copies[p.stored.file] = copies.get(p.stored.file, 0) + 1
+    report.sharing = {
+        f.path: _sharing_line(plan.sharing[i][1], views.get(i, 0), copies.get(i, 0))
+        for i, f in enumerate(ckpt.files)
+    }
+
+
+def _sharing_line(why: str, views: int, copies: int) -> str:
+    """How one file's tensors were loaded, for the report."""
+    if views and copies:
+        return f"{views} views, {copies} copies (converted, sharded or misaligned); {why}"
+    if views or why.startswith("copies"):
+        return why
+    return "copies (converted, sharded, misaligned or not on the CPU)"
 
 
 def _add_merge(
@@ -255,7 +365,7 @@ def _add_merge(
             f"{ckpt.file_path(stored[0])}: tensor {stored[0].name!r} is merged into or split "
             f"from {merge.target!r}, which tp_plan shards; fastload does not shard such tensors"
         )
-    group.sources.append((slot, stored[0], dest))
+    group.sources.append(Source(slot, stored[0], dest, "merge"))
     group.pieces = []
     for t, p in zip(stored, merge.pieces, strict=True):
         nbytes = t.nbytes
@@ -271,21 +381,21 @@ def _alias_pairs(
     mapping: keymod.KeyMapping,
     model_keys: set[str],
     group_of: dict[str, Group],
-    options: dict[str, Any],
+    rules: keymod.KeyRules,
 ) -> list[tuple[str, str]]:
     """(stored name, model name) for model tensors the checkpoint holds only under their
     canonical name, as fastload's saver records it (``fastload.tied``). A model that ties them
     loads them with the canonical one already; a model that does not gets a copy for each."""
-    records = [(f.path, (f.metadata() or {}).get(TIED_KEY)) for f in ckpt.files]
+    records = [(f.path, (f.metadata() or {}).get(keymod.TIED_KEY)) for f in ckpt.files]
     index_meta = ckpt.location.index_metadata or {}
-    records.append((str(ckpt.location.index), index_meta.get(TIED_KEY)))
+    records.append((str(ckpt.location.index), index_meta.get(keymod.TIED_KEY)))
     aliases = keymod.recorded_aliases(r for r in records if r[1] is not None)
     stored_only = [a for a, canonical in aliases.items() if canonical in ckpt.tensors]
     if not stored_only:
         return []
     loaded = {id(group_of[m]) for m in mapping.to_model.values()}
     pairs = []
-    for alias, model_name in keymod.map_keys(stored_only, model_keys, **options).to_model.items():
+    for alias, model_name in keymod.map_keys(stored_only, model_keys, rules).to_model.items():
         group = group_of[model_name]
         if id(group) not in loaded:  # one source per group: its other names share it
             loaded.add(id(group))

@@ -21,8 +21,8 @@ import torch
 from fastload import _core
 from fastload.arguments import check_bool
 from fastload.devices import DeviceArg, parse_device
-from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st, to_torch, torch_shape
-from fastload.engine import CopyItem, copy_into
+from fastload.dtypes import CONVERTIBLE, conversion_dtype, parse_dtype, to_st, to_torch, torch_shape
+from fastload.engine import CopyItem, TensorFile, copy_into
 from fastload.errors import RequestError, UnsupportedError
 from fastload.slices import SafeSlice
 from fastload.streaming import StagingPool
@@ -81,7 +81,7 @@ def _check_destination(where: str, name: str, dest: object) -> torch.Tensor:
 
 
 def fill(
-    file: _core.SafetensorsFile,
+    file: TensorFile,
     items: Iterable[FillItem],
     threads: int | None = None,
     pool: StagingPool | None = None,
@@ -176,10 +176,7 @@ def _read_all(
 
 
 def _float_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    want = parse_dtype(dtype) if dtype is not None else None
-    if want is not None and to_st(want) not in CONVERTIBLE:
-        raise RequestError(f"dtype must be a floating-point type (F32/F16/BF16/F64), got {want}")
-    return want
+    return conversion_dtype(dtype) if dtype is not None else None
 
 
 class SafeOpen:

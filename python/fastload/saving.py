@@ -34,12 +34,13 @@ from fastload.checkpoint import INDEX_FILE as INDEX_NAME
 from fastload.checkpoint import SINGLE_FILE as WEIGHTS_NAME
 from fastload.dtypes import st_shape, to_st
 from fastload.errors import FastloadError, RequestError, TensorRefusedError, from_os_error
+from fastload.gradient_checkpointing import LEGACY_CONFIG_KEY, drop_legacy_config_key
+from fastload.keys import TIED_KEY
 from fastload.skeleton import is_transformers_model
 from fastload.threads import check_threads
 from fastload.tying import find_tie_groups
 from fastload.units import parse_bytes
 
-TIED_KEY = "fastload.tied"
 # safetensors' Dtype enum order; files are laid out by decreasing dtype like its writer does, so
 # every tensor's data stays aligned to its element size.
 _DTYPE_ORDER = [
@@ -290,8 +291,7 @@ def _stage_config(model: nn.Module, staging: Path) -> list[str]:
     returns the file names written."""
     config: Any = copy.deepcopy(model.config)  # a transformers PretrainedConfig
     # Runtime state only (transformers #13657): a legacy key must not be written back.
-    if "gradient_checkpointing" in vars(config):
-        delattr(config, "gradient_checkpointing")
+    drop_legacy_config_key(config)
     config.architectures = [type(model).__name__]
     dtype = getattr(model, "dtype", None)
     if isinstance(dtype, torch.dtype):
@@ -301,7 +301,7 @@ def _stage_config(model: nn.Module, staging: Path) -> list[str]:
     if config_file.is_file():
         # Belt and braces for configs whose to_dict re-adds the key from elsewhere.
         data = json.loads(config_file.read_text(encoding="utf-8"))
-        if data.pop("gradient_checkpointing", None) is not None:
+        if data.pop(LEGACY_CONFIG_KEY, None) is not None:
             config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", "utf-8")
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fastload.errors import CheckpointError, RequestError
+from fastload.keys import within
 
 logger = logging.getLogger("fastload")
 
@@ -191,14 +192,14 @@ def _transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if not is_transformers_model(module):
             continue
-        if any(name == r or name.startswith(r + ".") or r == "" for r, _ in roots):
+        if any(within(r, name) for r, _ in roots):
             continue
         roots.append((name, module))
     return roots
 
 
 def _under(name: str, root: str) -> bool:
-    return root == "" or name == root or name.startswith(root + ".")
+    return within(root, name)
 
 
 def initialize(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from fastload import _core
 from fastload.dtypes import to_st
-from fastload.engine import copy_into
+from fastload.engine import TensorFile, copy_into
 from fastload.errors import RequestError
 from fastload.units import MAX_BYTES, parse_bytes
 
@@ -190,7 +190,7 @@ def _pieces(
 
 
 def stream_into(
-    file: _core.SafetensorsFile,
+    file: TensorFile,
     items: list[tuple[str, torch.Tensor, list[int] | None]],
     *,
     pool: StagingPool | None = None,

@@ -28,7 +28,7 @@ from typing import Any
 from fastload import keys as keymod
 from fastload.errors import ModelMismatchError, UnsupportedError
 from fastload.hf.renames import transformers_renames
-from fastload.planning import Merge, Piece, View
+from fastload.hooks import Merge, Narrow, Piece, Select, View
 
 
 def converters_of(model: Any) -> list[Any]:
@@ -43,23 +43,22 @@ def converters_of(model: Any) -> list[Any]:
 
 
 def transformers_merges(
-    model: Any, ckpt: Any, model_keys: set[str], options: dict[str, Any]
+    model: Any, ckpt: Any, model_keys: set[str], rules: keymod.KeyRules
 ) -> dict[str, Merge]:
     """The merges and splits transformers' conversion mapping makes for ``model`` on the
-    checkpoint ``ckpt`` (``options`` are :func:`fastload.keys.map_keys`'s); empty when every
-    stored name already is a model name."""
-    known = model_keys.union(options["computed"])
-    key_map = options["key_map"]
-    if all((key_map(k) if key_map is not None else k) in known for k in ckpt.tensors):
+    checkpoint ``ckpt`` (``rules``: how names map); empty when every stored name already is a
+    model name."""
+    known = model_keys.union(rules.computed)
+    if all(rules.rename(k) in known for k in ckpt.tensors):
         return {}
     converters = converters_of(model)
     if not converters:
         return {}
-    renames = transformers_renames(model, options["source"])
-    prefix = options["base_model_prefix"]
+    renames = transformers_renames(model, rules.source)
+    prefix = rules.base_model_prefix
 
     def rename(name: str) -> str:
-        name = key_map(name) if key_map is not None else name
+        name = rules.rename(name)
         for r in renames:
             name = r(name)
         return name
@@ -76,7 +75,7 @@ def transformers_merges(
         rename=rename,
         resolve=resolve,
         model_shapes=model_shapes,
-        source=options["source"],
+        source=rules.source,
     )
 
 
@@ -260,7 +259,7 @@ def _stack(
     shape = list(shapes.pop())
     dim = dim if dim >= 0 else dim + len(shape) + 1
     merged = tuple(shape[:dim] + [len(stored)] + shape[dim:])
-    return merged, [(n, (("select", dim, i),)) for i, n in enumerate(stored)]
+    return merged, [(n, (Select(dim, i),)) for i, n in enumerate(stored)]
 
 
 def _concatenate(
@@ -278,7 +277,7 @@ def _concatenate(
     pieces: list[tuple[str, tuple[View, ...]]] = []
     offset = 0
     for shape, (_, inner) in zip(shapes, parts, strict=True):
-        step = ("narrow", dim, offset, shape[dim])
+        step = Narrow(dim, offset, shape[dim])
         pieces += [(n, (step, *views)) for n, views in inner]
         offset += shape[dim]
     merged = shapes[0][:]

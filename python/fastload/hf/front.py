@@ -22,11 +22,13 @@ import torch
 from torch import nn
 
 from fastload.errors import CheckpointError, FastloadError, RequestError
+from fastload.gradient_checkpointing import drop_legacy_config_key
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.context import check_not_quantized
-from fastload.hf.hooks import TransformersHooks
+from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.options import split_options
+from fastload.load_options import LoadOptions
 from fastload.loading import Target, load, plain_target
 from fastload.report import LoadReport
 from fastload.skeleton import build_skeleton, is_transformers_model
@@ -40,22 +42,21 @@ def load_hf(
     *,
     config: Any,
     state_dict: Mapping[str, torch.Tensor] | None,
-    core: dict[str, Any],
+    given: dict[str, Any],
     kwargs: dict[str, Any],
     contract: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
-    """Loads a model named the Hugging Face way; ``core`` are the core loader's options, and
-    ``kwargs`` transformers' options and config / ``__init__`` arguments. ``contract``: under the
-    patch, what loads at all is transformers' rule (:class:`TransformersHooks`)."""
+    """Loads a model named the Hugging Face way; ``given`` are the core loader's options the
+    caller passed (:class:`~fastload.load_options.LoadOptions`), and ``kwargs`` transformers'
+    options and config / ``__init__`` arguments. ``contract``: under the patch, what loads at all
+    is transformers' rule (:class:`TransformersHooks`)."""
     start = time.perf_counter()
     kwargs = dict(kwargs)
     opts = split_options(kwargs)
-    for name, value in opts.core.items():
-        # transformers' spelling of a core option (torch_dtype, key_mapping): fastload's own
-        # spelling wins when both are given, as dtype wins over torch_dtype in transformers
-        unset = core.get(name) in (None, "auto", False) or (name == "read_mode")
-        if unset:
-            core[name] = value
+    # transformers' spelling of a core option (torch_dtype, key_mapping, disable_mmap) fills in
+    # what the caller's own options leave out: fastload's spelling wins when both are given, as
+    # dtype wins over torch_dtype in transformers
+    options = LoadOptions.create("from_pretrained", **given).with_defaults(**opts.core)
 
     # Call shapes: (None|class|Auto|module, path), ("org/name" or dir), legacy (arch dir, weights).
     if isinstance(model, (str, os.PathLike)):
@@ -83,18 +84,14 @@ def load_hf(
             subfolder=opts.subfolder,
             variant=opts.variant,
             use_safetensors=opts.use_safetensors,
-            allow_pickle=bool(core.get("allow_pickle")),
+            allow_pickle=options.allow_pickle,
             remote_code=opts.trust_remote_code,
         )
     hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
 
     if isinstance(model, nn.Module):
-        if config is not None or kwargs:
-            raise RequestError(
-                "config and model keyword arguments only apply when fastload builds the model; "
-                f"got an already-built {type(model).__name__} (and {sorted(kwargs)})"
-            )
-        target = Target(module=model, hooks=hooks)
+        target = plain_target(model, config, kwargs)
+        target.hooks = hooks
     elif model is None or is_auto_class(model) or is_transformers_model(model):
         source = resolved.directory if resolved is not None else config
         cls, cfg, init_kwargs = resolve_class(
@@ -112,11 +109,11 @@ def load_hf(
         hooks.config = cfg  # dtype="auto" reads the config's dtype
         target = Target(build=_builder(cls, cfg, init_kwargs), hooks=hooks)
     else:  # any nn.Module class or factory, its checkpoint found by model id
-        target = plain_target(model, config, kwargs)
+        target = plain_target(model, config, kwargs, choose_hooks=family_hooks)
 
     checkpoint: Any = state_dict if resolved is None else resolved.weights
     seconds = {"resolve": time.perf_counter() - start}
-    return load(target, checkpoint, seconds=seconds, **core)
+    return load(target, checkpoint, options, seconds=seconds)
 
 
 def _prepare_config(
@@ -129,14 +126,12 @@ def _prepare_config(
         setattr(cfg, name, value)
     # A legacy config key; transformers would switch checkpointing on from it. fastload never
     # does: checkpointing is a run-time choice (gradient_checkpointing=True).
-    if "gradient_checkpointing" in cfg.__dict__:
-        if cfg.__dict__["gradient_checkpointing"]:
-            logger.warning(
-                "%s: the config's legacy 'gradient_checkpointing' key is ignored; pass "
-                "gradient_checkpointing=True to enable it",
-                Path(os.fspath(source)) / "config.json",
-            )
-        del cfg.__dict__["gradient_checkpointing"]
+    if drop_legacy_config_key(cfg):
+        logger.warning(
+            "%s: the config's legacy 'gradient_checkpointing' key is ignored; pass "
+            "gradient_checkpointing=True to enable it",
+            Path(os.fspath(source)) / "config.json",
+        )
 
 
 def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:

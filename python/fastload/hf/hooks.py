@@ -16,12 +16,13 @@ from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
 from fastload.hf.renames import transformers_renames
 from fastload.hooks import ModelHooks
-from fastload.skeleton import recompute_buffers
+from fastload.skeleton import is_transformers_model, recompute_buffers
 
 if TYPE_CHECKING:
     from fastload.checkpoint import OpenCheckpoint
     from fastload.device_map import DeviceMap
-    from fastload.planning import Merge
+    from fastload.hooks import Merge
+    from fastload.keys import KeyRules
     from fastload.report import LoadReport
     from fastload.tying import Slot
 
@@ -60,9 +61,9 @@ class TransformersHooks(ModelHooks):
         model: nn.Module,
         ckpt: OpenCheckpoint,
         model_keys: set[str],
-        options: dict[str, Any],
+        rules: KeyRules,
     ) -> dict[str, Merge]:
-        return transformers_merges(model, ckpt, model_keys, options)
+        return transformers_merges(model, ckpt, model_keys, rules)
 
     def auto_dtype(self, ckpt: OpenCheckpoint) -> torch.dtype | None:
         return auto_dtype(self.config, ckpt)
@@ -103,3 +104,9 @@ class TransformersHooks(ModelHooks):
             generation_config=self.generation_config,
             device_map=device_map,
         )
+
+
+def family_hooks(module: nn.Module) -> ModelHooks:
+    """The hooks of a model built by a factory: transformers' for a transformers model, a plain
+    module's otherwise."""
+    return TransformersHooks() if is_transformers_model(module) else ModelHooks()

@@ -120,14 +120,14 @@ def _from_pretrained(
         ignore_mismatched = bool(options.get("ignore_mismatched_sizes"))
         options["ignore_mismatched_sizes"] = True
         # the ambient device and transformers' environment variables (fastload.hf.context)
-        core: dict[str, Any] = ambient_core_options(options)
+        given: dict[str, Any] = ambient_core_options(options)
         try:
             model, report = load_hf(
                 cls,
                 pretrained_model_name_or_path,
                 config=config,
                 state_dict=state_dict,
-                core=core,
+                given=given,
                 kwargs=options,
                 contract=True,
             )

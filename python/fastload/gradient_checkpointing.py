@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastload.arguments import check_bool, check_module
 from fastload.errors import UnsupportedError
+from fastload.keys import within
 from fastload.skeleton import is_transformers_model
 
 # Instance attributes fastload sets; their presence marks fastload's own changes.
@@ -84,7 +85,7 @@ def _outermost(candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mo
     recomputes the inner one, and checkpointing both only adds recomputation."""
     chosen: list[tuple[str, nn.Module]] = []
     for name, module in sorted(candidates, key=lambda c: c[0].count(".") if c[0] else -1):
-        if any(p == "" or name.startswith(p + ".") for p, _ in chosen):
+        if any(within(p, name) and name != p for p, _ in chosen):
             continue
         chosen.append((name, module))
     return chosen
@@ -251,3 +252,17 @@ __all__ = [
     "gradient_checkpointing_disable",
     "is_gradient_checkpointing",
 ]
+
+
+#: the key old transformers configs carry for what is now a run-time toggle (transformers #13657)
+LEGACY_CONFIG_KEY = "gradient_checkpointing"
+
+
+def drop_legacy_config_key(config: Any) -> bool:
+    """Removes the legacy ``gradient_checkpointing`` attribute from a config object, so it is
+    neither acted on when a model is built nor written back when one is saved; returns whether
+    it asked for checkpointing."""
+    values = vars(config)
+    if LEGACY_CONFIG_KEY not in values:
+        return False
+    return bool(values.pop(LEGACY_CONFIG_KEY))

@@ -1,0 +1,149 @@
+"""The package's import graph, read from the source: dependencies point down only.
+
+Every ``import`` of a fastload module counts, at module level or inside a function (a lazy import
+is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run). The core
+loader imports nothing from the Hugging Face layer (:mod:`fastload.hf`), and no module reaches
+itself through its imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
+
+#: the layers above the core: the public entry (which routes Hugging Face calls to fastload.hf),
+#: the package's lazy namespace, and the tools built on top
+ABOVE_CORE = {
+    "fastload",
+    "fastload.api",
+    "fastload.cli",
+    "fastload.bench",
+    "fastload.bench_loaders",
+    "fastload.demo",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skipped
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The fastload modules that module ``name`` (at ``path``) imports when it runs."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            # ``from fastload.hf import hub`` depends on the submodule, not the package's names
+            subs = {f"{origin}.{a.name}" for a in node.names} & modules
+            out.update(subs)
+            if len(subs) < len(node.names):
+                out.add(origin)
+    return {m for m in out if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_reader_sees_module_level_lazy_and_relative_imports(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import fastload.b\n"
+        "if TYPE_CHECKING:\n    from fastload import c\n"
+        "def f():\n    from fastload.pkg import d\n"
+    )
+    got = imports_of(
+        "fastload.a",
+        tmp_path / "a.py",
+        {"fastload.a", "fastload.b", "fastload.c", "fastload.pkg", "fastload.pkg.d"},
+    )
+    assert got == {"fastload.b", "fastload.pkg.d"}
+
+
+def test_the_cycle_finder_finds_a_circle_and_nothing_else() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_real_graph_has_the_edges_of_a_load() -> None:
+    graph = import_graph()
+    assert {"fastload.planning", "fastload.load_options"} <= graph["fastload.loading"]
+    assert "fastload.loading" in graph["fastload.hf.front"]
+
+
+def test_no_module_of_the_package_reaches_itself_through_its_imports() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:
+    graph = import_graph()
+    core = [m for m in graph if not m.startswith("fastload.hf") and m not in ABOVE_CORE]
+    assert len(core) > 30
+    offending = {
+        m: sorted(d for d in graph[m] if d == "fastload.hf" or d.startswith("fastload.hf."))
+        for m in core
+    }
+    assert {m: d for m, d in offending.items() if d} == {}
