@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 import fastload
 from fastload import CheckpointError
@@ -193,3 +194,28 @@ def test_reformer_base_checkpoint_loads_into_the_lm_head_model_with_its_bias_kep
         model = fastload_load("ReformerModelWithLMHead", directory)
     assert torch.equal(model.lm_head.bias, torch.zeros_like(model.lm_head.bias))
     assert any("lm_head.bias" in r.getMessage() for r in caplog.records)
+
+
+def test_a_plain_module_holding_a_transformers_model_initializes_its_missing_tensors_the_transformers_way(  # noqa: E501
+    tmp_path: Path,
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, initializer_range=0.02,
+    )  # fmt: skip
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = transformers.BertModel(config)
+            self.tags = nn.Linear(16, 3)
+
+    state = {k: v for k, v in Tagger().state_dict().items() if not k.startswith("bert.pooler.")}
+    fastload.save_file(state, tmp_path / "model.safetensors")
+    model = fastload.from_pretrained(Tagger, tmp_path / "model.safetensors", missing="init")
+    pooler = model.bert.pooler.dense
+    # BERT's _init_weights: normal(0, initializer_range) weights and zero biases, where
+    # nn.Linear.reset_parameters would give uniform ones
+    assert torch.count_nonzero(pooler.bias) == 0
+    assert 0.01 < float(pooler.weight.detach().std()) < 0.03

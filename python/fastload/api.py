@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, overload
 
@@ -330,9 +331,9 @@ from_pretrained.__signature__ = _public_signature()  # type: ignore[attr-defined
 
 
 def _family_hooks(module: nn.Module) -> ModelHooks:
-    """The hooks of a model built by a factory (:func:`fastload.hf.hooks.family_hooks` for a
-    transformers model: the Hugging Face layer is imported only then)."""
-    if is_transformers_model(module):
+    """The hooks of a plain call's model (:func:`fastload.hf.hooks.family_hooks` once transformers
+    is imported: only then can the model be or hold a transformers model)."""
+    if "transformers.modeling_utils" in sys.modules:
         from fastload.hf.hooks import family_hooks
 
         return family_hooks(module)

@@ -18,7 +18,7 @@ from fastload import keys as keymod
 from fastload.errors import FastloadError
 from fastload.planning import Group
 from fastload.report import LoadReport
-from fastload.skeleton import initialize
+from fastload.skeleton import FamilyInit, initialize
 from fastload.tying import Slot, group_slots, tensor_slots
 
 logger = logging.getLogger("fastload")
@@ -76,10 +76,15 @@ def _wrap(group: Group, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def swap_in(
-    model: nn.Module, groups: list[Group], report: LoadReport, offloaded: set[str] | None = None
+    model: nn.Module,
+    groups: list[Group],
+    report: LoadReport,
+    offloaded: set[str] | None = None,
+    family: FamilyInit | None = None,
 ) -> None:
-    """Swaps the new tensors in (all together), initializes, and checks nothing is on meta; on
-    any failure the model's original tensors are put back."""
+    """Swaps the new tensors in (all together), initializes (the model family's way first,
+    ``family``), and checks nothing is on meta; on any failure the model's original tensors are
+    put back."""
     swap = _Swap()
     try:
         targets: dict[str, torch.Tensor] = {}
@@ -94,7 +99,7 @@ def swap_in(
                 swap.set(slot, own.get(slot.key, value))
             if group.action == "init":
                 targets[group.slots[0].name] = value
-        initialize(model, targets)
+        initialize(model, targets, family)
         slots = tensor_slots(model)  # one walk for the check and the report
         _check_no_meta(model, slots, offloaded or set())
     except BaseException:

@@ -117,6 +117,15 @@ class ModelHooks:
         """Names that stay float32 under an explicit floating ``dtype``."""
         return None
 
+    def prepare(self, model: nn.Module) -> None:
+        """Runs right after fastload built ``model``'s skeleton, before anything is planned."""
+
+    def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
+        """Initializes, the family's way, those of ``targets`` (model name -> NaN-filled tensor
+        in the model) it knows how to; returns their names. The rest are reset by their
+        modules' ``reset_parameters()`` (:func:`fastload.skeleton.initialize`)."""
+        return set()
+
     def finish(
         self,
         model: nn.Module,

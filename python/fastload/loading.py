@@ -227,6 +227,8 @@ def load(
             assert target.build is not None
             module = target.build(stored if want is None else want)
     hooks = target.hooks or target.choose_hooks(module)
+    if built_here:
+        hooks.prepare(module)
     was_training = module.training
 
     with clock.phase("plan"):
@@ -258,7 +260,7 @@ def load(
 
     with clock.phase("finish"):
         groups = load_plan.groups
-        swap_in(module, groups, report, offloaded=offloaded_names(groups))
+        swap_in(module, groups, report, offloaded=offloaded_names(groups), family=hooks.initialize)
         forget_constructor_values(module)
         if dmap is not None and dmap.has_disk:
             dispatch_offloaded(module, dmap, groups, ckpt)

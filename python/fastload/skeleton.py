@@ -7,10 +7,9 @@ parameter memory is written before the loader knows where each parameter goes. (
 ``torch.empty`` storage exists for an instant before it moves to ``meta``; it is never written, so
 the operating system does not back it with memory.)
 
-Missing parameters are initialised the model's own way: transformers' ``initialize_weights`` for
-transformers models (loaded tensors are flagged ``_is_hf_initialized`` so its guarded init
-functions skip them, as transformers' own ``from_pretrained`` does), ``reset_parameters()`` for
-other modules.
+Missing parameters are initialised the model's own way: the model family's (its hooks: for
+transformers models ``initialize_weights``, :mod:`fastload.hf.initialize`), then
+``reset_parameters()`` of their modules.
 """
 
 from __future__ import annotations
@@ -21,18 +20,15 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from fastload.errors import CheckpointError, RequestError
-from fastload.keys import within
 
 logger = logging.getLogger("fastload")
-
-_HF_FLAG = "_is_hf_initialized"
 
 #: parameters up to this many elements keep the value their constructor gave them, for a
 #: parameter no initialization function covers (CLIP's logit_scale, Reformer's lm_head.bias)
@@ -140,70 +136,36 @@ def build_skeleton(
     factory: Callable[[], nn.Module],
     *,
     dtype: torch.dtype | None,
-    transformers_model: bool = False,
+    contexts: Sequence[Callable[[], contextlib.AbstractContextManager[Any]]] = (),
 ) -> nn.Module:
     """Calls ``factory`` with parameters going to ``meta`` and the default dtype set to ``dtype``.
 
-    With ``transformers_model=True``, transformers' weight initialisation is switched off during
-    ``__init__`` (pointless on meta, as in transformers' own loading). For any transformers model,
-    ``tie_weights()`` is called afterwards, so ties declared through its ``_tied_weights_keys``
-    are visible by Parameter identity. Builds are serialized by a lock, as they patch
-    process-wide state (``nn.Module.register_parameter``, the default dtype) while ``factory``
-    runs.
+    ``contexts`` are entered around the call too (a model family's own switches: transformers'
+    ``no_init_weights``, :mod:`fastload.hf.initialize`). Builds are serialized by a lock, as they
+    patch process-wide state (``nn.Module.register_parameter``, the default dtype) while
+    ``factory`` runs.
     """
     with _BUILD_LOCK, contextlib.ExitStack() as stack:
         stack.enter_context(parameters_on_meta())
         stack.enter_context(default_dtype(dtype))
-        if transformers_model:
-            no_init = _transformers_attr("initialization", "no_init_weights")
-            if no_init is not None:
-                stack.enter_context(no_init())
-            patches = _transformers_attr("monkey_patching", "apply_patches")
-            if patches is not None:
-                # Classes users registered with transformers.monkey_patching are swapped in
-                # during __init__, as transformers' own from_pretrained does.
-                stack.enter_context(patches())
+        for context in contexts:
+            stack.enter_context(context())
         model = factory()
     if not isinstance(model, nn.Module):
         raise RequestError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-    if is_transformers_model(model):
-        recorders = _transformers_attr("monkey_patching", "patch_output_recorders")
-        if recorders is not None:
-            recorders(model)
-        model.tie_weights()
     return model
 
 
-def _transformers_attr(module: str, name: str) -> Any:
-    """``transformers.<module>.<name>``, or ``None`` in a transformers version without it."""
-    import importlib
-
-    try:
-        return getattr(importlib.import_module(f"transformers.{module}"), name, None)
-    except ImportError:
-        return None
+#: a model family's own initialization (:meth:`fastload.hooks.ModelHooks.initialize`): given the
+#: model and the targets, it initializes those it knows and returns their names
+FamilyInit = Callable[[nn.Module, dict[str, torch.Tensor]], set[str]]
 
 
-def _transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost transformers models inside ``model`` (``model`` itself if it is one)."""
-    if is_transformers_model(model):
-        return [("", model)]  # everything inside is under it: no walk
-    roots: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not is_transformers_model(module):
-            continue
-        if any(within(r, name) for r, _ in roots):
-            continue
-        roots.append((name, module))
-    return roots
-
-
-def _under(name: str, root: str) -> bool:
-    return within(root, name)
-
-
-def initialize(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
-    """Initialises the tensors in ``targets`` (model name -> tensor already in the model).
+def initialize(
+    model: nn.Module, targets: dict[str, torch.Tensor], family: FamilyInit | None = None
+) -> None:
+    """Initialises the tensors in ``targets`` (model name -> tensor already in the model): the
+    model family's way first (``family``), then ``reset_parameters()`` of their modules.
 
     Every other tensor of the model is left untouched. Floating-point targets must arrive filled
     with NaN: one that is still all NaN afterwards was not initialised by anything; it gets the
@@ -214,13 +176,7 @@ def initialize(model: nn.Module, targets: dict[str, torch.Tensor]) -> None:
     if not targets:
         return
     ids = {id(t) for t in targets.values()}
-    roots = _transformers_roots(model)
-    done: set[str] = set()
-    for root_name, root in roots:
-        names = [n for n in targets if _under(n, root_name)]
-        if names:
-            _initialize_transformers(root, ids)
-            done.update(names)
+    done = family(model, targets) if family is not None else set()
     rest = {n: t for n, t in targets.items() if n not in done}
     if rest:
         _initialize_torch(model, rest, ids)
@@ -268,90 +224,6 @@ def _owner_name(model: nn.Module, name: str) -> str:
     return type(module).__name__
 
 
-def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool = True) -> None:
-    """Runs the model's own ``initialize_weights`` on the tensors whose ids are in ``ids``.
-
-    As in transformers' ``from_pretrained``: every other tensor is flagged, so its guarded init
-    functions skip it, and a tie group is initialized through its source only (the names
-    ``all_tied_weights_keys`` lists as tied to another get a flagged stand-in meanwhile), so an
-    embedding tied to a head keeps the embedding's init, padding row zeroed. Going further than
-    transformers, a module whose whole subtree is flagged is skipped, so an init function writing
-    through a view (Funnel zeroes ``word_embeddings.weight[padding_idx]``) never touches a loaded
-    tensor.
-    """
-    tied_targets = set(getattr(root, "all_tied_weights_keys", None) or ())
-    stand_ins: list[tuple[dict[str, Any], str, Any]] = []
-    by_tensor: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    for prefix, module in root.named_modules(remove_duplicate=False) if parameters else ():
-        for attr, param in module._parameters.items():
-            if param is not None and id(param) in ids:
-                name = f"{prefix}.{attr}" if prefix else attr
-                by_tensor.setdefault(id(param), []).append((name, module, attr))
-    for members in by_tensor.values():
-        if len(members) < 2:
-            continue
-        sources = [m for m in members if m[0] not in tied_targets] or members[:1]
-        for name, module, attr in members:
-            if (name, module, attr) == sources[0]:
-                continue
-            param = module._parameters[attr]
-            stand_in = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-            setattr(stand_in, _HF_FLAG, True)
-            stand_ins.append((module._parameters, attr, param))
-            module._parameters[attr] = stand_in
-    try:
-        for module in root.modules():
-            for tensor in _own_tensors(module):
-                if id(tensor) in ids:
-                    tensor.__dict__.pop(_HF_FLAG, None)
-                else:
-                    tensor.__dict__[_HF_FLAG] = True
-        _flag_loaded_subtrees(root, ids)
-        root.initialize_weights()
-    finally:
-        for store, attr, param in reversed(stand_ins):
-            store[attr] = param
-
-
-def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The parameters and buffers ``module`` holds itself (not its children's)."""
-    return [t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None]
-
-
-def _flag_loaded_subtrees(root: nn.Module, ids: set[int]) -> bool:
-    """Flags each module none of whose tensors (its own or its descendants') is a target;
-    returns whether ``root`` has a target."""
-    has = any(id(t) in ids for t in _own_tensors(root))
-    for child in root.children():
-        has = _flag_loaded_subtrees(child, ids) or has
-    # through __dict__: nn.Module.__setattr__ costs ~8 us of checks per call, the same effect
-    if has:
-        root.__dict__.pop(_HF_FLAG, None)
-    else:
-        root.__dict__[_HF_FLAG] = True
-    return has
-
-
-def recompute_buffers(model: nn.Module) -> None:
-    """Recomputes the non-persistent buffers of the transformers models in ``model`` with their
-    own init functions, as transformers' ``from_pretrained`` does after loading.
-
-    transformers builds on ``meta`` and fills these buffers by ``_init_weights`` in float32 math
-    cast to the buffer's dtype; a value ``__init__`` computed under a bfloat16 default dtype
-    differs (GPT-J's ``embed_positions`` by up to 0.2). A buffer no init function covers keeps
-    the value ``__init__`` computed.
-    """
-    for _, root in _transformers_roots(model):
-        buffers = [
-            b
-            for m in root.modules()
-            for n, b in m._buffers.items()
-            if b is not None and n in m._non_persistent_buffers_set
-        ]
-        if buffers:  # buffers only: no tied parameters to stand in for
-            _initialize_transformers(root, {id(b) for b in buffers}, parameters=False)
-
-
 def _initialize_torch(model: nn.Module, targets: dict[str, torch.Tensor], ids: set[int]) -> None:
     owners: dict[int, tuple[str, nn.Module]] = {}
     for name in targets:
@@ -378,17 +250,3 @@ def _initialize_torch(model: nn.Module, targets: dict[str, torch.Tensor], ids: s
                 if current is None:
                     current = module._buffers[attr]
                 current.copy_(saved)
-
-
-def mark_initialized(model: nn.Module) -> None:
-    """Flags every tensor and module of the transformers models in ``model`` as initialised.
-
-    This is the state transformers' own ``from_pretrained`` leaves, so a later
-    ``initialize_weights()`` (e.g. from ``resize_token_embeddings``) does not overwrite loaded
-    weights.
-    """
-    for _, root in _transformers_roots(model):
-        for module in root.modules():  # one walk, flags set through __dict__ (see above)
-            for tensor in _own_tensors(module):
-                tensor.__dict__[_HF_FLAG] = True
-            module.__dict__[_HF_FLAG] = True

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from fastload.device_map import DeviceMap
-from fastload.skeleton import mark_initialized
+from fastload.hf.initialize import mark_initialized
 
 logger = logging.getLogger("fastload")
 

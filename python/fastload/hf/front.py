@@ -27,6 +27,7 @@ from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.context import check_not_quantized
 from fastload.hf.hooks import TransformersHooks, family_hooks
+from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
 from fastload.load_options import LoadOptions
 from fastload.loading import Target, load, plain_target
@@ -145,7 +146,7 @@ def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:
                     sub.dtype = dtype
         try:
             return build_skeleton(
-                lambda: cls(cfg, **init_kwargs), dtype=dtype, transformers_model=True
+                lambda: cls(cfg, **init_kwargs), dtype=dtype, contexts=build_contexts()
             )
         except FastloadError:
             raise

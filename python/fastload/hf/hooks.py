@@ -14,9 +14,10 @@ from torch import nn
 from fastload.hf.conversions import transformers_merges
 from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
+from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
 from fastload.hf.renames import transformers_renames
 from fastload.hooks import ModelHooks
-from fastload.skeleton import is_transformers_model, recompute_buffers
+from fastload.skeleton import is_transformers_model
 
 if TYPE_CHECKING:
     from fastload.checkpoint import OpenCheckpoint
@@ -86,6 +87,12 @@ class TransformersHooks(ModelHooks):
     def keep_fp32(self, model: nn.Module, dtype: torch.dtype | None) -> re.Pattern[str] | None:
         return keep_fp32_pattern(model, dtype)
 
+    def prepare(self, model: nn.Module) -> None:
+        prepare(model)
+
+    def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
+        return initialize_missing(model, targets)
+
     def finish(
         self,
         model: nn.Module,
@@ -106,7 +113,20 @@ class TransformersHooks(ModelHooks):
         )
 
 
+class ContainerHooks(ModelHooks):
+    """A plain module holding transformers models (a ``BertModel`` inside a user's tagger):
+    its missing tensors inside them are initialized the transformers way."""
+
+    def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
+        return initialize_missing(model, targets)
+
+
 def family_hooks(module: nn.Module) -> ModelHooks:
-    """The hooks of a model built by a factory: transformers' for a transformers model, a plain
-    module's otherwise."""
-    return TransformersHooks() if is_transformers_model(module) else ModelHooks()
+    """The hooks of a model that the caller built or that a factory built: transformers' for a
+    transformers model, :class:`ContainerHooks` for a module holding some, a plain module's
+    otherwise."""
+    if is_transformers_model(module):
+        return TransformersHooks()
+    if any(is_transformers_model(m) for m in module.modules()):
+        return ContainerHooks()
+    return ModelHooks()
