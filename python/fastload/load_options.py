@@ -116,8 +116,10 @@ class LoadOptions:
             raise UnsupportedError(
                 "device_map and tp_plan cannot be combined; use device= with tp_plan"
             )
-        if process_group is not None and tp_plan is None:
-            raise RequestError("process_group only applies with tp_plan")
+        if process_group is not None and device_map is not None:
+            raise UnsupportedError(
+                "process_group (a collective load) and device_map cannot be combined; use device="
+            )
         if device.type == "meta":
             raise RequestError(f"{where}: device 'meta' holds no data to load into")
         return cls(
@@ -157,13 +159,19 @@ class LoadOptions:
         return LoadOptions.create(where, **self.given, **raw)
 
     @property
+    def collective(self) -> bool:
+        """Whether the ranks of a process group load together, each reading its part of the
+        checkpoint (:mod:`fastload.collective`): with ``process_group``, and with ``tp_plan``."""
+        return self.process_group is not None or self.tp_plan is not None
+
+    @property
     def views_possible(self) -> bool:
         """Whether tensors may become views of the files' mappings: whole tensors on the CPU
         in their stored dtype (the rest of the rule is per file, :mod:`fastload.sharing`)."""
         return (
             self.device.type == "cpu"
             and self.device_map is None
-            and self.tp_plan is None
+            and not self.collective
             and self.mmap != "copy"
         )
 

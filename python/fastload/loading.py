@@ -48,6 +48,7 @@ from torch import nn
 
 from fastload import _core, reader
 from fastload.checkpoint import OpenCheckpoint, StoredTensor
+from fastload.collective import RankGroup, check_same_checkpoint, read_collectively
 from fastload.device_map import DeviceMap, dispatch, resolve_device_map
 from fastload.devices import cpu_by_default
 from fastload.dtypes import CONVERTIBLE, parse_dtype
@@ -205,6 +206,11 @@ def load(
 
     with clock.phase("resolve"):
         ckpt = open_source(checkpoint, options.read_mode, options.mmap, options.allow_pickle)
+        group = None
+        if options.collective:
+            where = "tp_plan" if options.tp_plan is not None else "process_group"
+            group = RankGroup(options.process_group, where=where)
+            check_same_checkpoint(group, ckpt)
         built_here = target.module is None
         if want == "auto":
             # the model family's rule for a model built for this load (transformers': the
@@ -252,9 +258,12 @@ def load(
 
     with clock.phase("read"):
         pool = options.staging
-        report.bytes_written = _read(
-            ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
-        )
+        if group is not None:
+            _read_collectively(group, ckpt, by_file, report, threads=options.threads)
+        else:
+            report.bytes_written = _read(
+                ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
+            )
         report.staging_bytes = pool.peak_bytes
         resolve_duplicates(load_plan.groups)
 
@@ -429,6 +438,24 @@ def _initial_or_kept(group: Group) -> torch.Tensor | None:
     if t is not group.template or t.device != dest.memory or t.dtype != dest.dtype:
         return t.detach().to(device=dest.memory, dtype=dest.dtype, copy=True)
     return None
+
+
+def _read_collectively(
+    group: RankGroup,
+    ckpt: OpenCheckpoint,
+    by_file: dict[int, list[Fill]],
+    report: LoadReport,
+    *,
+    threads: int | None,
+) -> None:
+    """The read of a collective load: this rank reads its part of the bytes from storage and
+    receives the rest from the group (:mod:`fastload.collective`); the report counts each."""
+    fills = [(f.name, f.tensor, f.selection) for index in sorted(by_file) for f in by_file[index]]
+    exchange = read_collectively(group, ckpt, fills, threads=threads)
+    report.bytes_written = sum(t.numel() * t.element_size() for _, t, _ in fills)
+    report.bytes_read = exchange.storage_bytes
+    report.bytes_received = exchange.received_bytes
+    report.rank, report.world_size = group.rank, group.world_size
 
 
 def _read(

@@ -256,7 +256,11 @@ def plan(
             "wrong file"
         )
     _apply_policies(report, options.missing, options.unexpected, source)
-    sharing = {i: file_sharing(f, options.mmap) for i, f in enumerate(ckpt.files)}
+    if options.collective:  # every rank reads its part into copies
+        why = "copies (a collective load: each rank reads its part of the file)"
+        sharing = {i: (False, why) for i in range(len(ckpt.files))}
+    else:
+        sharing = {i: file_sharing(f, options.mmap) for i, f in enumerate(ckpt.files)}
     out = LoadPlan(groups, report, sharing)
     _decide_modes(out, ckpt)
     _count(out, ckpt)

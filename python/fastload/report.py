@@ -51,6 +51,9 @@ class LoadReport:
     #: file path -> how its tensors were loaded: "views of the file mapping (ext4)", "copies
     #: (nfs is a network or FUSE filesystem)", "copies (mmap='copy')", ... (see fastload.sharing)
     sharing: dict[str, str] = field(default_factory=dict)
+    #: in a collective load (``process_group``, ``tp_plan``): bytes this rank received from the
+    #: others (``bytes_read`` is then what it read from storage, in whole pages)
+    bytes_received: int = 0
     #: bytes offloaded to disk (device_map "disk"): left in the checkpoint file, read on use
     bytes_offloaded: int = 0
     #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
@@ -126,7 +129,11 @@ class LoadReport:
                 else []
             ),
             *(
-                [f"  tensor parallel: rank {self.rank} of {self.world_size} (bytes read: its own)"]
+                [
+                    f"  collective: rank {self.rank} of {self.world_size} read "
+                    f"{format_bytes(self.bytes_read)} from storage and received "
+                    f"{format_bytes(self.bytes_received)} from the others"
+                ]
                 if self.world_size > 1
                 else []
             ),

@@ -1,0 +1,239 @@
+"""Collective loading over torch.distributed (gloo ranks on this machine's CPU): each rank reads
+about 1/N of the checkpoint from storage and ends with the model a single-process load gives.
+
+Storage reads are measured from outside the loader: each rank loads its own copy of the
+checkpoint, evicted from the page cache first; the kernel counts the bytes the process fetched
+from storage (``read_bytes`` of ``/proc/self/io``), and says afterwards how much of the copy is
+in the page cache (``fincore``, i.e. ``mincore``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastload
+from fastload.collective import Chunk, deal, pages, spans
+from fastload.errors import CheckpointError, RequestError
+from spawn_ranks import free_port, run_ranks
+
+TIMEOUT_S = 300
+#: a Llama of about 84 MB in three shards, whose projections 2 and 4 ranks divide
+CONFIG = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 8192,
+}
+
+
+def _digests(model: torch.nn.Module) -> dict[str, str]:
+    return {
+        k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, v in model.state_dict().items()
+    }
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _evict(directory: Path) -> None:
+    for path in _files(directory):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cached_fraction(directory: Path) -> float:
+    """The fraction of the checkpoint's bytes in the page cache, as the kernel reports it."""
+    cached = size = 0
+    for path in _files(directory):
+        out = subprocess.run(
+            ["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        cached, size = cached + int(out[0]), size + int(out[1])
+    return cached / size
+
+
+def _storage_reads() -> int:
+    """Bytes this process has fetched from storage, as the kernel counts them."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
+
+
+def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2)
+    )
+    import transformers
+
+    own = Path(root) / f"rank{rank}"
+    out: dict[str, Any] = {}
+    try:
+        runs = {"full": {"process_group": dist.group.WORLD}, "tp": {"tp_plan": "llama"}}
+        for name in what.split(","):
+            _evict(own)
+            dist.barrier()  # every copy is evicted before any rank reads
+            before = _storage_reads()
+            try:
+                model, report = fastload.from_pretrained(
+                    transformers.LlamaForCausalLM,
+                    own,
+                    output_loading_info=True,
+                    progress=False,
+                    **runs[name],
+                )
+            except CheckpointError as e:
+                out[name] = {"error": str(e)}
+                continue
+            out[name] = {
+                "storage": _storage_reads() - before,
+                "cached": _cached_fraction(own),
+                "digests": _digests(model),
+                "report": [
+                    report.rank,
+                    report.world_size,
+                    report.bytes_read,
+                    report.bytes_received,
+                ],
+            }
+    finally:
+        (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
+        dist.destroy_process_group()
+
+
+def _run(tmp: Path, world: int, what: str, *, other: dict[int, Path] | None = None) -> list[dict]:
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if shutil.which("fincore") is None:
+        pytest.skip("fincore (util-linux) is needed to read page-cache residency")
+    for rank in range(world):
+        shutil.copytree((other or {}).get(rank, tmp / "llama"), tmp / f"rank{rank}")
+    run_ranks(_rank, (world, free_port(), str(tmp), what), world=world, timeout_s=TIMEOUT_S,
+              what="collective")  # fmt: skip
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The checkpoint (three shards) and the digests of a single-process load of it."""
+    transformers = pytest.importorskip("transformers")
+    from tiny_models import make_checkpoint
+
+    root = tmp_path_factory.mktemp("collective")
+    directory = make_checkpoint(root / "llama", "LlamaForCausalLM", max_shard_size="30MB", **CONFIG)
+    assert len(_files(directory)) == 3
+    single = fastload.from_pretrained(transformers.LlamaForCausalLM, directory, progress=False)
+    return directory, _digests(single)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_reads_about_its_share_and_gets_the_single_process_model(
+    llama: tuple[Path, dict[str, str]], tmp_path: Path, world: int
+) -> None:
+    directory, expected = llama
+    shutil.copytree(directory, tmp_path / "llama")
+    ranks = _run(tmp_path, world, "full")
+    total = sum(p.stat().st_size for p in _files(directory))
+    for rank, got in enumerate(ranks):
+        run = got["full"]
+        assert run["digests"] == expected, rank
+        # measured by the kernel: this rank fetched about its share from storage, and its copy
+        # is not cached beyond that
+        assert abs(run["storage"] - total / world) <= 0.03 * total, (rank, run["storage"])
+        assert run["cached"] <= 1 / world + 0.05, (rank, run["cached"])
+        r, size, read, received = run["report"]
+        assert (r, size) == (rank, world)
+        assert abs(read - run["storage"]) <= 1 << 20  # the report says what happened
+    # every byte was read by exactly one rank: the received bytes are the others' reads
+    reads = [got["full"]["report"][2] for got in ranks]
+    assert sum(reads) == pytest.approx(total, abs=world * 3 * 8192 + (64 << 10))
+    received = [got["full"]["report"][3] for got in ranks]
+    assert all(reads[r] + received[r] == pytest.approx(total, abs=1 << 20) for r in range(world))
+
+
+def test_two_ranks_loading_tensor_parallel_each_read_about_half(
+    llama: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    directory, _ = llama
+    shutil.copytree(directory, tmp_path / "llama")
+    total = sum(p.stat().st_size for p in _files(directory))
+    for rank, got in enumerate(_run(tmp_path, 2, "tp")):
+        assert got["tp"]["storage"] <= 0.55 * total, (rank, got["tp"]["storage"])
+        assert got["tp"]["cached"] <= 0.55, (rank, got["tp"]["cached"])
+        assert got["tp"]["report"][:2] == [rank, 2]
+
+
+def test_ranks_with_different_checkpoints_all_refuse_naming_the_files(
+    llama: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    pytest.importorskip("transformers")
+    from tiny_models import make_checkpoint
+
+    directory, _ = llama
+    shutil.copytree(directory, tmp_path / "llama")
+    other = make_checkpoint(
+        tmp_path / "other", "LlamaForCausalLM", **{**CONFIG, "vocab_size": 8200}
+    )
+    ranks = _run(tmp_path, 2, "full", other={1: other})
+    for got in ranks:
+        message = got["full"]["error"]
+        assert "ranks opened different checkpoints" in message
+        assert str(tmp_path / "rank1") in message
+
+
+def test_a_process_group_without_torch_distributed_is_refused(
+    llama: tuple[Path, dict[str, str]],
+) -> None:
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("this process has torch.distributed initialized")
+    with pytest.raises(RequestError, match="init_process_group"):
+        fastload.from_pretrained(llama[0], process_group=object(), progress=False)
+
+
+def test_chunks_are_dealt_in_contiguous_balanced_runs_at_page_boundaries() -> None:
+    span_list = [(0, 100, 10_000_000), (1, 64, 5_000_064)]
+    for world in (1, 2, 3, 4):
+        chunks = deal(span_list, world)
+        owners = [c.owner for c in chunks]
+        assert owners == sorted(owners) and set(owners) == set(range(world))
+        covered = {(c.file, c.start, c.stop) for c in chunks}
+        assert (
+            sum(c.nbytes for c in chunks)
+            == 9_999_900 + 5_000_000
+            == sum(stop - start for _, start, stop in covered)
+        )
+        for c in chunks:  # every cut inside a span is on a page boundary
+            assert c.stop % 4096 == 0 or (c.file, c.stop) in {(0, 10_000_000), (1, 5_000_064)}
+        shares = [sum(c.nbytes for c in chunks if c.owner == r) for r in range(world)]
+        assert max(shares) - min(shares) <= 2 * max(c.nbytes for c in chunks)
+
+
+def test_spans_merge_adjacent_tensors_of_a_file_and_pages_count_whole_pages() -> None:
+    class T:
+        def __init__(self, file: int, begin: int, nbytes: int) -> None:
+            self.file, self.begin, self.nbytes = file, begin, nbytes
+
+    needed = [(T(0, 0, 10), 8), (T(0, 10, 20), 8), (T(0, 100, 4), 8), (T(1, 0, 4), 16)]
+    assert spans(needed) == [(0, 8, 38), (0, 108, 112), (1, 16, 20)]  # type: ignore[arg-type]
+    assert pages([Chunk(0, 4000, 4200), Chunk(0, 4200, 8193)]) == 3 * 4096
