@@ -64,7 +64,7 @@ def test_the_record_is_frozen() -> None:
         ({"threads": 0}, RequestError, "threads"),
         ({"device": "meta"}, RequestError, "meta"),
         ({"device_map": "auto", "tp_plan": "llama"}, UnsupportedError, "tp_plan"),
-        ({"process_group": object()}, RequestError, "process_group"),
+        ({"process_group": object(), "device_map": "auto"}, UnsupportedError, "process_group"),
         ({"staging_bytes": 0}, RequestError, "staging_bytes"),
     ],
 )
