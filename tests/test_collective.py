@@ -39,10 +39,12 @@ CONFIG = {
 
 
 def _digests(model: torch.nn.Module) -> dict[str, str]:
-    return {
-        k: hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-        for k, v in model.state_dict().items()
-    }
+    """sha256 of each tensor's bytes (a DTensor's: its local shard's)."""
+    out = {}
+    for k, v in model.state_dict().items():
+        v = v.to_local() if hasattr(v, "to_local") else v
+        out[k] = hashlib.sha256(v.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return {k: h.hexdigest() for k, h in out.items()}
 
 
 def _files(directory: Path) -> list[Path]:
@@ -80,7 +82,15 @@ def _storage_reads() -> int:
 
 
 def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+        # transformers' tensor parallelism sizes itself from the environment, as under torchrun
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2)
@@ -90,7 +100,11 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
     own = Path(root) / f"rank{rank}"
     out: dict[str, Any] = {}
     try:
-        runs = {"full": {"process_group": dist.group.WORLD}, "tp": {"tp_plan": "llama"}}
+        runs = {
+            "full": {"process_group": dist.group.WORLD},
+            "tp": {"tp_plan": "llama"},
+            "auto": {"tp_plan": "auto"},
+        }
         for name in what.split(","):
             _evict(own)
             dist.barrier()  # every copy is evicted before any rank reads
@@ -117,9 +131,32 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
                     report.bytes_received,
                 ],
             }
+            if name == "auto":  # transformers' own tensor-parallel model, to compare with
+                out[name]["like_transformers"] = _like_transformers(model, own)
     finally:
         (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
         dist.destroy_process_group()
+
+
+def _like_transformers(model: torch.nn.Module, directory: Path) -> bool:
+    """Whether ``model`` is what transformers' ``from_pretrained(tp_plan="auto")`` gives on this
+    rank: names, DTensor placements and meshes, local shards, forwards (test_dtensor_tp's
+    comparison), and the same logits; also under fastload's patch of transformers."""
+    import transformers
+
+    from test_dtensor_tp import _assert_like_transformers
+    from tiny_models import example_inputs
+
+    cls = transformers.LlamaForCausalLM
+    expected = cls.from_pretrained(directory, tp_plan="auto")
+    with fastload.patch_transformers():
+        patched = cls.from_pretrained(directory, tp_plan="auto")
+    inputs = example_inputs(expected)
+    for ours in (model, patched):
+        _assert_like_transformers(ours, expected)
+        with torch.no_grad():
+            assert torch.equal(ours(**inputs).logits, expected(**inputs).logits)
+    return True
 
 
 def _run(tmp: Path, world: int, what: str, *, other: dict[int, Path] | None = None) -> list[dict]:
@@ -175,13 +212,16 @@ def test_each_rank_reads_about_its_share_and_gets_the_single_process_model(
 def test_two_ranks_loading_tensor_parallel_each_read_about_half(
     llama: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
+    # fastload's own plan (plain local shards) and transformers' call shape (DTensors)
     directory, _ = llama
     shutil.copytree(directory, tmp_path / "llama")
     total = sum(p.stat().st_size for p in _files(directory))
-    for rank, got in enumerate(_run(tmp_path, 2, "tp")):
-        assert got["tp"]["storage"] <= 0.55 * total, (rank, got["tp"]["storage"])
-        assert got["tp"]["cached"] <= 0.55, (rank, got["tp"]["cached"])
-        assert got["tp"]["report"][:2] == [rank, 2]
+    for rank, got in enumerate(_run(tmp_path, 2, "tp,auto")):
+        for name in ("tp", "auto"):
+            assert got[name]["storage"] <= 0.55 * total, (rank, name, got[name]["storage"])
+            assert got[name]["cached"] <= 0.55, (rank, name, got[name]["cached"])
+            assert got[name]["report"][:2] == [rank, 2]
+        assert got["auto"]["like_transformers"]
 
 
 def test_ranks_with_different_checkpoints_all_refuse_naming_the_files(

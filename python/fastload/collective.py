@@ -295,7 +295,9 @@ def _finish(target: _Target) -> None:
     source = target.whole.view(dtype).view(stored.shape)
     for dest, selection in target.fills:
         part = source
-        if selection is not None and len(selection) == 2:
+        if hasattr(selection, "take"):  # a richer selection (several ranges of one dimension)
+            part = selection.take(source)
+        elif selection is not None and len(selection) == 2:
             part = source.reshape(-1)[selection[0] : selection[1]]
         elif selection is not None:
             dim, start, stop = selection

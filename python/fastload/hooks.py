@@ -54,6 +54,18 @@ View = Select | Narrow
 
 
 @dataclass
+class FamilyShards:
+    """Destinations a model family made itself (transformers' tensor-parallel ``DTensor``
+    parameters): by model name, an object with the local ``tensor`` to fill in place and the
+    ``selection`` of the stored tensor it holds (``None``: all of it; else ``[dim, start, stop]``
+    or an object whose ``take(full)`` gives the part). ``later``: names the family fills itself
+    after the load (tied copies), neither missing nor initialized by fastload."""
+
+    tensors: dict[str, Any]
+    later: set[str] = field(default_factory=set)
+
+
+@dataclass
 class Piece:
     """One stored tensor (or the part ``selection``, ``(dim, start, stop)``, takes of it) and
     the part of a model tensor it fills (``views``, applied in order)."""
@@ -119,6 +131,11 @@ class ModelHooks:
 
     def prepare(self, model: nn.Module) -> None:
         """Runs right after fastload built ``model``'s skeleton, before anything is planned."""
+
+    def shard(self, model: nn.Module) -> FamilyShards | None:
+        """The family's own destinations for a skeleton it built (``None``: fastload allocates
+        every tensor)."""
+        return None
 
     def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
         """Initializes, the family's way, those of ``targets`` (model name -> NaN-filled tensor

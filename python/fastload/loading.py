@@ -233,14 +233,16 @@ def load(
             assert target.build is not None
             module = target.build(stored if want is None else want)
     hooks = target.hooks or target.choose_hooks(module)
+    shards = None
     if built_here:
         hooks.prepare(module)
+        shards = hooks.shard(module)  # the family's own destinations (transformers' DTensors)
     was_training = module.training
 
     with clock.phase("plan"):
         dmap = _device_map(module, options)
         tp = None
-        if options.tp_plan is not None:
+        if options.tp_plan is not None and shards is None:
             tp = layout_for(options.tp_plan, module, options.process_group)
         placement = Placement(
             device=options.device,
@@ -249,8 +251,10 @@ def load(
             skeleton_dtypes=built_here,
             device_map=dmap,
             tp=tp,
+            provided=shards.tensors if shards is not None else None,
         )
-        load_plan = plan(module, ckpt, placement, options, source=source, hooks=hooks)
+        later = shards.later if shards is not None else set()
+        load_plan = plan(module, ckpt, placement, options, source=source, hooks=hooks, later=later)
         report = load_plan.report
 
     with clock.phase("allocate"):
@@ -269,7 +273,13 @@ def load(
 
     with clock.phase("finish"):
         groups = load_plan.groups
-        swap_in(module, groups, report, offloaded=offloaded_names(groups), family=hooks.initialize)
+        swap_in(
+            module,
+            groups,
+            report,
+            offloaded=offloaded_names(groups) | later,
+            family=hooks.initialize,
+        )
         forget_constructor_values(module)
         if dmap is not None and dmap.has_disk:
             dispatch_offloaded(module, dmap, groups, ckpt)
@@ -394,6 +404,10 @@ def _allocate(
                 stored, dest = src.stored, src.dest
                 if src.mode == "offload":  # stays in the file; read when its module runs
                     continue
+                if src.mode == "fill":  # the family's own tensor: filled in place, kept
+                    assert dest.tensor is not None
+                    copy_into(stored, dest.tensor, dest.selection)
+                    continue
                 if src.mode == "view":
                     if stored.file not in mappings:
                         file = ckpt.files[stored.file]
@@ -423,6 +437,8 @@ def _initial_or_kept(group: Group) -> torch.Tensor | None:
     initialize, the kept tensor moved where its destination says (``None``: it stays as is)."""
     dest = group.dest
     assert dest is not None
+    if dest.tensor is not None:  # the family's own tensor, left to the family
+        return None
     shape = selected_shape(tuple(group.template.shape), dest.selection)
     if group.action == "init":
         if dest.dtype.is_floating_point or dest.dtype.is_complex:

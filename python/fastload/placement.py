@@ -30,7 +30,9 @@ class Destination:
     #: a device, or :data:`~fastload.device_map.DISK` (left in the file, read when used)
     device: Place
     dtype: torch.dtype
-    selection: Selection = None
+    selection: Selection | Any = None
+    #: the model family's own tensor to fill in place (never allocated or swapped in)
+    tensor: torch.Tensor | None = None
 
     @property
     def memory(self) -> torch.device:
@@ -83,6 +85,7 @@ class Placement:
         skeleton_dtypes: bool = False,
         device_map: DeviceMap | None = None,
         tp: TPLayout | None = None,
+        provided: dict[str, Any] | None = None,
     ) -> None:
         self.device = device
         self.dtype = dtype
@@ -90,6 +93,7 @@ class Placement:
         self.skeleton_dtypes = skeleton_dtypes
         self.device_map = device_map
         self.tp = tp
+        self.provided = provided or {}  # FamilyShards.tensors
 
     def destination(
         self,
@@ -101,6 +105,10 @@ class Placement:
     ) -> Destination:
         """The destination of model tensor ``name`` (``template`` is the tensor the model holds
         now, possibly on meta; ``stored`` is the checkpoint tensor that fills it, if any)."""
+        given = self.provided.get(name)
+        if given is not None:  # the family's own tensor (a DTensor's local shard)
+            local = given.tensor
+            return Destination(local.device, local.dtype, given.selection, local)
         device = self.device if self.device_map is None else self.device_map.device_of(name)
         if device == DISK and is_buffer:  # only parameters are offloaded (offload_buffers=False)
             device = torch.device("cpu")

@@ -39,8 +39,8 @@ from fastload.tying import Slot, group_slots, tensor_slots
 logger = logging.getLogger("fastload")
 
 
-#: how a loaded tensor gets its bytes
-MODES = ("view", "copy", "convert", "slice", "merge", "offload")
+#: how a loaded tensor gets its bytes ("fill": into the model family's own tensor, in place)
+MODES = ("view", "copy", "convert", "slice", "merge", "offload", "fill")
 
 
 @dataclass
@@ -149,6 +149,7 @@ def plan(
     *,
     source: str,
     hooks: ModelHooks,
+    later: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> LoadPlan:
     """Matches checkpoint tensors to model tensors, checks shapes and dtypes, applies the key
     policies, and decides what happens to every tensor group (load, initialize, keep) and how
@@ -159,7 +160,8 @@ def plan(
     slot_of = {s.name: s for s in slots}
     position = {s.name: i for g in groups for i, s in enumerate(g.slots)}
     model_keys = {n for g in groups for n in g.keyed()}
-    computed = {s.name for s in slots if s.is_buffer and not s.persistent}
+    # buffers the model computes, and names its family fills after the load (FamilyShards)
+    computed = {s.name for s in slots if s.is_buffer and not s.persistent} | set(later)
     prefix = getattr(model, "base_model_prefix", None) or None
 
     rules = keymod.KeyRules(
@@ -228,11 +230,12 @@ def plan(
             group.action = "load"
             continue
         reinit = any(n in mismatched for n in group.names)
-        if not reinit:  # a mismatched tensor is reported as such, not as missing
-            for name in group.keyed():
+        if not reinit and not set(group.names) <= later:  # later: the family fills it after
+            for name in group.keyed():  # a mismatched tensor is reported as such, not missing
                 listed = report.authorized_missing if auth.missing_ok(name) else report.missing
                 listed.append(name)
-        if group.template.device.type == "meta" or (reinit and not group.is_buffer):
+        meta = group.template.device.type == "meta" and not set(group.names) <= later
+        if meta or (reinit and not group.is_buffer):
             group.action = "init"
         first = group.slots[0]
         dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
@@ -289,7 +292,9 @@ def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
             continue
         for src in group.sources:
             stored, dest = src.stored, src.dest
-            if dest.device == DISK:  # stays in the file; read when its module runs
+            if dest.tensor is not None:
+                src.mode = "fill"
+            elif dest.device == DISK:  # stays in the file; read when its module runs
                 src.mode = "offload"
             elif dest.selection is not None:
                 src.mode = "slice"
@@ -318,7 +323,7 @@ def _aligned(file: TensorFile, stored: StoredTensor, dtype: torch.dtype) -> bool
 def _count(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
     """The report's counts of what the plan reads, shares and leaves on disk."""
     report = plan.report
-    loaded = plan.sources("view", "copy", "convert", "slice", "merge")
+    loaded = plan.sources("view", "copy", "convert", "slice", "merge", "fill")
     report.tensors_loaded = len(loaded)
     report.bytes_read = sum(s.nbytes for s in loaded if s.mode != "merge")
     report.bytes_read += sum(p.nbytes for g in plan.merged for p in g.pieces or ())
@@ -425,9 +430,12 @@ def _check_dtype(
 
 
 def source_bytes(stored: StoredTensor, dest: Destination) -> int:
+    """The bytes of ``stored`` that fill ``dest``."""
     if dest.selection is None:
         return stored.nbytes
     total = math.prod(stored.shape) or 1
+    if dest.tensor is not None:  # the family's own tensor holds exactly its part
+        return stored.nbytes * dest.tensor.numel() // total
     return stored.nbytes * math.prod(selected_shape(stored.shape, dest.selection)) // total
 
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -89,6 +90,7 @@ def load_hf(
             remote_code=opts.trust_remote_code,
         )
     hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
+    options = _tensor_parallel(options, opts.tp, hooks, contract=contract)
 
     if isinstance(model, nn.Module):
         target = plain_target(model, config, kwargs)
@@ -115,6 +117,31 @@ def load_hf(
     checkpoint: Any = state_dict if resolved is None else resolved.weights
     seconds = {"resolve": time.perf_counter() - start}
     return load(target, checkpoint, options, seconds=seconds)
+
+
+def _tensor_parallel(
+    options: LoadOptions, tp: dict[str, Any], hooks: TransformersHooks, *, contract: bool
+) -> LoadOptions:
+    """transformers' tensor parallelism (:mod:`fastload.hf.dtensor_tp`) when its call shape
+    asks for it: ``tp_plan="auto"``, ``tp_size``, ``distributed_config``, or under the patch any
+    ``tp_plan``. fastload's own plans (a dict of its patterns, ``"llama"``) keep fastload's plain
+    shards. The load is then collective over the world group, on transformers' device."""
+    plan = options.tp_plan
+    if not tp and plan != "auto" and not (contract and plan is not None):
+        return options
+    from fastload.hf.dtensor_tp import resolve_tp_options
+
+    setup = resolve_tp_options(
+        tp_plan=plan,
+        tp_size=tp.get("tp_size"),
+        device_mesh=tp.get("device_mesh"),
+        distributed_config=tp.get("distributed_config"),
+        device_map=options.device_map,
+    )
+    if setup is None:  # every size 1: transformers shards nothing
+        return dataclasses.replace(options, tp_plan=None)
+    hooks.tp = setup
+    return dataclasses.replace(options, tp_plan=plan or "auto", device=setup.device)
 
 
 def _prepare_config(

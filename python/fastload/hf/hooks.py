@@ -16,7 +16,7 @@ from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
 from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
 from fastload.hf.renames import transformers_renames
-from fastload.hooks import ModelHooks
+from fastload.hooks import FamilyShards, ModelHooks
 from fastload.skeleton import is_transformers_model
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ class TransformersHooks(ModelHooks):
         self.generation_config = generation_config
         self.config = config
         self.contract = contract
+        #: transformers' tensor parallelism (fastload.hf.dtensor_tp), when asked for
+        self.tp: Any = None
 
     def collision_order(self) -> Callable[[str], Any] | None:
         if not self.contract:
@@ -93,6 +95,20 @@ class TransformersHooks(ModelHooks):
     def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
         return initialize_missing(model, targets)
 
+    def shard(self, model: nn.Module) -> FamilyShards | None:
+        if self.tp is None:
+            return None
+        from fastload.hf.dtensor_tp import shard_like_transformers
+
+        # transformers builds every state-dict tensor on meta; fastload's skeleton keeps
+        # persistent buffers real: they are read (or initialized) like parameters
+        for module in model.modules():
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    module._buffers[name] = buffer.to("meta")
+        tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+        return FamilyShards(shard_like_transformers(model, self.tp), later=tied)
+
     def finish(
         self,
         model: nn.Module,
@@ -102,7 +118,13 @@ class TransformersHooks(ModelHooks):
         device_map: DeviceMap | None,
         report: LoadReport,
     ) -> None:
-        if built_here:  # non-persistent buffers as transformers computes them
+        if self.tp is not None:  # missing keys, buffers and ties, as transformers' TP loading
+            from fastload.hf.dtensor_tp import finish_like_transformers
+
+            missing = [*report.missing, *report.authorized_missing, *report.initialized]
+            missing += [name for name, _, _ in report.mismatched]
+            finish_like_transformers(model, self.tp, missing=missing)
+        elif built_here:  # non-persistent buffers as transformers computes them
             recompute_buffers(model)
         finish_transformers(
             model,

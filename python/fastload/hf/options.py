@@ -55,7 +55,11 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "generation_config": ("honoured", "replaces the checkpoint's generation config"),
     "trust_remote_code": ("honoured", "runs the repo's `auto_map` code; refused without it"),
     "code_revision": ("honoured", "revision of the remote code"),
-    "tp_plan": ("honoured", "fastload's tensor-parallel loading ('auto' or a plan)"),
+    "tp_plan": (
+        "honoured",
+        "'auto' (or any plan under the patch): transformers' DTensor tensor parallelism, each "
+        "rank reading 1/N of the checkpoint; a fastload plan dict or 'llama': plain shards",
+    ),
     "disable_mmap": (
         "honoured",
         "True: nothing mapped (mmap='copy', read_mode='pread'); False: read_mode='mmap'",
@@ -76,9 +80,9 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "offload_buffers": ("refused", "buffers are never offloaded"),
     "quantization_config": ("refused", "no quantization"),
     "gguf_file": ("refused", "GGUF files are not read"),
-    "distributed_config": ("refused", "use tp_plan"),
-    "device_mesh": ("refused", "use tp_plan with process_group"),
-    "tp_size": ("refused", "use tp_plan with process_group"),
+    "distributed_config": ("honoured", "tensor parallelism as transformers' (tp_size only)"),
+    "device_mesh": ("honoured", "accepted and ignored, as transformers 5 ignores it"),
+    "tp_size": ("honoured", "tensor parallelism over this many ranks, as transformers'"),
     "fusion_config": ("refused", "no module fusion"),
     "use_kernels": ("refused", "no hub kernels"),
     "kernel_config": ("refused", "no hub kernels"),
@@ -158,6 +162,8 @@ class HfOptions:
     #: set on the config: attn_implementation, experts_implementation
     config_attrs: dict[str, Any] = field(default_factory=dict)
     generation_config: Any = None
+    #: transformers' tensor-parallel options (tp_size, device_mesh, distributed_config)
+    tp: dict[str, Any] = field(default_factory=dict)
     #: core loader options these map onto (dtype, key_map, read_mode, allow_pickle...)
     core: dict[str, Any] = field(default_factory=dict)
 
@@ -212,6 +218,8 @@ def _honour(out: HfOptions, name: str, value: Any) -> None:
             core["mmap"] = "copy"
     elif name in ("attn_implementation", "experts_implementation"):
         out.config_attrs[f"_{name}"] = value
+    elif name in ("tp_size", "device_mesh", "distributed_config"):
+        out.tp[name] = value
     elif name == "generation_config":
         out.generation_config = value
     elif name == "trust_remote_code":

@@ -103,7 +103,9 @@ def _from_pretrained(
         reason = "positional __init__ arguments"
     elif pretrained_model_name_or_path is None and kwargs.get("state_dict") is None:
         reason = "no model name or state_dict"
-    elif kwargs.get("tp_plan") is not None and not _distributed():
+    elif not _distributed() and any(
+        kwargs.get(k) is not None for k in ("tp_plan", "tp_size", "distributed_config")
+    ):
         # transformers then loads an ordinary model (with its deprecation warning)
         reason = "tp_plan without an initialized torch.distributed"
     else:
