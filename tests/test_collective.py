@@ -38,6 +38,13 @@ CONFIG = {
 }
 
 
+def _tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {
+        k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for k, v in tensors.items()
+    }
+
+
 def _digests(model: torch.nn.Module) -> dict[str, str]:
     """sha256 of each tensor's bytes (a DTensor's: its local shard's)."""
     out = {}
@@ -109,6 +116,12 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
             _evict(own)
             dist.barrier()  # every copy is evicted before any rank reads
             before = _storage_reads()
+            if name == "file":  # load_file of the largest shard
+                largest = max(_files(own), key=lambda p: p.stat().st_size)
+                tensors = fastload.load_file(largest, process_group=dist.group.WORLD)
+                out[name] = {"storage": _storage_reads() - before, "file": largest.name}
+                out[name]["digests"] = _tensor_digests(tensors)
+                continue
             try:
                 model, report = fastload.from_pretrained(
                     transformers.LlamaForCausalLM,
@@ -222,6 +235,19 @@ def test_two_ranks_loading_tensor_parallel_each_read_about_half(
             assert got[name]["cached"] <= 0.55, (rank, name, got[name]["cached"])
             assert got[name]["report"][:2] == [rank, 2]
         assert got["auto"]["like_transformers"]
+
+
+def test_load_file_with_a_process_group_gives_every_rank_every_tensor_reading_about_half(
+    llama: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    directory, _ = llama
+    shutil.copytree(directory, tmp_path / "llama")
+    for rank, got in enumerate(_run(tmp_path, 2, "file")):
+        path = directory / got["file"]["file"]
+        assert got["file"]["digests"] == _tensor_digests(load_file(path)), rank
+        assert got["file"]["storage"] <= 0.55 * path.stat().st_size, rank
 
 
 def test_ranks_with_different_checkpoints_all_refuse_naming_the_files(

@@ -33,7 +33,7 @@ import torch
 
 from fastload import _core, json_text
 from fastload.dtypes import to_torch
-from fastload.engine import TensorFile
+from fastload.engine import READ_MODES, TensorFile
 from fastload.errors import (
     CheckpointError,
     FastloadIOError,
@@ -42,7 +42,6 @@ from fastload.errors import (
     from_os_error,
 )
 from fastload.pickle_file import PickleFile, is_pickle
-from fastload.reader import READ_MODES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -101,7 +101,7 @@ class RankGroup:
         self.dist.broadcast(buffer, src=self.global_rank(owner), group=self.group)
 
 
-def check_same_checkpoint(group: RankGroup, ckpt: OpenCheckpoint) -> None:
+def check_same_checkpoint(group: RankGroup, ckpt: OpenCheckpoint | Checkpoint) -> None:
     """``CheckpointError`` on every rank unless all ranks opened the same checkpoint layout (the
     same tensors, dtypes, shapes and byte offsets in files of the same sizes), naming the ranks
     that differ from rank 0 and their files."""
@@ -208,9 +208,26 @@ class Exchange:
     chunks: list[Chunk] = field(default_factory=list)
 
 
+@dataclass
+class Checkpoint:
+    """The files of a load and their tensors, by name (what :class:`OpenCheckpoint` holds)."""
+
+    files: Sequence[Any]
+    tensors: dict[str, StoredTensor]
+
+    @classmethod
+    def of_file(cls, file: _core.SafetensorsFile) -> Checkpoint:
+        """One opened safetensors file."""
+        tensors = {
+            name: StoredTensor(name, 0, st_dtype, tuple(shape), end - begin, begin)
+            for name, st_dtype, shape, begin, end in file.tensors()
+        }
+        return cls([file], tensors)
+
+
 def read_collectively(
     group: RankGroup,
-    ckpt: OpenCheckpoint,
+    ckpt: OpenCheckpoint | Checkpoint,
     fills: Sequence[tuple[str, torch.Tensor, list[int] | None]],
     *,
     threads: int | None = None,
@@ -321,7 +338,7 @@ class _Reader:
 
     def __init__(
         self,
-        ckpt: OpenCheckpoint,
+        ckpt: OpenCheckpoint | Checkpoint,
         chunks: list[Chunk],
         device: torch.device,
         threads: int | None,

@@ -15,6 +15,9 @@ import torch
 from fastload import _core
 from fastload.errors import RequestError
 
+#: the engine's ways of reading a file: positioned reads (no page faults) or a mapping
+READ_MODES = ("pread", "mmap")
+
 #: (tensor name, destination, dtype wanted as a safetensors name, selection) for
 #: :func:`copy_into`: the destination's bytes receive the tensor (or its selection) in that dtype
 CopyItem = tuple[str, torch.Tensor, str, "list[int] | None"]

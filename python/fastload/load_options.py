@@ -21,8 +21,8 @@ from fastload import keys as keymod
 from fastload.arguments import check_bool, check_folder, check_names
 from fastload.devices import parse_device
 from fastload.dtypes import conversion_dtype
+from fastload.engine import READ_MODES
 from fastload.errors import RequestError, UnsupportedError
-from fastload.reader import READ_MODES
 from fastload.sharing import check_mmap_mode
 from fastload.streaming import StagingPool
 from fastload.threads import check_threads

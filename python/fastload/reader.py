@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -22,13 +23,11 @@ from fastload import _core
 from fastload.arguments import check_bool
 from fastload.devices import DeviceArg, parse_device
 from fastload.dtypes import CONVERTIBLE, conversion_dtype, parse_dtype, to_st, to_torch, torch_shape
-from fastload.engine import CopyItem, TensorFile, copy_into
+from fastload.engine import READ_MODES, CopyItem, TensorFile, copy_into
 from fastload.errors import RequestError, UnsupportedError
 from fastload.slices import SafeSlice
 from fastload.streaming import StagingPool
 from fastload.threads import check_threads
-
-READ_MODES = ("pread", "mmap")
 
 # (tensor name, destination tensor, selection): selection as the engine takes it (engine.copy_into)
 FillItem = tuple[str, torch.Tensor, "list[int] | None"]
@@ -163,6 +162,15 @@ def _read_all(
 ) -> dict[str, torch.Tensor]:
     """Every tensor of ``file`` in data order (as safetensors returns them), floating-point
     ones converted to ``want`` during the copy when it is given."""
+    out = _allocate_all(file, device, want)
+    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
+    return out
+
+
+def _allocate_all(
+    file: _core.SafetensorsFile, device: torch.device, want: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """An empty destination for every tensor of ``file``, in data order."""
     out: dict[str, torch.Tensor] = {}
     for name, st_dtype, shape, _, _ in sorted(file.tensors(), key=lambda t: (t[3], t[4])):
         where = f"{file.path}: tensor {name!r}"
@@ -171,7 +179,6 @@ def _read_all(
         out[name] = torch.empty(
             torch_shape(st_dtype, shape, where=where), dtype=target, device=device
         )
-    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
     return out
 
 
@@ -334,6 +341,7 @@ def load_file(
     threads: int | None = None,
     strict: bool = False,
     staging_bytes: int | str | None = None,
+    process_group: Any = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a file, like ``safetensors.torch.load_file`` (same keys, bitwise equal).
 
@@ -341,9 +349,24 @@ def load_file(
     keep their stored dtype. ``backend``/``read_mode`` and ``strict`` as in :func:`safe_open`.
     Accelerator destinations are staged through one host pool of ``staging_bytes`` (default
     128 MiB, pinned), so host memory stays bounded by it.
+
+    ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``): every rank of
+    the group calls this on the same file (or its own copy of it), each reads about 1/N of the
+    bytes from storage and the ranks exchange the rest (:mod:`fastload.collective`); every rank
+    gets all the tensors.
     """
     want = _float_dtype(dtype)
     device = parse_device(device, where=os.fspath(path))
     pool = StagingPool.sized(staging_bytes)
     file = open_file(path, resolve_read_mode(read_mode, backend), strict=strict)
-    return _read_all(file, device, want, threads, pool)
+    if process_group is None:
+        return _read_all(file, device, want, threads, pool)
+    from fastload import collective
+
+    group = collective.RankGroup(process_group)
+    ckpt = collective.Checkpoint.of_file(file)
+    collective.check_same_checkpoint(group, ckpt)
+    out = _allocate_all(file, device, want)
+    fills = [(name, tensor, None) for name, tensor in out.items()]
+    collective.read_collectively(group, ckpt, fills, threads=threads)
+    return out
