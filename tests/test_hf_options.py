@@ -24,9 +24,6 @@ REFUSED_VALUES = {
     "offload_buffers": True,
     "quantization_config": {"load_in_8bit": True},
     "gguf_file": "model.gguf",
-    "distributed_config": {"tp_size": 2},
-    "device_mesh": object(),
-    "tp_size": 2,
     "fusion_config": {"patch_embeddings": True},
     "use_kernels": True,
     "kernel_config": {"x": 1},
@@ -242,9 +239,11 @@ def test_device_map_auto_honours_no_split_module_classes(bert):
     assert "encoder.layer.0" in report.device_map
 
 
-def test_tp_plan_without_torch_distributed_is_refused_by_the_core(bert):
-    with pytest.raises(fastload.FastloadError):
-        load(str(bert), tp_plan="auto")
+def test_a_fastload_tp_plan_without_torch_distributed_is_refused_by_the_core(bert):
+    # tp_plan="auto" is transformers' call shape, sized from WORLD_SIZE: in one process it
+    # shards nothing, as in transformers (above); fastload's own plans need the ranks
+    with pytest.raises(fastload.FastloadError, match="init_process_group"):
+        load(str(bert), tp_plan={"encoder.layer.*.attention.self.query": "colwise"})
 
 
 def test_trust_remote_code_runs_the_repository_model_class(tmp_path):
@@ -281,3 +280,26 @@ def test_an_option_honoured_quietly_logs_nothing(bert, caplog):
     caplog.set_level(logging.WARNING, logger="fastload")
     load(str(bert), low_cpu_mem_usage=True)
     assert [r for r in caplog.records if r.name == "fastload"] == []
+
+
+def test_transformers_tensor_parallel_options_outside_torch_distributed_act_as_in_transformers(
+    bert: Path,
+) -> None:
+    # With ranks they give transformers' DTensor model (tests/test_dtensor_tp.py); in one
+    # process: a size of 1 (or none, from WORLD_SIZE) shards nothing, device_mesh is ignored as
+    # transformers 5 ignores it, and a size of 2 fails where transformers' own load fails.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("this process has torch.distributed initialized")
+    plain = {k: v.clone() for k, v in load(bert).state_dict().items()}
+    for options in (
+        {"device_mesh": object()},
+        {"distributed_config": {"tp_size": 1}},
+        {"tp_plan": "auto"},
+    ):
+        state = load(bert, **options).state_dict()
+        assert state.keys() == plain.keys()
+        assert all(torch.equal(state[k], plain[k]) for k in plain), options
+    with pytest.raises(OSError, match="initialize torch.distributed"):
+        load(bert, tp_size=2)

@@ -245,13 +245,22 @@ def from_pretrained(
             it implies ``device_map="auto"``).
         no_split_module_classes: module class names kept whole on one device by the planner
             (default: the model's ``_no_split_modules``).
-        tp_plan: tensor-parallel loading over ``torch.distributed``: ``{name pattern: style}``
-            with styles ``"colwise"``, ``"rowwise"``, ``"replicate"``; ``"llama"``
-            (:data:`~fastload.tensor_parallel.LLAMA_TP_PLAN`); or ``"auto"`` (the config's
-            ``base_model_tp_plan``). Each rank reads only its rows or columns of the sharded
-            weights; row-parallel ``nn.Linear`` layers all-reduce their output. The report's
-            ``bytes_read`` is this rank's. See :mod:`fastload.tensor_parallel`.
-        process_group: the group to shard over with ``tp_plan`` (default: the world group).
+        tp_plan: tensor-parallel loading over ``torch.distributed``. ``"auto"`` (and
+            transformers' ``tp_size=`` / ``distributed_config=``; any plan under
+            :func:`fastload.patch_transformers`): the model transformers' own
+            ``from_pretrained(tp_plan="auto")`` gives, ``DTensor`` parameters with its
+            placements and parallel forwards (:mod:`fastload.hf.dtensor_tp`; ``WORLD_SIZE`` in
+            the environment, as under torchrun). fastload's own plans, ``{name pattern: style}``
+            with styles ``"colwise"``, ``"rowwise"``, ``"replicate"``, or ``"llama"``
+            (:data:`~fastload.tensor_parallel.LLAMA_TP_PLAN`): plain local shards, row-parallel
+            ``nn.Linear`` layers all-reducing their output (:mod:`fastload.tensor_parallel`).
+            Either way the load is collective (below).
+        process_group: a collective load: the ranks of this ``torch.distributed`` group each
+            read about 1/N of the checkpoint's bytes from storage and exchange the rest, and
+            every rank ends with the model a single-process load gives (with ``tp_plan``: its
+            shards). Each rank may pass its own copy of the checkpoint; their headers must
+            agree. The report's ``bytes_read`` is this rank's storage bytes, ``bytes_received``
+            what the others sent it. See :mod:`fastload.collective`.
         allow_pickle: also load pickle checkpoints: a ``.bin``/``.pt`` file, a directory with
             ``pytorch_model.bin``, or a sharded ``pytorch_model.bin.index.json`` (checked like the
             safetensors index). They are read only with ``torch.load(weights_only=True)``, which

@@ -262,7 +262,7 @@ def load(
 
     with clock.phase("read"):
         pool = options.staging
-        if group is not None:
+        if group is not None and group.world_size > 1:
             _read_collectively(group, ckpt, by_file, report, threads=options.threads)
         else:
             report.bytes_written = _read(
