@@ -121,6 +121,15 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
                 tensors = fastload.load_file(largest, process_group=dist.group.WORLD)
                 out[name] = {"storage": _storage_reads() - before, "file": largest.name}
                 out[name]["digests"] = _tensor_digests(tensors)
+                _evict(own)
+                dist.barrier()
+                before = _storage_reads()
+                with fastload.safe_open(largest, process_group=dist.group.WORLD) as f:
+                    one_by_one = {k: f.get_tensor(k) for k in f.offset_keys()}
+                out[name]["safe_open"] = {
+                    "storage": _storage_reads() - before,
+                    "digests": _tensor_digests(one_by_one),
+                }
                 continue
             try:
                 model, report = fastload.from_pretrained(
@@ -237,7 +246,7 @@ def test_two_ranks_loading_tensor_parallel_each_read_about_half(
         assert got["auto"]["like_transformers"]
 
 
-def test_load_file_with_a_process_group_gives_every_rank_every_tensor_reading_about_half(
+def test_load_file_and_safe_open_with_a_process_group_give_every_rank_every_tensor(
     llama: tuple[Path, dict[str, str]], tmp_path: Path
 ) -> None:
     from safetensors.torch import load_file
@@ -246,8 +255,12 @@ def test_load_file_with_a_process_group_gives_every_rank_every_tensor_reading_ab
     shutil.copytree(directory, tmp_path / "llama")
     for rank, got in enumerate(_run(tmp_path, 2, "file")):
         path = directory / got["file"]["file"]
-        assert got["file"]["digests"] == _tensor_digests(load_file(path)), rank
+        expected = _tensor_digests(load_file(path))
+        assert got["file"]["digests"] == expected, rank
         assert got["file"]["storage"] <= 0.55 * path.stat().st_size, rank
+        # safe_open(process_group=...).get_tensor: one collective read per tensor
+        assert got["file"]["safe_open"]["digests"] == expected, rank
+        assert got["file"]["safe_open"]["storage"] <= 0.6 * path.stat().st_size, rank
 
 
 def test_ranks_with_different_checkpoints_all_refuse_naming_the_files(

@@ -191,6 +191,11 @@ class SafeOpen:
 
     The header is validated on open (``CheckpointError`` names the file and the broken rule).
     Use as a context manager or call :meth:`close`; a closed file raises ``RequestError``.
+
+    With a ``process_group`` every read (``get_tensor``, ``get_tensors``, ``load_into``) is
+    collective: every rank of the group makes the same calls in the same order, each reads about
+    1/N of the bytes from storage and receives the rest (:mod:`fastload.collective`); the
+    headers of the ranks' files are compared on open. ``get_slice`` reads on each rank alone.
     """
 
     def __init__(
@@ -203,6 +208,7 @@ class SafeOpen:
         threads: int | None = None,
         strict: bool = False,
         staging_bytes: int | str | None = None,
+        process_group: Any = None,
     ) -> None:
         self.path = os.fspath(path)
         self.device = parse_device(device, where=self.path)
@@ -212,6 +218,12 @@ class SafeOpen:
         # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
         self.staging = StagingPool.sized(staging_bytes)
+        self._group: Any = None
+        if process_group is not None:
+            from fastload import collective
+
+            self._group = collective.RankGroup(process_group)
+            collective.check_same_checkpoint(self._group, collective.Checkpoint.of_file(self._file))
 
     @property
     def file(self) -> _core.SafetensorsFile:
@@ -246,6 +258,13 @@ class SafeOpen:
         dtype: torch.dtype | str | None = None,
     ) -> torch.Tensor:
         """Tensor ``name`` on ``device`` (default: the file's), converted to ``dtype`` if given."""
+        if self._group is not None:
+            st_dtype, shape, _, _ = self.file.info(name)
+            where = f"{self.path}: tensor {name!r}"
+            out = torch.empty(torch_shape(st_dtype, shape, where=where), dtype=to_torch(st_dtype))
+            self.fill([(name, out, None)])
+            target = parse_device(device, where=self.path) if device is not None else self.device
+            return out.to(device=target, dtype=parse_dtype(dtype) if dtype is not None else None)
         return read_tensor(
             self.file,
             name,
@@ -257,6 +276,10 @@ class SafeOpen:
 
     def get_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor, in the order of their data in the file, read in one parallel pass."""
+        if self._group is not None:
+            out = _allocate_all(self.file, self.device, None)
+            self.fill([(k, t, None) for k, t in out.items()])
+            return out
         return _read_all(self.file, self.device, None, self.threads, self.staging)
 
     def get_slice(self, name: str) -> SafeSlice:
@@ -266,6 +289,13 @@ class SafeOpen:
 
     def fill(self, items: Iterable[FillItem]) -> int:
         """Fills ``(name, destination, selection)`` items with this file's thread setting."""
+        if self._group is not None:
+            from fastload import collective
+
+            jobs = list(items)
+            ckpt = collective.Checkpoint.of_file(self.file)
+            collective.read_collectively(self._group, ckpt, jobs, threads=self.threads)
+            return sum(t.numel() * t.element_size() for _, t, _ in jobs)
         return fill(self.file, items, self.threads, self.staging)
 
     def load_into(self, tensors: Mapping[str, torch.Tensor]) -> int:
@@ -309,6 +339,7 @@ def safe_open(
     threads: int | None = None,
     strict: bool = False,
     staging_bytes: int | str | None = None,
+    process_group: Any = None,
 ) -> SafeOpen:
     """``safetensors.safe_open`` for torch (``framework="pt"``).
 
@@ -316,7 +347,8 @@ def safe_open(
     ``"mmap"``. ``strict=True`` refuses what fastload otherwise reads as safetensors does (an
     unknown field in a tensor entry, ``"__metadata__": null``). ``staging_bytes`` sizes the host
     staging pool used for accelerator destinations (default
-    :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned).
+    :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned). ``process_group``:
+    collective reads (see :class:`SafeOpen`).
     """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
@@ -328,6 +360,7 @@ def safe_open(
         threads=threads,
         strict=strict,
         staging_bytes=staging_bytes,
+        process_group=process_group,
     )
 
 
