@@ -51,13 +51,20 @@ from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
 from fastload.errors import RequestError, UnsupportedError, from_os_error
 from fastload.finishing import resolve_duplicates, swap_in
 from fastload.hooks import ModelHooks, hooks_for
+from fastload.memory import MemoryBudget, check_owned_memory, memory_budget
 from fastload.offload import dispatch_offloaded, offloaded_names, require_accelerate
 from fastload.pickle_file import StateDictFile
 from fastload.placement import Destination, Placement, Selection, selected_shape
 from fastload.planning import Group, plan, source_bytes
 from fastload.progress import byte_progress
 from fastload.report import LoadReport
-from fastload.sharing import SharedMapping, WarmUp, check_mmap_mode, file_sharing
+from fastload.sharing import (
+    SharedMapping,
+    WarmUp,
+    check_mmap_mode,
+    file_sharing,
+    prefetch_in_order,
+)
 from fastload.skeleton import build_skeleton, forget_constructor_values
 from fastload.source import open_source
 from fastload.streaming import StagingPool
@@ -231,7 +238,10 @@ def load(
         # built and the load planned; only where the tensors will be views of the mappings
         views = target_device.type == "cpu" and device_map is None and tp_plan is None
         views = views and want in (None, stored) and read_ahead
-        warm_up = WarmUp(ckpt.files, mmap, views=views)
+        # what this process may still make resident (its cgroup's limit): read-ahead stays within
+        # it, and a load that must own more is refused before it allocates (fastload.memory)
+        budget = memory_budget()
+        warm_up = WarmUp(ckpt.files, mmap, views=views, budget=budget)
     location = ckpt.location
     source = str(location.index or location.files[0])
 
@@ -285,10 +295,11 @@ def load(
             source=source,
             hooks=hooks,
         )
+        check_owned_memory(groups, ckpt.files, mmap, pool, budget)
 
     with clock.phase("allocate"):
         by_file = _allocate(
-            groups, placement, ckpt, report, mmap, warm_up.mappings, threads=threads
+            groups, placement, ckpt, report, mmap, warm_up.mappings, threads=threads, budget=budget
         )
 
     with clock.phase("read"):
@@ -319,6 +330,8 @@ def load(
             module.train(was_training and not built_here)
         # Last: nothing above reads a view's bytes, so the pages were read and mapped beside it
         warm_up.join()
+        report.bytes_read_ahead += warm_up.mapped
+        report.memory_budget, report.memory_source = budget.available, budget.source
 
     report.seconds = dict(clock.seconds)
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
@@ -399,6 +412,7 @@ def _allocate(
     premapped: Mapping[int, SharedMapping] | None = None,
     *,
     threads: int | None = None,
+    budget: MemoryBudget | None = None,
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
     (tensor name, destination, selection, source bytes).
@@ -406,7 +420,8 @@ def _allocate(
     With ``shared``, a whole CPU tensor stored in its wanted dtype in a file that ``mmap`` lets
     be mapped (:func:`~fastload.sharing.file_sharing`) is a view of a copy-on-write mapping of its
     file instead, and needs no copy. ``premapped``: mappings the warm-up already reads ahead
-    (:class:`~fastload.sharing.WarmUp`); the views of any other mapping are read ahead here."""
+    (:class:`~fastload.sharing.WarmUp`); the views of any other mapping are read ahead here, as
+    far as ``budget`` allows (:func:`~fastload.sharing.prefetch_in_order`)."""
     premapped = premapped or {}
     mappings: dict[int, SharedMapping] = dict(premapped)
     sharing = {i: file_sharing(f, mmap) for i, f in enumerate(shared.files)} if shared else {}
@@ -486,9 +501,10 @@ def _allocate(
             t = t.narrow(dim, start, stop - start)
         if t is not group.template or t.device != dest.device or t.dtype != dest.dtype:
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
-    for i, mapping in mappings.items():
-        if i not in premapped:
-            mapping.prefetch(threads)
+    later = [m for i, m in mappings.items() if i not in premapped]
+    ahead = prefetch_in_order(later, budget or memory_budget(), threads) if later else 0
+    if report is not None:
+        report.bytes_read_ahead += ahead
     if report is not None and shared is not None:
         report.sharing = {
             f.path: _sharing_line(why, mappings.get(i), len(by_file.get(i, ())))
