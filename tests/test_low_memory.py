@@ -4,6 +4,7 @@ machine allows one (tests/memory_cgroup.py), else skipped with the reason."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 import fastload
-from fastload import memory
+from fastload import memory, paced
 from fastload.bench import evict
 from fastload.memory import MemoryBudget
 from fastload.saving import save_file
@@ -177,14 +178,73 @@ def test_a_conversion_larger_than_the_budget_is_refused_before_allocating(big, m
     assert f"{MODEL_BYTES // 2} bytes" in str(caught.value)
 
 
-def test_views_larger_than_the_budget_load_and_read_ahead_only_what_fits(big, monkeypatch):
+def test_views_larger_than_the_budget_are_read_ahead_paced_by_the_first_forward(big, monkeypatch):
     _small_budget(monkeypatch, MODEL_BYTES // 2)
-    evict(big)  # read-ahead reads what is not cached
+    evict(big)
     model, report = fastload.from_pretrained(stack, big, progress=False, output_loading_info=True)
     assert report.bytes_shared == MODEL_BYTES
     assert report.memory_budget == MODEL_BYTES // 2
-    # the read-ahead room: half the budget (the file's pages around the views rounded in)
-    assert 0 < report.bytes_read_ahead <= MODEL_BYTES // 4 + (1 << 20)
+    assert report.read_ahead.startswith("paced by the first forward")
     assert "memory budget: 256.0 MiB (a test budget)" in report.summary()
     expected = fastload.load_file(big)
-    assert torch.equal(model[31].weight, expected["31.weight"])
+    with torch.inference_mode():
+        x = torch.randn(2, WIDTH)
+        assert torch.equal(model(x), _reference(expected)(x))
+
+
+def test_views_larger_than_the_budget_on_one_thread_read_ahead_only_the_first_that_fit(
+    big, monkeypatch
+):
+    _small_budget(monkeypatch, MODEL_BYTES // 2)
+    evict(big)  # read-ahead reads what is not cached
+    model, report = fastload.from_pretrained(
+        stack, big, progress=False, output_loading_info=True, threads=1
+    )
+    # the read-ahead room: half the budget (the file's pages around the views rounded in)
+    assert 0 < report.bytes_read_ahead <= MODEL_BYTES // 4 + (1 << 20)
+    assert report.read_ahead.startswith("the first 8 views")
+    assert torch.equal(model[31].weight, fastload.load_file(big)["31.weight"])
+
+
+def _reference(state: dict[str, torch.Tensor]) -> nn.Module:
+    model = stack()
+    model.load_state_dict(state)
+    return model
+
+
+@pytest.mark.skipif(not paced.supported(), reason="needs /proc/self/pagemap (Linux)")
+def test_the_paced_read_ahead_waits_for_the_forward_to_reach_what_it_read(tmp_path):
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping
+
+    path = tmp_path / "paced.safetensors"
+    names = [f"{i:02d}" for i in range(6)]
+    save_file({n: torch.full((4 << 20,), float(i)) for i, n in enumerate(names)}, path)  # 16 MiB
+    evict(path)
+    f = open_file(path)
+    mapping = SharedMapping(f)
+    order = names[::-1]  # the model uses them last first
+    views = {n: mapping.view(n, torch.float32) for n in order}
+    offsets = {n: f.data_start + begin for n, _, _, begin, _ in f.tensors()}
+
+    def cached(name: str) -> bool:
+        return not f.mostly_uncached(offsets[name], 16 << 20)
+
+    def wait_for(condition) -> bool:
+        deadline = time.monotonic() + 30
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return condition()
+
+    reader = paced.PacedReadAhead([(mapping, offsets[n], 16 << 20) for n in order], 32 << 20)
+    assert wait_for(lambda: cached(order[1]))  # the first two: one being used, one ahead
+    time.sleep(0.3)
+    assert not cached(order[2])  # no further: the forward has not reached them
+    float(views[order[0]].sum())  # the forward uses the first
+    float(views[order[1]].sum())  # and the second
+    assert wait_for(lambda: cached(order[3]))
+    for n in order:
+        float(views[n].sum())
+    reader.join(timeout=30)
+    assert reader.read == 6 * (16 << 20)  # each byte read once
+    assert [float(views[n][0]) for n in order] == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]

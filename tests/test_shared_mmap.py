@@ -253,7 +253,8 @@ def test_a_budget_smaller_than_the_views_reads_ahead_the_first_ones_in_order(tmp
     mapping = SharedMapping(open_file(path))
     views = [mapping.view(n, torch.float32) for n in "cab"]
     room = 2 * (4 << 20) + 4096  # the first two views
-    read = prefetch_in_order([mapping], MemoryBudget(2 * room, "a test budget"))
+    read, how = prefetch_in_order([mapping], MemoryBudget(2 * room, "a test budget"), paced=False)
+    assert how.startswith("the first 2 views")
     assert (4 << 20) * 2 <= read <= (4 << 20) * 2 + (1 << 20)
     f = open_file(path)
     offsets = {n: f.data_start + begin for n, _, _, begin, _ in f.tensors()}

@@ -208,9 +208,9 @@ def load(
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target``; the options are
     :func:`fastload.from_pretrained`'s. ``read_ahead=False`` starts no read-ahead thread
-    (:class:`~fastload.sharing.WarmUp`): with ``threads=1`` the whole load runs on the calling
-    thread. ``seconds`` are phases already spent by the caller (resolving a model id), put first
-    in the report."""
+    (:class:`~fastload.sharing.WarmUp`, :class:`~fastload.paced.PacedReadAhead`): with
+    ``threads=1`` the whole load runs on the calling thread. ``seconds`` are phases already spent
+    by the caller (resolving a model id), put first in the report."""
     clock = _Clock()
     clock.seconds.update(seconds or {})
     missing_policy, unexpected_policy = keymod.resolve_policies(strict, missing, unexpected)
@@ -299,7 +299,15 @@ def load(
 
     with clock.phase("allocate"):
         by_file = _allocate(
-            groups, placement, ckpt, report, mmap, warm_up.mappings, threads=threads, budget=budget
+            groups,
+            placement,
+            ckpt,
+            report,
+            mmap,
+            warm_up.mappings,
+            threads=threads,
+            budget=budget,
+            paced=read_ahead,
         )
 
     with clock.phase("read"):
@@ -331,6 +339,8 @@ def load(
         # Last: nothing above reads a view's bytes, so the pages were read and mapped beside it
         warm_up.join()
         report.bytes_read_ahead += warm_up.mapped
+        if warm_up.mappings:
+            report.read_ahead = "the whole files, beside the skeleton build (they fit the budget)"
         report.memory_budget, report.memory_source = budget.available, budget.source
 
     report.seconds = dict(clock.seconds)
@@ -413,6 +423,7 @@ def _allocate(
     *,
     threads: int | None = None,
     budget: MemoryBudget | None = None,
+    paced: bool = True,
 ) -> dict[int, list[tuple[str, torch.Tensor, Selection, int]]]:
     """Allocates every new tensor once; returns the fill items per file index
     (tensor name, destination, selection, source bytes).
@@ -421,7 +432,8 @@ def _allocate(
     be mapped (:func:`~fastload.sharing.file_sharing`) is a view of a copy-on-write mapping of its
     file instead, and needs no copy. ``premapped``: mappings the warm-up already reads ahead
     (:class:`~fastload.sharing.WarmUp`); the views of any other mapping are read ahead here, as
-    far as ``budget`` allows (:func:`~fastload.sharing.prefetch_in_order`)."""
+    far as ``budget`` allows (:func:`~fastload.sharing.prefetch_in_order`; ``paced``: it may
+    start its helper thread)."""
     premapped = premapped or {}
     mappings: dict[int, SharedMapping] = dict(premapped)
     sharing = {i: file_sharing(f, mmap) for i, f in enumerate(shared.files)} if shared else {}
@@ -502,9 +514,10 @@ def _allocate(
         if t is not group.template or t.device != dest.device or t.dtype != dest.dtype:
             group.new = t.detach().to(device=dest.device, dtype=dest.dtype, copy=True)
     later = [m for i, m in mappings.items() if i not in premapped]
-    ahead = prefetch_in_order(later, budget or memory_budget(), threads) if later else 0
-    if report is not None:
-        report.bytes_read_ahead += ahead
+    if later:
+        ahead, how = prefetch_in_order(later, budget or memory_budget(), threads, paced=paced)
+        if report is not None:
+            report.bytes_read_ahead, report.read_ahead = report.bytes_read_ahead + ahead, how
     if report is not None and shared is not None:
         report.sharing = {
             f.path: _sharing_line(why, mappings.get(i), len(by_file.get(i, ())))

@@ -76,6 +76,9 @@ class LoadReport:
     #: bytes of the views read (or mapped) ahead of their first use: all of them when they fit
     #: the budget, else only what fits, in the order the model uses them
     bytes_read_ahead: int = 0
+    #: how the views were read ahead: the whole files, all views, the first ones that fit the
+    #: budget, or paced by the first forward (a model larger than the budget); "" for none
+    read_ahead: str = ""
 
     @property
     def total_seconds(self) -> float:
@@ -126,6 +129,7 @@ class LoadReport:
                 [
                     f"  memory budget: {format_bytes(self.memory_budget)} "
                     f"({self.memory_source}); read ahead: {format_bytes(self.bytes_read_ahead)}"
+                    + (f", {self.read_ahead}" if self.read_ahead else "")
                 ]
                 if self.memory_budget is not None
                 else []

@@ -39,12 +39,18 @@ from typing import Any
 import torch
 
 from fastload import _core
+from fastload import paced as pacing
 from fastload.dtypes import to_torch
 from fastload.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
 from fastload.memory import MemoryBudget, memory_budget
+from fastload.units import format_bytes
 
 #: The accepted values of ``from_pretrained(mmap=...)``.
 MMAP_MODES = ("auto", "shared", "copy")
+
+#: whether views that do not fit the budget are read ahead paced by the first forward
+#: (:mod:`fastload.paced`) rather than only the first ones that fit
+PACED = True
 
 #: the order views are handed out across every mapping (a load makes them in the model's
 #: registration order: the order its first forward uses them)
@@ -157,7 +163,7 @@ class SharedMapping:
         much as mapping them here. Within ``budget`` (default:
         :func:`~fastload.memory.memory_budget` now), in the order the views were handed out:
         :func:`prefetch_in_order`."""
-        return prefetch_in_order([self], budget or memory_budget(), threads)
+        return prefetch_in_order([self], budget or memory_budget(), threads)[0]
 
     def map_all(self) -> int:
         """Maps every page of the file's tensor data into this mapping, read through the page
@@ -298,17 +304,34 @@ class WarmUp:
 
 
 def prefetch_in_order(
-    mappings: Sequence[SharedMapping], budget: MemoryBudget, threads: int | None = None
-) -> int:
+    mappings: Sequence[SharedMapping],
+    budget: MemoryBudget,
+    threads: int | None = None,
+    *,
+    paced: bool = True,
+) -> tuple[int, str]:
     """Reads ahead the pages of the views of ``mappings`` (see :meth:`SharedMapping.prefetch`)
-    that fit the read-ahead room of ``budget``, in the order the views were handed out (the
-    model's registration order, which its first forward follows): all of them when they fit;
-    when they do not (a model larger than the memory the process may use), only the first ones
-    that fit, so that each is still resident when the forward reaches it and every byte is read
-    from storage once; the rest is read on first use. Returns the bytes read."""
+    within the read-ahead room of ``budget``, in the order the views were handed out (the model's
+    registration order, which its first forward follows); returns the bytes read and how, in
+    words for the load report.
+
+    All of them when they fit. When they do not (a model larger than the memory the process may
+    use), reading them all now would evict the first before the forward reaches them, and the
+    forward would read them again: instead a helper thread reads them paced by the first forward
+    (:class:`fastload.paced.PacedReadAhead`, at most :data:`fastload.paced.AHEAD` bytes ahead of
+    it), so every byte is read from storage once; without ``paced`` or with ``threads=1`` (no
+    helper threads), or where the page tables cannot be read, only the first views that fit
+    are read, now."""
     views = sorted((order, m, offset, n) for m in mappings for order, offset, n in m._viewed)
     room = budget.read_ahead_room()
-    if room is not None and sum(n for *_, n in views) > room:
+    total = sum(n for *_, n in views)
+    if room is None or total <= room:
+        how = "all views (they fit the memory budget)"
+    elif paced and PACED and threads != 1 and pacing.supported():
+        ahead = min(room, pacing.AHEAD)
+        pacing.PacedReadAhead([(m, offset, n) for _, m, offset, n in views], ahead)
+        return 0, f"paced by the first forward, at most {format_bytes(ahead)} ahead of it"
+    else:
         kept = []
         for view in views:
             if view[3] > room:
@@ -316,12 +339,13 @@ def prefetch_in_order(
             room -= view[3]
             kept.append(view)
         views = kept
+        how = f"the first {len(kept)} views in the model's order (what fits the memory budget)"
     done = 0
     for m in mappings:
         spans = _merged([(offset, n) for _, mine, offset, n in views if mine is m])
         if spans:
             done += m._populate(spans, threads, cached=False, cold=False)
-    return done
+    return done, how
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
