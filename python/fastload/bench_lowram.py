@@ -35,6 +35,10 @@ LOADERS: dict[str, str] = {
     "fastload(read-ahead share 0)": "the same, reading nothing ahead (a read-ahead room of 0)",
     "fastload(read-ahead share 0.25)": "the same, reading ahead a quarter of the budget",
     "fastload(read-ahead share 0.75)": "the same, reading ahead three quarters of the budget",
+    "fastload(paced ahead 0 MiB)": "paced read-ahead, one view ahead of the forward",
+    "fastload(paced ahead 256 MiB)": "paced read-ahead, at most 256 MiB ahead of the forward",
+    "fastload(paced ahead 1024 MiB)": "paced read-ahead, at most 1 GiB ahead (the budget's half)",
+    "fastload(unpaced)": "the same, reading ahead only the first views that fit, before returning",
     "transformers": "transformers AutoModelForCausalLM.from_pretrained + first forward, cold",
     "fastload(mmap=copy)": "fastload.from_pretrained(mmap='copy'): expected to be refused",
 }
@@ -175,6 +179,14 @@ def child(loader: str, checkpoint: Path) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
     else:
         kwargs: dict[str, Any] = {"progress": False, "output_loading_info": True}
+        if loader == "fastload(unpaced)":
+            import fastload.sharing
+
+            fastload.sharing.PACED = False
+        if loader.startswith("fastload(paced ahead "):  # fastload(paced ahead 256 MiB)
+            import fastload.paced
+
+            fastload.paced.AHEAD = int(loader.split()[-2]) << 20
         if loader.startswith("fastload(read-ahead share "):  # fastload(read-ahead share 0.25)
             import fastload.memory
 
