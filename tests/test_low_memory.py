@@ -137,10 +137,14 @@ def test_a_v1_cgroup_budget_is_the_limit_less_what_the_cgroup_holds_but_its_file
         f"total_active_file {100 << 20}\n"
     )
     monkeypatch.setattr(memory, "cgroup_dir", lambda v: tmp_path if v == 1 else None)
+    monkeypatch.setattr(memory, "_meminfo", lambda: {"MemAvailable": 8 << 30, "SwapFree": 0})
     budget = memory.memory_budget()
     assert budget.limit == 1 << 30
     assert budget.source == "cgroup v1 memory.limit_in_bytes"
-    assert budget.available == min((1 << 30) - (400 << 20), memory._meminfo()["MemAvailable"])
+    assert budget.available == (1 << 30) - (400 << 20)
+    # at most what the host has
+    monkeypatch.setattr(memory, "_meminfo", lambda: {"MemAvailable": 100 << 20})
+    assert memory.memory_budget().available == 100 << 20
 
 
 def test_a_v2_cgroup_budget_takes_the_tightest_level(tmp_path, monkeypatch):
@@ -151,6 +155,7 @@ def test_a_v2_cgroup_budget_takes_the_tightest_level(tmp_path, monkeypatch):
         (level / "memory.current").write_text(f"{current}\n")
         (level / "memory.stat").write_text(f"inactive_file {100 << 20}\nactive_file 0\n")
     monkeypatch.setattr(memory, "cgroup_dir", lambda v: inner if v == 2 else None)
+    monkeypatch.setattr(memory, "_meminfo", lambda: {"MemAvailable": 8 << 30})
     budget = memory.memory_budget()
     assert (budget.source, budget.limit) == ("cgroup v2 memory.max", 900 << 20)
     assert budget.available == (900 << 20) - (400 << 20)
@@ -158,9 +163,14 @@ def test_a_v2_cgroup_budget_takes_the_tightest_level(tmp_path, monkeypatch):
 
 def test_without_a_cgroup_limit_the_budget_is_mem_available(monkeypatch):
     monkeypatch.setattr(memory, "cgroup_dir", lambda v: None)
+    monkeypatch.setattr(memory, "_meminfo", lambda: {"MemAvailable": 3 << 30, "SwapFree": 1 << 30})
     budget = memory.memory_budget()
-    assert budget.source == "MemAvailable"
-    assert budget.available == memory._meminfo()["MemAvailable"]
+    assert (budget.source, budget.available, budget.limit) == ("MemAvailable", 3 << 30, None)
+    assert budget.swap == 1 << 30  # counts for memory a load owns, not for read-ahead
+    assert budget.read_ahead_room() == (3 << 30) // 2
+    memory.check_owned(4 << 30, budget, "a test")  # fits with the swap
+    with pytest.raises(fastload.MemoryBudgetError, match=r"only 3.0 GiB .* plus 1.0 GiB of swap"):
+        memory.check_owned(5 << 30, budget, "a test")
 
 
 def _small_budget(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fastload.errors import MemoryBudgetError
+from fastload.errors import FastloadError, MemoryBudgetError
 from fastload.units import format_bytes
 
 #: a cgroup limit at or above this is "no limit" (v1 writes 2**63 rounded down to a page)
@@ -143,7 +143,8 @@ def check_owned_memory(
             if dest.device.type != "cpu":  # an accelerator, or "meta": disk offload
                 accelerator |= dest.device.type != "meta"
                 continue
-            if mappable[stored.file] and dest.selection is None and stored.dtype == dest.dtype:
+            same = _stored_dtype(stored) == dest.dtype
+            if mappable[stored.file] and dest.selection is None and same:
                 continue  # a view of the mapping: page cache, reclaimable
             shape = stored.shape
             if dest.selection is not None:
@@ -153,7 +154,7 @@ def check_owned_memory(
             owned += math.prod(shape) * dest.dtype.itemsize
             if mmap == "copy":
                 reasons.add("mmap='copy'")
-            elif stored.dtype != dest.dtype:
+            elif not same:
                 reasons.add(f"conversion to {str(dest.dtype).removeprefix('torch.')}")
             elif not mappable[stored.file]:
                 reasons.add("copies of files that are not mapped")
@@ -164,6 +165,13 @@ def check_owned_memory(
         reasons.add("pinned staging buffers")
     if owned:
         check_owned(owned, budget, ", ".join(sorted(reasons)))
+
+
+def _stored_dtype(stored: Any) -> Any:
+    try:
+        return stored.dtype
+    except FastloadError:  # a dtype torch lacks: refused by name where it is read
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
