@@ -32,13 +32,14 @@ LOADERS: dict[str, str] = {
     "floor(cached load+forward)": "fastload load + first forward, the files cached outside the "
     "child's cgroup",
     "fastload": "fastload.from_pretrained + first forward, cold, in the cgroup",
-    "fastload(read-ahead share 0)": "the same, reading nothing ahead (a read-ahead room of 0)",
-    "fastload(read-ahead share 0.25)": "the same, reading ahead a quarter of the budget",
-    "fastload(read-ahead share 0.75)": "the same, reading ahead three quarters of the budget",
+    # the read-ahead variants tried (settings of fastload.paced / fastload.sharing / memory)
     "fastload(paced ahead 0 MiB)": "paced read-ahead, one view ahead of the forward",
     "fastload(paced ahead 256 MiB)": "paced read-ahead, at most 256 MiB ahead of the forward",
-    "fastload(paced ahead 1024 MiB)": "paced read-ahead, at most 1 GiB ahead (the budget's half)",
-    "fastload(unpaced)": "the same, reading ahead only the first views that fit, before returning",
+    "fastload(unpaced)": "read ahead only the first views that fit half the budget, before "
+    "returning; the rest on first use",
+    "fastload(unpaced+read-ahead share 0)": "read nothing ahead: every page on first use",
+    "fastload(unbounded budget)": "as before the budget: the whole files read ahead beside the "
+    "skeleton build, whatever the cgroup's limit",
     "transformers": "transformers AutoModelForCausalLM.from_pretrained + first forward, cold",
     "fastload(mmap=copy)": "fastload.from_pretrained(mmap='copy'): expected to be refused",
 }
@@ -179,18 +180,7 @@ def child(loader: str, checkpoint: Path) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(checkpoint)
     else:
         kwargs: dict[str, Any] = {"progress": False, "output_loading_info": True}
-        if loader == "fastload(unpaced)":
-            import fastload.sharing
-
-            fastload.sharing.PACED = False
-        if loader.startswith("fastload(paced ahead "):  # fastload(paced ahead 256 MiB)
-            import fastload.paced
-
-            fastload.paced.AHEAD = int(loader.split()[-2]) << 20
-        if loader.startswith("fastload(read-ahead share "):  # fastload(read-ahead share 0.25)
-            import fastload.memory
-
-            fastload.memory.READ_AHEAD_SHARE = float(loader.split()[-1].rstrip(")"))
+        _variant(loader)
         if loader == "fastload(mmap=copy)":
             kwargs["mmap"] = "copy"
         try:
@@ -211,6 +201,27 @@ def child(loader: str, checkpoint: Path) -> dict[str, Any]:
         logits_sum=float(logits.float().sum()),
     )
     return out
+
+
+def _variant(loader: str) -> None:
+    """Applies the read-ahead settings a loader's name asks for: ``fastload(unpaced+read-ahead
+    share 0)``, ``fastload(paced ahead 256 MiB)``, ``fastload(unbounded budget)``."""
+    import fastload.loading
+    import fastload.memory
+    import fastload.paced
+    import fastload.sharing
+
+    inside = loader.partition("(")[2].rstrip(")")
+    for setting in (s.strip() for s in inside.split("+")):
+        if setting == "unpaced":
+            fastload.sharing.PACED = False
+        elif setting.startswith("paced ahead "):
+            fastload.paced.AHEAD = int(setting.split()[2]) << 20
+        elif setting.startswith("read-ahead share "):
+            fastload.memory.READ_AHEAD_SHARE = float(setting.split()[2])
+        elif setting == "unbounded budget":
+            unbounded = fastload.memory.MemoryBudget(None, "unknown")
+            fastload.loading.memory_budget = lambda b=unbounded: b  # type: ignore[assignment]
 
 
 # ---------------------------------------------------------------------------------------------
