@@ -220,8 +220,13 @@ def _variant(loader: str) -> None:
         elif setting.startswith("read-ahead share "):
             fastload.memory.READ_AHEAD_SHARE = float(setting.split()[2])
         elif setting == "unbounded budget":
-            unbounded = fastload.memory.MemoryBudget(None, "unknown")
-            fastload.loading.memory_budget = lambda b=unbounded: b  # type: ignore[assignment]
+            fastload.loading.memory_budget = _unbounded  # type: ignore[assignment]
+
+
+def _unbounded() -> Any:
+    from fastload.memory import MemoryBudget
+
+    return MemoryBudget(None, "unknown")
 
 
 # ---------------------------------------------------------------------------------------------
