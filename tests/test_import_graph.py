@@ -21,6 +21,7 @@ ABOVE_CORE = {
     "fastload.cli",
     "fastload.bench",
     "fastload.bench_loaders",
+    "fastload.bench_lowram",
     "fastload.demo",
 }
 

@@ -228,14 +228,40 @@ def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_pa
         assert torch.equal(view, copies[name]), name
 
 
-def test_no_read_ahead_when_the_views_exceed_half_the_available_memory(checkpoint, monkeypatch):
+def test_no_read_ahead_when_the_views_exceed_half_the_memory_budget(checkpoint):
+    from fastload.memory import MemoryBudget
     from fastload.reader import open_file
     from fastload.sharing import SharedMapping
 
-    monkeypatch.setattr("fastload.sharing._available_bytes", lambda: 1 << 20)
     mapping = SharedMapping(open_file(checkpoint))
-    mapping.view("layers.0.weight", torch.float32)
-    assert mapping.prefetch() == 0
+    view = mapping.view("layers.0.weight", torch.float32)
+    small = MemoryBudget(view.numel() * 4, "a test budget")  # room: half the view
+    assert mapping.prefetch(budget=small) == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")
+def test_a_budget_smaller_than_the_views_reads_ahead_the_first_ones_in_order(tmp_path: Path):
+    from fastload.memory import MemoryBudget
+    from fastload.reader import open_file
+    from fastload.sharing import SharedMapping, prefetch_in_order
+
+    path = tmp_path / "order.safetensors"
+    # stored in name order (a, b, c); handed out c, a, b, as a model's forward would use them
+    sizes = {"a": 1 << 20, "b": 16 << 20, "c": 1 << 20}  # b: beyond the kernel's own read-ahead
+    save_file({n: torch.full((k,), float(i)) for i, (n, k) in enumerate(sizes.items())}, path)
+    evict(path)
+    mapping = SharedMapping(open_file(path))
+    views = [mapping.view(n, torch.float32) for n in "cab"]
+    room = 2 * (4 << 20) + 4096  # the first two views
+    read, how = prefetch_in_order([mapping], MemoryBudget(2 * room, "a test budget"), paced=False)
+    assert how.startswith("the first 2 views")
+    assert (4 << 20) * 2 <= read <= (4 << 20) * 2 + (1 << 20)
+    f = open_file(path)
+    offsets = {n: f.data_start + begin for n, _, _, begin, _ in f.tensors()}
+    assert not f.mostly_uncached(offsets["c"], 4 << 20)
+    assert not f.mostly_uncached(offsets["a"], 4 << 20)
+    assert f.mostly_uncached(offsets["b"], 64 << 20)  # left to be read on first use
+    assert [float(v[0]) for v in views] == [2.0, 0.0, 1.0]
 
 
 # --- read-ahead while the skeleton is built -------------------------------------------------------

@@ -18,6 +18,7 @@ from fastload.errors import (
     FastloadNotADirectoryError,
     FastloadPermissionError,
     LoadCancelledError,
+    MemoryBudgetError,
     ModelMismatchError,
     PickleRefusedError,
     RequestError,
@@ -66,6 +67,7 @@ __all__ = [
     "ModelMismatchError",
     "SafetensorError",
     "LoadCancelledError",
+    "MemoryBudgetError",
     "__version__",
     *_EXPORTS,
 ]

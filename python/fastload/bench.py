@@ -344,7 +344,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point (``python -m fastload.bench``, ``fastload bench``)."""
+    """Command-line entry point (``python -m fastload.bench``, ``fastload bench``);
+    ``--low-ram CHECKPOINT_DIR ...`` runs the low-RAM mode (:mod:`fastload.bench_lowram`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--low-ram"]:
+        from fastload.bench_lowram import main as low_ram
+
+        return low_ram(argv[1:])
     p = argparse.ArgumentParser(prog="fastload bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--sizes", default="1", help="comma-separated checkpoint sizes in GiB (default 1; try 1,4)"
@@ -369,8 +375,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="where checkpoints are written and kept (default: a temporary directory)",
     )
+    p.add_argument(
+        "--low-ram",
+        action="store_true",
+        help="first argument: the low-RAM mode instead (load + first forward in a memory cgroup "
+        "of 0.7x the model; see --low-ram --help)",
+    )
     p.add_argument("--child", nargs=2, metavar=("LOADER", "CHECKPOINT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.low_ram:
+        p.error("--low-ram must come first: fastload bench --low-ram CHECKPOINT_DIR [--make] ...")
     if args.child:
         print(json.dumps(child(args.child[0], Path(args.child[1]))))
         return 0

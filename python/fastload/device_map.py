@@ -20,7 +20,6 @@ module's inputs to the device its weights are on.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from torch import nn
 from fastload.devices import parse_device
 from fastload.errors import RequestError, UnsupportedError
 from fastload.keys import within
+from fastload.memory import memory_budget
 from fastload.tying import group_slots, tensor_slots
 from fastload.units import format_bytes, parse_bytes
 
@@ -222,8 +222,9 @@ def default_budgets(
 
     With ``max_memory``: those devices and budgets, GPUs first (in the given order), then the
     CPU if listed. Without: every CUDA device, most free memory first, with
-    ``GPU_HEADROOM`` of its free memory, then the CPU with the memory the system reports
-    available (no limit where it cannot tell).
+    ``GPU_HEADROOM`` of its free memory, then the CPU with the memory this process may use: its
+    cgroup's limit less what the cgroup holds, else ``MemAvailable``
+    (:func:`fastload.memory.memory_budget`; no limit where it cannot tell).
     """
     if max_memory is not None:
         if not isinstance(max_memory, Mapping):
@@ -239,22 +240,8 @@ def default_budgets(
         free = [(torch.cuda.mem_get_info(i)[0], i) for i in range(torch.cuda.device_count())]
         free.sort(key=lambda f: -f[0])
         budgets += [(f"cuda:{i}", int(b * GPU_HEADROOM)) for b, i in free]
-    budgets.append(("cpu", _available_ram()))
+    budgets.append(("cpu", memory_budget().available))
     return budgets
-
-
-def _available_ram() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 #: device_map modes planned by accelerate's planner (when accelerate is installed)
@@ -338,6 +325,15 @@ def _accelerate_plan(
             dev = map_device(device, where="max_memory")
             key: int | str = (dev.index or 0) if dev.type == "cuda" else dev.type
             budgets[key] = size
+    else:
+        # accelerate sizes "cpu" from the host's free memory; in a container the limit is the
+        # cgroup's (fastload.memory)
+        from accelerate.utils import get_max_memory
+
+        budgets = dict(get_max_memory())
+        cpu = memory_budget().available
+        if cpu is not None:
+            budgets["cpu"] = cpu
     if mode != "sequential":
         budgets = get_balanced_memory(
             model,

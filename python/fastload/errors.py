@@ -56,6 +56,24 @@ class LoadCancelledError(FastloadError):
     before it finished; the destinations hold partial data."""
 
 
+class MemoryBudgetError(FastloadError, MemoryError):
+    """A load that must own its memory (``mmap="copy"``, a dtype conversion, pinned staging)
+    needs more than the memory available to the process (its cgroup's limit, else
+    ``MemAvailable``: :mod:`fastload.memory`); raised before anything is allocated, instead of
+    the OOM killer's SIGKILL. The message names the bytes needed and available, where the figure
+    came from, and what would work instead. A ``MemoryError`` too."""
+
+    def __init__(self, message: str, needed: int = 0, budget: object = None) -> None:
+        super().__init__(message)
+        #: bytes the load would have allocated
+        self.needed = needed
+        #: the :class:`fastload.memory.MemoryBudget` it was refused against
+        self.budget = budget
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class PickleRefusedError(CheckpointError):
     """A pickle-based checkpoint (``.bin``/``.pt``) was given without ``allow_pickle=True``."""
 
@@ -154,4 +172,5 @@ __all__ = [
     "os_error",
     "from_os_error",
     "LoadCancelledError",
+    "MemoryBudgetError",
 ]

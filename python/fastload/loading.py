@@ -34,20 +34,20 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from fastload import _core, reader
-from fastload.checkpoint import OpenCheckpoint, StoredTensor
+from fastload import reader
+from fastload.allocation import Fill, allocate
+from fastload.checkpoint import OpenCheckpoint
 from fastload.collective import RankGroup, check_same_checkpoint, read_collectively
 from fastload.device_map import DeviceMap, dispatch, resolve_device_map
 from fastload.devices import cpu_by_default
@@ -57,13 +57,14 @@ from fastload.finishing import resolve_duplicates, swap_in
 from fastload.gradient_checkpointing import gradient_checkpointing_enable
 from fastload.hooks import ModelHooks
 from fastload.load_options import LoadOptions
+from fastload.memory import check_owned_memory, memory_budget
 from fastload.offload import dispatch_offloaded, offloaded_names, require_accelerate
 from fastload.pickle_file import StateDictFile
-from fastload.placement import Destination, Placement, Selection, selected_shape
-from fastload.planning import Group, LoadPlan, plan
+from fastload.placement import Destination, Placement, selected_shape
+from fastload.planning import plan
 from fastload.progress import byte_progress
 from fastload.report import LoadReport
-from fastload.sharing import SharedMapping, WarmUp
+from fastload.sharing import WarmUp
 from fastload.skeleton import build_skeleton, forget_constructor_values
 from fastload.source import open_source
 from fastload.streaming import StagingPool
@@ -222,7 +223,10 @@ def load(
         # the disk starts on the files now, and their pages are mapped, while the skeleton is
         # built and the load planned; only where the tensors will be views of the mappings
         views = options.views_possible and want in (None, stored) and options.read_ahead
-        warm_up = WarmUp(ckpt.files, options.mmap, views=views)
+        # what this process may still make resident (its cgroup's limit): read-ahead stays within
+        # it, and a load that must own more is refused before it allocates (fastload.memory)
+        budget = memory_budget()
+        warm_up = WarmUp(ckpt.files, options.mmap, views=views, budget=budget)
     location = ckpt.location
     source = str(location.index or location.files[0])
 
@@ -256,9 +260,17 @@ def load(
         later = shards.later if shards is not None else set()
         load_plan = plan(module, ckpt, placement, options, source=source, hooks=hooks, later=later)
         report = load_plan.report
+        check_owned_memory(load_plan, options.mmap, options.staging, budget)
 
     with clock.phase("allocate"):
-        by_file = _allocate(load_plan, ckpt, warm_up.mappings, threads=options.threads)
+        by_file = allocate(
+            load_plan,
+            ckpt,
+            warm_up.mappings,
+            threads=options.threads,
+            budget=budget,
+            paced=options.read_ahead,
+        )
 
     with clock.phase("read"):
         pool = options.staging
@@ -299,6 +311,10 @@ def load(
             module.train(was_training and not built_here)
         # Last: nothing above reads a view's bytes, so the pages were read and mapped beside it
         warm_up.join()
+        report.bytes_read_ahead += warm_up.mapped
+        if warm_up.mappings:
+            report.read_ahead = "the whole files, beside the skeleton build (they fit the budget)"
+        report.memory_budget, report.memory_source = budget.available, budget.source
 
     report.seconds = dict(clock.seconds)
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
@@ -361,99 +377,6 @@ def _main_dtype(ckpt: OpenCheckpoint) -> torch.dtype | None:
     if not totals:
         return None
     return parse_dtype(max(totals, key=lambda k: totals[k]))
-
-
-class Fill(NamedTuple):
-    """One copy for the engine: stored tensor ``name`` (the part ``selection`` takes) into
-    ``tensor``."""
-
-    name: str
-    tensor: torch.Tensor
-    selection: Selection
-
-
-def _allocate(
-    load_plan: LoadPlan,
-    ckpt: OpenCheckpoint,
-    premapped: Mapping[int, SharedMapping],
-    *,
-    threads: int | None = None,
-) -> dict[int, list[Fill]]:
-    """Allocates every new tensor once, as the plan says; returns the copies to make per file
-    index. Views come from the file mappings, ``premapped`` ones (which the warm-up already
-    reads ahead, :class:`~fastload.sharing.WarmUp`) or new ones, whose views are read ahead
-    here."""
-    mappings: dict[int, SharedMapping] = dict(premapped)
-    by_file: dict[int, list[Fill]] = {}
-
-    def copy_into(stored: StoredTensor, tensor: torch.Tensor, selection: Selection) -> None:
-        by_file.setdefault(stored.file, []).append(Fill(stored.name, tensor, selection))
-
-    for group in load_plan.groups:
-        if group.action == "load" and group.pieces is not None:
-            # Merged (MoE experts) or split (fused qkv) tensors: each stored piece is read
-            # straight into its slice of the one destination (fastload.hf.conversions).
-            dest = group.sources[0].dest
-            tensor = torch.empty(tuple(group.template.shape), dtype=dest.dtype, device=dest.memory)
-            for piece in group.pieces:
-                copy_into(piece.stored, piece.view(tensor), piece.selection)
-            group.dest, group.new = dest, tensor
-        elif group.action == "load":
-            group.dest = group.sources[0].dest
-            for i, src in enumerate(group.sources):
-                stored, dest = src.stored, src.dest
-                if src.mode == "offload":  # stays in the file; read when its module runs
-                    continue
-                if src.mode == "fill":  # the family's own tensor: filled in place, kept
-                    assert dest.tensor is not None
-                    copy_into(stored, dest.tensor, dest.selection)
-                    continue
-                if src.mode == "view":
-                    if stored.file not in mappings:
-                        file = ckpt.files[stored.file]
-                        assert isinstance(file, _core.SafetensorsFile)
-                        mappings[stored.file] = SharedMapping(file)
-                    view = mappings[stored.file].view(stored.name, dest.dtype)
-                    assert view is not None  # the plan checked dtype and alignment
-                    tensor = view
-                else:
-                    shape = selected_shape(stored.shape, dest.selection)
-                    tensor = torch.empty(shape, dtype=dest.dtype, device=dest.memory)
-                    copy_into(stored, tensor, dest.selection)
-                if i == 0:
-                    group.new = tensor
-                else:
-                    group.extra.append((src.slot, tensor))
-        else:
-            group.new = _initial_or_kept(group)
-    for i, mapping in mappings.items():
-        if i not in premapped:
-            mapping.prefetch(threads)
-    return by_file
-
-
-def _initial_or_kept(group: Group) -> torch.Tensor | None:
-    """The new tensor of a group the checkpoint does not fill: NaN (integers: zeros) for one to
-    initialize, the kept tensor moved where its destination says (``None``: it stays as is)."""
-    dest = group.dest
-    assert dest is not None
-    if dest.tensor is not None:  # the family's own tensor, left to the family
-        return None
-    shape = selected_shape(tuple(group.template.shape), dest.selection)
-    if group.action == "init":
-        if dest.dtype.is_floating_point or dest.dtype.is_complex:
-            # NaN marks "not initialized yet": skeleton.initialize checks none is left.
-            return torch.full(shape, math.nan, dtype=dest.dtype, device=dest.memory)
-        return torch.zeros(shape, dtype=dest.dtype, device=dest.memory)
-    if group.template.device.type == "meta":
-        return None  # caught by the final no-meta check with its name
-    t = group.template
-    if dest.selection is not None:  # a kept parameter of a module passed in: its shard
-        dim, start, stop = dest.selection
-        t = t.narrow(dim, start, stop - start)
-    if t is not group.template or t.device != dest.memory or t.dtype != dest.dtype:
-        return t.detach().to(device=dest.memory, dtype=dest.dtype, copy=True)
-    return None
 
 
 def _read_collectively(

@@ -72,6 +72,16 @@ class LoadReport:
     world_size: int = 1
     #: with device_map: {module prefix: device} as resolved ("auto" planned)
     device_map: dict[str, str] | None = None
+    #: the memory the load found it may use (its cgroup's limit less what the cgroup holds, else
+    #: MemAvailable; ``None``: unknown) and where that figure came from (:mod:`fastload.memory`)
+    memory_budget: int | None = None
+    memory_source: str = ""
+    #: bytes of the views read (or mapped) ahead of their first use: all of them when they fit
+    #: the budget, else only what fits, in the order the model uses them
+    bytes_read_ahead: int = 0
+    #: how the views were read ahead: the whole files, all views, the first ones that fit the
+    #: budget, or paced by the first forward (a model larger than the budget); "" for none
+    read_ahead: str = ""
 
     @property
     def total_seconds(self) -> float:
@@ -118,6 +128,15 @@ class LoadReport:
                 else []
             ),
             *self._sharing_lines(),
+            *(
+                [
+                    f"  memory budget: {format_bytes(self.memory_budget)} "
+                    f"({self.memory_source}); read ahead: {format_bytes(self.bytes_read_ahead)}"
+                    + (f", {self.read_ahead}" if self.read_ahead else "")
+                ]
+                if self.memory_budget is not None
+                else []
+            ),
             *(
                 [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
                 if self.staging_bytes

@@ -39,11 +39,22 @@ from typing import Any
 import torch
 
 from fastload import _core
+from fastload import paced as pacing
 from fastload.dtypes import to_torch
 from fastload.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
+from fastload.memory import MemoryBudget, memory_budget
+from fastload.units import format_bytes
 
 #: The accepted values of ``from_pretrained(mmap=...)``.
 MMAP_MODES = ("auto", "shared", "copy")
+
+#: whether views that do not fit the budget are read ahead paced by the first forward
+#: (:mod:`fastload.paced`) rather than only the first ones that fit
+PACED = True
+
+#: the order views are handed out across every mapping (a load makes them in the model's
+#: registration order: the order its first forward uses them)
+_view_order = itertools.count()
 
 #: bytes of a cached file the warm-up maps per claim (its helper thread and the loading thread
 #: share them out)
@@ -108,7 +119,8 @@ class SharedMapping:
         # to it (and it to the mapping's owner): one storage per view, zero-copy.
         self._pages = _pages(file.file_size, self.address, storage)
         self._info = {name: (dt, shape, begin) for name, dt, shape, begin, _ in file.tensors()}
-        self._viewed: list[tuple[int, int]] = []  # (file offset, bytes) of the views handed out
+        # (order, file offset, bytes) of the views handed out
+        self._viewed: list[tuple[int, int, int]] = []
         self.views = 0
 
     def _check_same_file(self) -> None:
@@ -140,22 +152,18 @@ class SharedMapping:
             out.set_(window.untyped_storage(), 0, tuple(shape))
         else:
             out.resize_(tuple(shape))
-        self._viewed.append((offset, count * itemsize))
+        self._viewed.append((next(_view_order), offset, count * itemsize))
         self.views += 1
         return out
 
-    def prefetch(self, threads: int | None = None) -> int:
+    def prefetch(self, threads: int | None = None, budget: MemoryBudget | None = None) -> int:
         """Reads the pages of the views handed out that are not in the page cache yet, with
         parallel read-ahead (the disk's bandwidth, not one fault at a time on first use); returns
         the bytes read. Cached pages are left to be mapped on first access, which costs about as
-        much as mapping them here.
-
-        Skipped when the views take more than half the memory available: pages read ahead would
-        then evict each other before their first use, and reading on first use is better."""
-        spans = _merged(self._viewed)
-        if sum(stop - start for start, stop in spans) > _available_bytes() // 2:
-            return 0
-        return self._populate(spans, threads, cached=False, cold=False)
+        much as mapping them here. Within ``budget`` (default:
+        :func:`~fastload.memory.memory_budget` now), in the order the views were handed out:
+        :func:`prefetch_in_order`."""
+        return prefetch_in_order([self], budget or memory_budget(), threads)[0]
 
     def map_all(self) -> int:
         """Maps every page of the file's tensor data into this mapping, read through the page
@@ -206,16 +214,22 @@ class WarmUp:
     Only for loads whose tensors become views (``views``: CPU, stored dtype) of files
     :func:`file_sharing` lets be mapped: copies read the file themselves, and a second stream of
     reads beside theirs made cold copies 9% and bf16 -> f32 conversions 19% slower here. Skipped
-    when the files take more than half the memory available (pages read ahead would evict each
-    other before their first use).
+    when the files do not fit the read-ahead room of ``budget`` (the memory the process may use,
+    its cgroup's limit included: :func:`fastload.memory.memory_budget`): pages read ahead would
+    evict each other before their first use, and the first forward would read them all again.
+    The load then reads ahead what fits, in the order the model uses it
+    (:func:`prefetch_in_order`).
 
     The whole tensor data of each file is mapped, tensors the model does not use included: those
     are clean page-cache pages shared with other processes, which the kernel reclaims under
     pressure; resident memory stays within the file's size."""
 
-    def __init__(self, files: Sequence[object], mmap: str, *, views: bool) -> None:
+    def __init__(
+        self, files: Sequence[object], mmap: str, *, views: bool, budget: MemoryBudget | None = None
+    ) -> None:
         chosen = {i: f for i, f in enumerate(files) if views and file_sharing(f, mmap)[0]}
-        if sum(f.file_size - f.data_start for f in chosen.values()) > _available_bytes() // 2:
+        budget = budget or memory_budget()
+        if not budget.fits_read_ahead(sum(f.file_size - f.data_start for f in chosen.values())):
             chosen = {}
         #: the mappings the load's views come from, by index in ``files``
         self.mappings: dict[int, SharedMapping] = {
@@ -289,16 +303,49 @@ class WarmUp:
             raise self._error
 
 
-def _available_bytes() -> int:
-    """``MemAvailable`` (free memory plus reclaimable page cache); unbounded where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
+def prefetch_in_order(
+    mappings: Sequence[SharedMapping],
+    budget: MemoryBudget,
+    threads: int | None = None,
+    *,
+    paced: bool = True,
+) -> tuple[int, str]:
+    """Reads ahead the pages of the views of ``mappings`` (see :meth:`SharedMapping.prefetch`)
+    within the read-ahead room of ``budget``, in the order the views were handed out (the model's
+    registration order, which its first forward follows); returns the bytes read and how, in
+    words for the load report.
+
+    All of them when they fit. When they do not (a model larger than the memory the process may
+    use), reading them all now would evict the first before the forward reaches them, and the
+    forward would read them again: instead a helper thread reads them paced by the first forward
+    (:class:`fastload.paced.PacedReadAhead`, at most :data:`fastload.paced.AHEAD` bytes ahead of
+    it), so every byte is read from storage once; without ``paced`` or with ``threads=1`` (no
+    helper threads), or where the page tables cannot be read, only the first views that fit
+    are read, now."""
+    views = sorted((order, m, offset, n) for m in mappings for order, offset, n in m._viewed)
+    room = budget.read_ahead_room()
+    total = sum(n for *_, n in views)
+    if room is None or total <= room:
+        how = "all views (they fit the memory budget)"
+    elif paced and PACED and threads != 1 and pacing.supported():
+        ahead = min(room, pacing.AHEAD)
+        pacing.PacedReadAhead([(m, offset, n) for _, m, offset, n in views], ahead)
+        return 0, f"paced by the first forward, at most {format_bytes(ahead)} ahead of it"
+    else:
+        kept = []
+        for view in views:
+            if view[3] > room:
+                break
+            room -= view[3]
+            kept.append(view)
+        views = kept
+        how = f"the first {len(kept)} views in the model's order (what fits the memory budget)"
+    done = 0
+    for m in mappings:
+        spans = _merged([(offset, n) for _, mine, offset, n in views if mine is m])
+        if spans:
+            done += m._populate(spans, threads, cached=False, cold=False)
+    return done, how
 
 
 def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
