@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from fastload.page_cache import evict, warm
+
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,21 +110,6 @@ def make_checkpoint(directory: Path, size_gib: float, device: str) -> Path:
     config.save_pretrained(out)
     (out / "checksums.json").write_text(json.dumps(sums))
     return out
-
-
-def evict(path: Path) -> None:
-    """Drops the file's pages from the page cache (clean pages: no sync needed)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def warm(path: Path) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 # ---------------------------------------------------------------------------------------------

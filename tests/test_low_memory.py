@@ -13,8 +13,8 @@ from torch import nn
 
 import fastload
 from fastload import memory, paced
-from fastload.bench import evict
 from fastload.memory import MemoryBudget
+from fastload.page_cache import evict
 from fastload.saving import save_file
 from memory_cgroup import baseline_bytes, needs_memory_cgroup, run_in_cgroup
 

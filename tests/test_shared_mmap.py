@@ -14,7 +14,7 @@ from torch import nn
 
 import fastload
 from fastload import _core, sharing
-from fastload.bench import evict
+from fastload.page_cache import evict
 from fastload.saving import save_file
 from fastload.sharing import WarmUp
 

@@ -38,6 +38,7 @@ from fastload.bench_loaders import (
     files_read,
     is_peer,
 )
+from fastload.page_cache import evict, warm
 
 GIB = 1 << 30
 
@@ -109,23 +110,6 @@ def data_bytes(checkpoint: Path) -> int:
 
     f = open_file(checkpoint / "model.safetensors")
     return f.file_size - f.data_start
-
-
-def warm(path: Path) -> None:
-    """Reads a file once so a loader starts from a warm page cache."""
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
-
-
-def evict(path: Path) -> None:
-    """Drops a file's pages from the page cache (written back first, or they could not be)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def run_child(loader: str, checkpoint: Path, timeout: float) -> dict[str, Any]:

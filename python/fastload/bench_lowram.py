@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload.memory import cgroup_dir
+from fastload.page_cache import evict, warm
 
 #: name -> what it measures
 LOADERS: dict[str, str] = {
@@ -232,20 +233,6 @@ def _unbounded() -> Any:
 # ---------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------
-
-
-def evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def warm(path: Path) -> None:
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
 
 
 def run_one(loader: str, checkpoint: Path, limit: int, timeout: float) -> dict[str, Any]:
