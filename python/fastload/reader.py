@@ -219,11 +219,13 @@ class SafeOpen:
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
         self.staging = StagingPool.sized(staging_bytes)
         self._group: Any = None
+        self._tensors: Any = None  # the file's table, as collective reads take it (built once)
         if process_group is not None:
             from fastload import collective
 
             self._group = collective.RankGroup(process_group)
-            collective.check_same_checkpoint(self._group, collective.Checkpoint.of_file(self._file))
+            self._tensors = collective.Checkpoint.of_file(self._file)
+            collective.check_same_checkpoint(self._group, self._tensors)
 
     @property
     def file(self) -> _core.SafetensorsFile:
@@ -293,8 +295,8 @@ class SafeOpen:
             from fastload import collective
 
             jobs = list(items)
-            ckpt = collective.Checkpoint.of_file(self.file)
-            collective.read_collectively(self._group, ckpt, jobs, threads=self.threads)
+            _ = self.file  # a closed handle raises
+            collective.read_collectively(self._group, self._tensors, jobs, threads=self.threads)
             return sum(t.numel() * t.element_size() for _, t, _ in jobs)
         return fill(self.file, items, self.threads, self.staging)
 
