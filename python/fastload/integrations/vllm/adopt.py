@@ -1,0 +1,166 @@
+"""What happens where a vLLM weight loader copies a checkpoint tensor into a parameter.
+
+vLLM's weight loaders end in ``param.data.copy_(loaded_weight)`` (after narrowing the checkpoint
+tensor to this rank's shard, or into a slice of a fused parameter). :class:`CopyWatch`, a torch
+function mode active while ``model.load_weights`` runs, sees each such copy whose source is a
+tensor fastload handed out, and:
+
+* **adopts** the source where the copy is a whole parameter kept exactly as stored (same shape,
+  dtype, contiguous, on the CPU, the parameter owning its whole storage): the parameter becomes the
+  view of the checkpoint's mapping (``param.data = view``) instead of a copy of it. The view is a
+  page of the page cache until written (copy-on-write), so replicas on one host share one copy;
+* **reads the slice** a weight loader takes under tensor parallelism just before it is copied:
+  exactly its pages (``POSIX_FADV_WILLNEED`` per row span, issued together so the disk serves them
+  in parallel), the mapping being ``MADV_RANDOM`` so no fault reads the other ranks' bytes;
+* **checks** that a copy takes as many elements as it gives (``copy_`` would otherwise broadcast
+  a checkpoint tensor of the wrong shape silently), raising fastload's error naming the file and
+  the tensor.
+
+Copies from anything else (a converted tensor, a parameter to a parameter) run untouched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fastload.errors import ModelMismatchError
+
+from .weights import Origin
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: row spans merged into one read only where they touch (a gap is another rank's bytes)
+_MERGE_GAP = 1
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return (
+        t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+class CopyWatch(TorchFunctionMode):
+    """The torch function mode described in the module docstring, for one ``load_weights``."""
+
+    def __init__(
+        self,
+        origins: dict[int, Origin],
+        params: Iterable[tuple[str, torch.Tensor]],
+        *,
+        tp_size: int,
+        adopt: bool,
+    ) -> None:
+        super().__init__()
+        #: storage address -> origin of the tensors handed out (filled as they are)
+        self.origins = origins
+        self.tp_size = tp_size
+        self.adopt = adopt
+        #: parameters (and how many tensors of the model use each storage) by data address
+        self._params: dict[int, torch.nn.Parameter] = {}
+        users: dict[int, int] = {}
+        for _name, p in params:
+            if p.numel() == 0 or p.device.type != "cpu":
+                continue
+            ptr = p.untyped_storage().data_ptr()
+            users[ptr] = users.get(ptr, 0) + 1
+            if isinstance(p, torch.nn.Parameter) and _owns_storage(p):
+                self._params[ptr] = p
+        # a storage another tensor of the model also uses cannot be swapped for a view
+        for ptr, n in users.items():
+            if n > 1:
+                self._params.pop(ptr, None)
+        self.adopted = 0
+        self.adopted_bytes = 0
+        self.copied_bytes = 0
+        self.slices_read = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) >= 2:
+            dst, src = args[0], args[1]
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.numel():
+                origin = self.origins.get(src.untyped_storage().data_ptr())
+                if origin is not None:
+                    handled = self._copy(dst, src, origin)
+                    if handled:
+                        return dst
+        return func(*args, **kwargs)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
+        if dst.numel() != src.numel() and src.numel() != 1:
+            raise ModelMismatchError(
+                f"{origin.path}: tensor {origin.name!r}: the model's weight loader copies it "
+                f"(shape {list(src.shape)}, {src.dtype}) into a parameter of shape "
+                f"{list(dst.shape)} ({dst.dtype}); the checkpoint does not fit the model "
+                "[shape-mismatch]"
+            )
+        param = self._params.get(dst.untyped_storage().data_ptr()) if self.adopt else None
+        if (
+            param is not None
+            and origin.mapping is not None
+            and dst.data_ptr() == param.data_ptr()
+            and dst.shape == param.shape == src.shape
+            and dst.dtype == param.dtype == src.dtype
+            and _owns_storage(src)
+            and src.device.type == "cpu"
+        ):
+            self._read(src, origin)
+            param.data = src
+            del self._params[dst.untyped_storage().data_ptr()]
+            self.adopted += 1
+            self.adopted_bytes += src.numel() * src.element_size()
+            return True
+        if origin.mapping is not None and self.tp_size > 1:
+            self._read(src, origin)
+        self.copied_bytes += src.numel() * src.element_size()
+        return False
+
+    def _read(self, src: torch.Tensor, origin: Origin) -> None:
+        """Asks the kernel for the pages of ``src`` (a view of ``origin``'s mapping) under tensor
+        parallelism, where nothing was read ahead: every span at once, so the copy's faults wait
+        on reads already in flight instead of issuing them one page at a time."""
+        mapping = origin.mapping
+        if mapping is None or self.tp_size <= 1:
+            return
+        fd = mapping.file.fileno()
+        if fd is None:
+            return
+        for start, stop in _spans(src, mapping.address):
+            os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+        self.slices_read += 1
+
+
+def _spans(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
+    """File byte spans ``[start, stop)`` (whole pages) that the elements of ``t`` occupy, for a
+    tensor viewing a mapping at ``base``: one span for a contiguous tensor, one per row for a 2-D
+    one sliced along its columns (neighbours merged when close), the enclosing span otherwise."""
+    item = t.element_size()
+    first = t.data_ptr() - base
+    if t.is_contiguous() or t.dim() == 0:
+        spans = [(first, first + t.numel() * item)]
+    elif t.dim() == 2 and t.stride(1) == 1:
+        row = t.size(1) * item
+        spans = [(first + r * t.stride(0) * item, first + r * t.stride(0) * item + row)
+                 for r in range(t.size(0))]
+    else:
+        last = first + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) * item
+        spans = [(first, last + item)]
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        a, b = a // _PAGE * _PAGE, -(-b // _PAGE) * _PAGE
+        if merged and a - merged[-1][1] < _MERGE_GAP:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+__all__ = ["CopyWatch"]
