@@ -59,13 +59,20 @@ EOF
         "$py" -m pip install -q "torch==$VLLM_TORCH_VERSION"
         "$py" -m pip install -q -r "$work/requirements.txt" -c "$work/constraints.txt"
         "$py" -m pip install -q --no-deps "$wheel"
-        # The peers `fastload bench --vllm` compares against, and what the tests and the build need.
-        "$py" -m pip install -q -c "$work/constraints.txt" \
-            "fastsafetensors>=0.5" "runai-model-streamer>=0.17" "pytest>=8" "maturin>=1.7,<2"
         "$py" -c "import vllm, torch; print('fastload: vllm', vllm.__version__, 'torch', torch.__version__)" >&2
         touch "$stamp"
     fi
     flock -u 9
+fi
+
+# The peers benches/vllm_bench.py compares against, its plot, and what the tests and the build
+# need (a stamp of its own: this list may grow without remaking the environment).
+extras="$FASTLOAD_VLLM_VENV/.fastload-extras-1"
+if [ ! -f "$extras" ]; then
+    "$FASTLOAD_VLLM_VENV/bin/python" -m pip install -q "torch==$VLLM_TORCH_VERSION" \
+        "fastsafetensors>=0.5" "runai-model-streamer>=0.17" "matplotlib>=3.7" "pytest>=8" \
+        "maturin>=1.7,<2"
+    touch "$extras"
 fi
 
 # fastload from this checkout (editable, so the tests see the working tree); cargo rebuilds only

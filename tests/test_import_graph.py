@@ -148,3 +148,28 @@ def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:
         for m in core
     }
     assert {m: d for m, d in offending.items() if d} == {}
+
+
+def test_only_the_integrations_import_the_integrations_and_import_fastload_imports_no_server() -> (
+    None
+):
+    graph = import_graph()
+    reaching = {
+        m: sorted(d for d in deps if d.startswith("fastload.integrations"))
+        for m, deps in graph.items()
+        if not m.startswith("fastload.integrations")
+    }
+    assert {m: d for m, d in reaching.items() if d} == {}
+    from fresh import run_script
+
+    # the entry point's module too: vLLM imports it, and it imports vLLM only when vLLM calls it
+    out = run_script(
+        """
+        import sys
+        import fastload
+        import fastload.integrations.vllm
+        fastload.load_file, fastload.from_pretrained
+        print(sorted({m.split(".")[0] for m in sys.modules} & {"vllm", "sglang"}))
+        """
+    )
+    assert out.strip() == "[]"

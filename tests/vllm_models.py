@@ -3,7 +3,7 @@ shards with an index, and a byte-level BPE tokenizer trained here (no model hub)
 
 Run inside the vLLM environment (transformers and tokenizers come with vLLM)::
 
-    python tests/vllm_models.py DIR [--hidden 256 --layers 2 --intermediate 1024 --vocab 1024]
+    python tests/vllm_models.py DIR [--hidden 512 --layers 2 --intermediate 4096 --vocab 4096]
 """
 
 from __future__ import annotations
@@ -20,6 +20,20 @@ _TEXT = (
 )
 
 
+def _corpus(words: int = 20000) -> list[str]:
+    """The text above and pseudo-random words (seeded): enough distinct pairs to learn a few
+    thousand merges."""
+    import random
+
+    rng = random.Random(0)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    made = [
+        "".join(rng.choice(letters[: rng.randint(6, 26)]) for _ in range(rng.randint(2, 9)))
+        for _ in range(words)
+    ]
+    return [_TEXT * 4] + [" ".join(made[i : i + 100]) for i in range(0, words, 100)]
+
+
 def train_tokenizer(out: Path, vocab: int) -> None:
     """A byte-level BPE tokenizer of ``vocab`` entries, saved as transformers saves one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -34,7 +48,7 @@ def train_tokenizer(out: Path, vocab: int) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_TEXT * 4] * 50, trainer=trainer)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out)
 
@@ -42,12 +56,12 @@ def train_tokenizer(out: Path, vocab: int) -> None:
 def make_llama(
     out: str | os.PathLike[str],
     *,
-    hidden: int = 256,
+    hidden: int = 512,
     layers: int = 2,
-    intermediate: int = 1024,
-    vocab: int = 1024,
-    heads: int = 4,
-    kv_heads: int = 2,
+    intermediate: int = 4096,
+    vocab: int = 4096,
+    heads: int = 8,
+    kv_heads: int = 4,
     shards: int = 3,
     tie: bool = False,
     seed: int = 0,
@@ -92,12 +106,12 @@ def make_llama(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--shards", type=int, default=3)
     args = parser.parse_args()
     make_llama(
@@ -115,3 +129,16 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def rewrite_header(path: str | os.PathLike[str], edit: object) -> None:
+    """Rewrites the JSON header of safetensors file ``path`` with ``edit(header) -> header``,
+    keeping the data section as it is (for the tests' malformed files)."""
+    import struct
+
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    new = json.dumps(edit(header)).encode()  # type: ignore[operator]
+    new += b" " * (-len(new) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from vllm.config import ModelConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.config.load import LoadConfig
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -43,6 +43,7 @@ from fastload.units import format_bytes
 
 from .adopt import CopyWatch
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
+from .release import MappingRecord, release_unused
 from .weights import CheckpointWeights, check_index
 
 logger = init_logger("vllm.model_executor.model_loader.fastload")
@@ -79,6 +80,7 @@ class FastloadModelLoader(DefaultModelLoader):
         )
         self._origins: dict[int, Any] = {}
         self._streams: list[CheckpointWeights] = []
+        self._mappings: list[MappingRecord] = []
 
     # -- which files -----------------------------------------------------------------------------
 
@@ -138,6 +140,7 @@ class FastloadModelLoader(DefaultModelLoader):
             origins=self._origins,
         )
         self._streams.append(stream)
+        self._mappings += [MappingRecord.of(m) for m in stream.mappings]
         if self.counter_before_loading_weights == 0.0:
             self.counter_before_loading_weights = time.perf_counter()
         return (
@@ -147,6 +150,22 @@ class FastloadModelLoader(DefaultModelLoader):
         )
 
     # -- loading ---------------------------------------------------------------------------------
+
+    def load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> nn.Module:
+        model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        if self._mappings:
+            # after vLLM's post-load processing, which repacks or replaces most parameters
+            tensors = [*model.parameters(), *model.buffers()]
+            dropped = release_unused(self._mappings, tensors)
+            self._mappings.clear()
+            logger.info(
+                "fastload: unmapped %s of checkpoint pages no parameter uses after vLLM's "
+                "post-load processing (they stay in the page cache)",
+                format_bytes(dropped),
+            )
+        return model
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         if model_config.quantization == "torchao":
