@@ -272,8 +272,8 @@ impl PySafetensorsFile {
         }
         let file = &*self.inner;
         let err = |e| to_py(py, file.path(), e);
-        pool::check_threads(threads).map_err(err)?;
-        let plan = copy::plan(file, &requests).map_err(err)?;
+        let workers = pool::check_threads(threads).map_err(err)?;
+        let plan = copy::plan_for_threads(file, &requests, workers).map_err(err)?;
         // Raw pointers are not Send; the plan only holds them as addresses.
         let plan = SendPlan(plan);
         let progress = match progress {

@@ -2,7 +2,9 @@
 
 Tensors flagged as initialized (so a later ``initialize_weights`` keeps them), the generation
 config of the checkpoint directory (or the one the caller passed), and ``hf_device_map`` when a
-device map placed the model (pipelines, ``generate`` and PEFT read it).
+device map spread the model over more than one place or offloaded part of it to disk, as
+transformers 5 sets it (only then does it dispatch the model with accelerate; pipelines read the
+attribute's absence as "this model may be moved", ``generate`` and PEFT read its places).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def finish_transformers(
 ) -> None:
     mark_initialized(model)
     if device_map is not None:
-        model.hf_device_map = device_map.accelerate_map()
+        places = device_map.accelerate_map()
+        if len(set(places.values())) > 1 or "disk" in places.values():
+            model.hf_device_map = places
     if generation_config is not None:
         model.generation_config = generation_config
         return
