@@ -129,19 +129,32 @@ def _reset_peak_rss() -> bool:
 
 
 def resident_fraction(path: Path) -> float | None:
-    """The share of ``path``'s bytes in the page cache, read by util-linux's ``fincore`` (the
-    kernel's count, not the loader's); None where fincore is missing."""
-    try:
-        out = subprocess.run(
-            ["fincore", "--bytes", "--noheadings", "--output", "RES,SIZE", str(path)],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
+    """The share of ``path``'s pages in the page cache, from the kernel (``mincore(2)`` on a
+    fresh mapping, as util-linux's ``fincore`` reads it); None where that fails."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    if size == 0:
         return None
-    res, size = int(out[0]), int(out[1])
-    return res / size if size else None
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        vec = ctypes.create_string_buffer(pages)
+        if libc.mincore(addr, size, vec) != 0:
+            return None
+        return sum(b & 1 for b in vec.raw) / pages
+    finally:
+        libc.munmap(addr, size)
 
 
 def _status_bytes(field: str) -> int:

@@ -64,6 +64,17 @@ def test_the_tuning_grid_times_every_setting_of_load_file(tmp_path: Path) -> Non
     assert all(v > 0 for v in result["settings"].values())
 
 
+def test_residency_is_read_from_the_kernel_before_and_after_eviction(tmp_path: Path) -> None:
+    from fastload.page_cache import evict, warm
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * (4 << 20))
+    warm(path)
+    assert cuda_check.resident_fraction(path) == 1.0
+    evict(path)
+    assert cuda_check.resident_fraction(path) < 0.5
+
+
 def test_a_loader_that_fails_is_recorded_with_its_error(tmp_path: Path) -> None:
     ckpt = cuda_check.make_checkpoint(tmp_path, 0.01, "cpu")
     (ckpt / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
