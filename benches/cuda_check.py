@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fastload.page_cache import evict, warm
+from fastload.core.page_cache import evict, warm
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,8 +183,11 @@ def _disk_read(path: Path) -> dict[str, Any]:
 
 # What each loader imports, done before any clock starts: a load is timed, not an import.
 _IMPORTS: dict[str, list[str]] = {
-    "fastload.load_file": ["fastload.reader"],
-    "fastload.from_pretrained": ["fastload.loading", "transformers.models.llama.modeling_llama"],
+    "fastload.load_file": ["fastload.safetensors.files"],
+    "fastload.from_pretrained": [
+        "fastload.core.loading",
+        "transformers.models.llama.modeling_llama",
+    ],
     "safetensors.safe_open": ["safetensors"],
     "transformers": ["transformers.models.llama.modeling_llama"],
     "fastsafetensors": ["fastsafetensors"],
@@ -398,7 +401,7 @@ def environment(device: str) -> dict[str, Any]:
 
     import torch
 
-    from fastload.streaming import DEFAULT_STAGING_BYTES
+    from fastload.core.streaming import DEFAULT_STAGING_BYTES
 
     env: dict[str, Any] = {
         "staging_bytes": DEFAULT_STAGING_BYTES,

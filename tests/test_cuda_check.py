@@ -65,7 +65,7 @@ def test_the_tuning_grid_times_every_setting_of_load_file(tmp_path: Path) -> Non
 
 
 def test_residency_is_read_from_the_kernel_before_and_after_eviction(tmp_path: Path) -> None:
-    from fastload.page_cache import evict, warm
+    from fastload.core.page_cache import evict, warm
 
     path = tmp_path / "data.bin"
     path.write_bytes(b"x" * (4 << 20))

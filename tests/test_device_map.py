@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fastload
-from fastload.device_map import (
+from fastload.core.device_map import (
     DeviceMap,
     default_budgets,
     dispatch,
@@ -20,7 +20,7 @@ from fastload.device_map import (
     resolve_device_map,
     tensor_sizes,
 )
-from fastload.errors import RequestError, UnsupportedError
+from fastload.core.errors import RequestError, UnsupportedError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -292,7 +292,7 @@ def test_loading_with_both_device_and_device_map_is_refused(llama: tuple[nn.Modu
 
 
 def test_the_placement_gives_each_loaded_tensor_its_mapped_device() -> None:
-    from fastload.loading import Placement
+    from fastload.core.loading import Placement
 
     dm = DeviceMap({"": torch.device("cpu"), "blocks.1": torch.device("cuda:0")})
     placement = Placement(device=torch.device("cpu"), dtype=None, device_map=dm)
