@@ -18,11 +18,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
 ABOVE_CORE = {
     "fastload",
     "fastload.api",
-    "fastload.cli",
-    "fastload.bench",
-    "fastload.bench_loaders",
-    "fastload.bench_lowram",
-    "fastload.demo",
+    "fastload.tools.cli",
+    "fastload.tools.bench.run",
+    "fastload.tools.bench.loaders",
+    "fastload.tools.bench.lowram",
+    "fastload.tools.demo",
 }
 
 
@@ -131,8 +131,9 @@ def test_the_cycle_finder_finds_a_circle_and_nothing_else() -> None:
 
 def test_the_real_graph_has_the_edges_of_a_load() -> None:
     graph = import_graph()
-    assert {"fastload.planning", "fastload.load_options"} <= graph["fastload.loading"]
-    assert "fastload.loading" in graph["fastload.hf.front"]
+    loading = graph["fastload.core.loading"]
+    assert {"fastload.core.planning", "fastload.core.load_options"} <= loading
+    assert "fastload.core.loading" in graph["fastload.hf.front"]
 
 
 def test_no_module_of_the_package_reaches_itself_through_its_imports() -> None:
