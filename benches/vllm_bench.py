@@ -1,7 +1,7 @@
 """vLLM engine starts with each load format that runs here, cold and warm, beside the floors.
 
     bash scripts/vllm-env.sh   # once: the vLLM environment (prints its python)
-    ~/.cache/fastload/vllm-venv/bin/python benches/vllm_bench.py [--layers 12] [--out benches/results]
+    ~/.cache/fastload/vllm-venv/bin/python benches/vllm_bench.py [--layers 12] [--out DIR]
 
 One bf16 Llama (random weights, several shards, made once under --workdir; 1.1 GiB by default) is
 served by vLLM (CPU, ``LLM(...)`` with the engine in process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 FORMATS: dict[str, dict[str, Any]] = {
-    "safetensors (lazy, default)": {"load_format": "safetensors"},
+    "safetensors lazy (default)": {"load_format": "safetensors"},
     "safetensors eager": {"load_format": "safetensors", "safetensors_load_strategy": "eager"},
     "safetensors prefetch": {
         "load_format": "safetensors",
@@ -114,7 +114,7 @@ def _shards(model: Path) -> list[Path]:
 
 
 def _set_cache(model: Path, mode: str) -> None:
-    from fastload.page_cache import evict, warm
+    from fastload.core.page_cache import evict, warm
 
     for f in _shards(model):
         (evict if mode == "cold" else warm)(f)
@@ -154,6 +154,9 @@ def run_format(model: Path, name: str, mode: str, timeout: float = 900) -> dict[
     assert proc.stdout is not None and proc.stdin is not None
     try:
         for line in proc.stdout:
+            took = re.search(r"Loading weights took ([0-9.]+) seconds", line)
+            if took:
+                result["weights_s"] = float(took.group(1))
             word, _, rest = line.strip().partition(" ")
             if word == "LOAD_MODEL":
                 m = json.loads(rest)
@@ -179,7 +182,7 @@ def run_format(model: Path, name: str, mode: str, timeout: float = 900) -> dict[
     log.seek(0)
     text = log.read()
     took = re.search(r"Loading weights took ([0-9.]+) seconds", text)
-    if took:
+    if took and "weights_s" not in result:
         result["weights_s"] = float(took.group(1))
     if "tokens" not in result:
         errors = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln]

@@ -60,15 +60,15 @@ def main():
         print("LOADED " + model, flush=True)
         if kwargs.get("tensor_parallel_size", 1) > 1:
             sys.stdin.readline()  # the test reads the workers' /proc/<pid>/io meanwhile
-        params = SamplingParams(temperature=0, max_tokens=%d)
-        out = llm.generate(%r, params)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        out = llm.generate(PROMPTS, params)
         print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in out]), flush=True)
         del llm
     print("DONE", flush=True)
 
 if __name__ == "__main__":
     main()
-""" % (MAX_TOKENS, PROMPTS)
+""".replace("MAX_TOKENS", str(MAX_TOKENS)).replace("PROMPTS", repr(PROMPTS))
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -125,7 +125,9 @@ def _offline(models: list[Path], env: dict[str, str] | None = None, **kwargs: ob
     return _Run(argv, env or _env())
 
 
-def _tokens(models: list[Path], env: dict[str, str] | None = None, **kwargs: object) -> list[object]:
+def _tokens(
+    models: list[Path], env: dict[str, str] | None = None, **kwargs: object
+) -> list[object]:
     """Each model's greedy tokens (or its error) from one offline process."""
     run = _offline(models, env, **kwargs)
     try:
@@ -164,7 +166,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(llama: Path) -> list[list[int]]:
     """Greedy tokens of vLLM's own loader (``--load-format safetensors``), one rank."""
-    (tokens,) = _tokens([llama], _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), load_format="safetensors")
+    (tokens,) = _tokens(
+        [llama], _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), load_format="safetensors"
+    )
     assert isinstance(tokens, list) and all(len(t) == MAX_TOKENS for t in tokens), tokens
     return tokens
 
@@ -261,9 +265,7 @@ def test_vllm_serve_with_load_format_fastload_answers_with_the_tokens_of_safeten
 def _workers(pid: int) -> list[int]:
     import psutil
 
-    return [
-        p.pid for p in psutil.Process(pid).children(recursive=True) if "Worker" in p.name()
-    ]
+    return [p.pid for p in psutil.Process(pid).children(recursive=True) if "Worker" in p.name()]
 
 
 def _read_bytes(pid: int) -> int:
@@ -276,7 +278,7 @@ def _read_bytes(pid: int) -> int:
 def test_two_tensor_parallel_ranks_each_read_about_half_of_a_cold_checkpoint(
     llama: Path, reference: list[list[int]]
 ) -> None:
-    from fastload.page_cache import evict
+    from fastload.core.page_cache import evict
 
     shards = sorted(llama.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in shards)

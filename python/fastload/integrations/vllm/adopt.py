@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fastload.errors import ModelMismatchError
+from fastload.core.errors import ModelMismatchError
 
 from .weights import Origin
 
@@ -148,8 +148,10 @@ def _spans(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
         spans = [(first, first + t.numel() * item)]
     elif t.dim() == 2 and t.stride(1) == 1:
         row = t.size(1) * item
-        spans = [(first + r * t.stride(0) * item, first + r * t.stride(0) * item + row)
-                 for r in range(t.size(0))]
+        spans = [
+            (first + r * t.stride(0) * item, first + r * t.stride(0) * item + row)
+            for r in range(t.size(0))
+        ]
     else:
         last = first + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) * item
         spans = [(first, last + item)]

@@ -38,8 +38,8 @@ from vllm.model_executor.model_loader.weight_utils import (
     get_quant_config,
 )
 
-from fastload.errors import FastloadError, ModelMismatchError, UnsupportedError
-from fastload.units import format_bytes
+from fastload.core.errors import FastloadError, ModelMismatchError, UnsupportedError
+from fastload.core.units import format_bytes
 
 from .adopt import CopyWatch
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
@@ -154,7 +154,9 @@ class FastloadModelLoader(DefaultModelLoader):
     def load_model(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> nn.Module:
-        model = super().load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        model = super().load_model(
+            vllm_config=vllm_config, model_config=model_config, prefix=prefix
+        )
         if self._mappings:
             # after vLLM's post-load processing, which repacks or replaces most parameters
             tensors = [*model.parameters(), *model.buffers()]
@@ -212,7 +214,9 @@ class FastloadModelLoader(DefaultModelLoader):
             watch.adopted,
             format_bytes(watch.adopted_bytes),
             format_bytes(watch.copied_bytes),
-            f", {watch.slices_read} tensor-parallel slice(s) read alone" if watch.slices_read else "",
+            f", {watch.slices_read} tensor-parallel slice(s) read alone"
+            if watch.slices_read
+            else "",
         )
         # The loader keeps nothing: views handed out live on only as the model's parameters.
         self._streams.clear()

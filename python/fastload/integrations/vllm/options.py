@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fastload.errors import RequestError
-from fastload.threads import MAX_THREADS
+from fastload.core.errors import RequestError
+from fastload.core.threads import MAX_THREADS
 
 #: the load format's name, as users pass it to ``--load-format``
 LOAD_FORMAT = "fastload"
@@ -35,8 +35,7 @@ KEYS = {
 
 #: vLLM's keys for its own load formats, refused here with what fastload does instead
 _OTHER_FORMATS = {
-    "enable_multithread_load": "fastload always reads on several threads ('threads' sets how"
-    " many)",
+    "enable_multithread_load": "fastload always reads on several threads ('threads' sets how many)",
     "num_threads": "use 'threads'",
 }
 
@@ -61,10 +60,12 @@ def _bool(key: str, value: object) -> bool:
     return value
 
 
-def parse_options(extra_config: object, safetensors_load_strategy: object = None) -> VllmLoadOptions:
+def parse_options(
+    extra_config: object, safetensors_load_strategy: object = None
+) -> VllmLoadOptions:
     """The options in ``extra_config`` (vLLM's ``model_loader_extra_config``), checked.
 
-    Raises :class:`~fastload.errors.RequestError` for anything but a JSON object of the keys in
+    Raises :class:`~fastload.core.errors.RequestError` for anything but a JSON object of the keys in
     :data:`KEYS` with values of their types, and for ``--safetensors-load-strategy`` (a strategy of
     vLLM's own safetensors reader: fastload reads its own way)."""
     if extra_config is None:

@@ -7,10 +7,10 @@ load before any parameter is touched, with the file and the tensor named.
 
 Tensors are then handed out in file order:
 
-* as views of a private (copy-on-write) mapping of the file (:class:`fastload.sharing.
+* as views of a private (copy-on-write) mapping of the file (:class:`fastload.core.sharing.
   SharedMapping`) where the file may be mapped (local filesystems; ``mmap`` option), read ahead of
   the weight loaders by a helper thread through the engine (parallel reads, GIL released), never
-  more than the memory budget's read-ahead room ahead of them (:mod:`fastload.memory`);
+  more than the memory budget's read-ahead room ahead of them (:mod:`fastload.core.memory`);
   under tensor parallelism nothing is read ahead blindly: the weight loaders' own slices are read
   when they copy them (:mod:`fastload.integrations.vllm.adopt`), so each rank reads its share;
 * as private copies made by the engine otherwise (network filesystems, ``mmap='copy'``), on a
@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.dtypes import to_torch
-from fastload.engine import copy_into
-from fastload.errors import CheckpointError, FastloadError, UnsupportedError
-from fastload.memory import memory_budget
-from fastload.pickle_file import is_pickle, load_state_dict
-from fastload.progress import bar_wanted, binary_unit
-from fastload.sharing import WARM_PIECE, SharedMapping, file_sharing
+from fastload.core.dtypes import to_torch
+from fastload.core.engine import copy_into
+from fastload.core.errors import CheckpointError, FastloadError, UnsupportedError
+from fastload.core.memory import memory_budget
+from fastload.core.pickle_file import is_pickle, load_state_dict
+from fastload.core.progress import bar_wanted, binary_unit
+from fastload.core.sharing import WARM_PIECE, SharedMapping, file_sharing
 
 from .options import VllmLoadOptions
 
@@ -187,7 +187,10 @@ class CheckpointWeights:
                 continue
             start, stop = f.st.data_start, f.st.file_size
             if f.mapping is not None:
-                cuts = [start, *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE)]
+                cuts = [
+                    start,
+                    *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
+                ]
                 for a, b in zip(cuts, [*cuts[1:], stop], strict=True):
                     pieces.append((f.mapping, a, b, at + a - start))
             at += stop - start
@@ -200,9 +203,7 @@ class CheckpointWeights:
             try:
                 for mapping, a, b, begin in pieces:
                     with self._wake:
-                        while (
-                            not self._stop and room is not None and begin - self._consumed > room
-                        ):
+                        while not self._stop and room is not None and begin - self._consumed > room:
                             self._wake.wait(0.5)
                         if self._stop:
                             return
@@ -289,7 +290,7 @@ class CheckpointWeights:
         if f.mapping is None:
             yield from self._copies(f)
             return
-        for name, st_dtype, shape, begin, end in f.entries or ():
+        for name, st_dtype, shape, _begin, _end in f.entries or ():
             view = f.mapping.view(name, to_torch(st_dtype))
             if view is None:  # an offset not aligned for the dtype: a copy
                 view = torch.empty(shape, dtype=to_torch(st_dtype), device="cpu")
