@@ -336,10 +336,10 @@ def main() -> None:
             results["runs"].append(r)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"vllm-{size / (1 << 30):.1f}GiB"
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    stem.with_suffix(".md").write_text(markdown(results))
-    plot(results, stem.with_suffix(".png"))
+    stem = f"vllm-{size / (1 << 30):.1f}GiB"  # not Path.with_suffix: ".1GiB" would be the suffix
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results))
+    plot(results, out / f"{stem}.png")
     print(markdown(results))
 
 
