@@ -142,3 +142,36 @@ def rewrite_header(path: str | os.PathLike[str], edit: object) -> None:
     new = json.dumps(edit(header)).encode()  # type: ignore[operator]
     new += b" " * (-len(new) % 8)
     Path(path).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
+
+
+def pages_needed(shards: list[Path], ranks: int) -> list[int]:
+    """Bytes of the whole pages of ``shards`` that each of ``ranks`` tensor-parallel ranks of a
+    vLLM Llama needs: column-parallel weights (q/k/v, gate/up, the vocabulary's rows) split along
+    their rows, row-parallel ones (o_proj, down_proj) along their columns, norms whole."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    needed = [0] * ranks
+    for shard in shards:
+        raw = shard.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8 : 8 + n])
+        header.pop("__metadata__", None)
+        for rank in range(ranks):
+            pages: set[int] = set()
+            for name, entry in header.items():
+                begin, end = (8 + n + o for o in entry["data_offsets"])
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    rows, cols = entry["shape"]
+                    row, part = (end - begin) // rows, (end - begin) // rows // ranks
+                    spans = [
+                        (begin + r * row + rank * part, begin + r * row + (rank + 1) * part)
+                        for r in range(rows)
+                    ]
+                elif name.endswith("norm.weight"):
+                    spans = [(begin, end)]
+                else:
+                    part = (end - begin) // ranks
+                    spans = [(begin + rank * part, begin + (rank + 1) * part)]
+                for a, b in spans:
+                    pages.update(range(a // page, -(-b // page)))
+            needed[rank] += len(pages) * page
+    return needed

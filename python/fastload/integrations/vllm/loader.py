@@ -11,7 +11,8 @@
   narrowing, expert mapping, tied embeddings), so every architecture vLLM serves loads;
 * what is read, and how, is fastload's: every file validated before the first tensor
   (:class:`~fastload.integrations.vllm.weights.CheckpointWeights`), tensors handed out as views of
-  the file mapping read ahead by the engine, parameters kept as stored adopted as those views,
+  the file mapping, the files read into the page cache ahead of the weight loaders, the weight
+  loaders' copies made by the engine, parameters kept as stored adopted as those views,
   tensor-parallel ranks reading only their slices (:class:`~fastload.integrations.vllm.adopt.
   CopyWatch`); any failure inside ``load_weights`` names the file and the tensor.
 """
@@ -128,6 +129,10 @@ class FastloadModelLoader(DefaultModelLoader):
         if source.is_unused_weight is not None and use_safetensors:
             files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
         index = os.path.join(hf_folder, index_file)
+        # vLLM's clock for "Loading weights took" starts before the files are opened (validating
+        # them is part of loading), where its default loader starts it before reading them
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
         progress = self.options.progress
         if progress is None:
             progress = enable_tqdm(self.load_config.use_tqdm_on_load)
@@ -141,8 +146,6 @@ class FastloadModelLoader(DefaultModelLoader):
         )
         self._streams.append(stream)
         self._mappings += [MappingRecord.of(m) for m in stream.mappings]
-        if self.counter_before_loading_weights == 0.0:
-            self.counter_before_loading_weights = time.perf_counter()
         return (
             (source.prefix + name, tensor)
             for name, tensor in stream
@@ -184,6 +187,7 @@ class FastloadModelLoader(DefaultModelLoader):
             tensors,
             tp_size=_tp_size(),
             adopt=self.options.share_weights and self.options.mmap != "copy",
+            threads=self.options.threads,
         )
         start = time.perf_counter()
         try:
@@ -207,13 +211,15 @@ class FastloadModelLoader(DefaultModelLoader):
         total = sum(s.bytes for s in self._streams)
         logger.info(
             "fastload: %s of weights from %d file(s) in %.2f s; %d parameter(s) (%s) kept as "
-            "views of the checkpoint's page cache, %s copied by the weight loaders%s",
+            "views of the checkpoint's page cache, %s copied by the weight loaders (%s of it "
+            "by the engine)%s",
             format_bytes(total),
             sum(len(s.paths) for s in self._streams),
             seconds,
             watch.adopted,
             format_bytes(watch.adopted_bytes),
             format_bytes(watch.copied_bytes),
+            format_bytes(watch.engine_bytes),
             f", {watch.slices_read} tensor-parallel slice(s) read alone"
             if watch.slices_read
             else "",

@@ -8,11 +8,14 @@ load before any parameter is touched, with the file and the tensor named.
 Tensors are then handed out in file order:
 
 * as views of a private (copy-on-write) mapping of the file (:class:`fastload.core.sharing.
-  SharedMapping`) where the file may be mapped (local filesystems; ``mmap`` option), read ahead of
-  the weight loaders by a helper thread through the engine (parallel reads, GIL released), never
-  more than the memory budget's read-ahead room ahead of them (:mod:`fastload.core.memory`);
-  under tensor parallelism nothing is read ahead blindly: the weight loaders' own slices are read
-  when they copy them (:mod:`fastload.integrations.vllm.adopt`), so each rank reads its share;
+  SharedMapping`) where the file may be mapped (local filesystems; ``mmap`` option), the files
+  read into the page cache ahead of the weight loaders by helper threads (parallel reads, GIL
+  released), never more than the memory budget's read-ahead room ahead of them
+  (:mod:`fastload.core.memory`). What the weight loaders copy out of a view the engine copies
+  from the file, and a view a parameter keeps becomes that parameter
+  (:mod:`fastload.integrations.vllm.adopt`). Under tensor parallelism nothing is read ahead
+  blindly: the weight loaders' own slices are read when they copy them, so each rank reads its
+  share;
 * as private copies made by the engine otherwise (network filesystems, ``mmap='copy'``), on a
   helper thread ahead of the weight loaders, within the budget;
 * ``.bin``/``.pt`` files through fastload's pickle reader (``torch.load(weights_only=True)``,
@@ -29,6 +32,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +41,7 @@ import torch
 from fastload import _core
 from fastload.core.dtypes import to_torch
 from fastload.core.engine import copy_into
-from fastload.core.errors import CheckpointError, FastloadError, UnsupportedError
+from fastload.core.errors import CheckpointError, UnsupportedError
 from fastload.core.memory import memory_budget
 from fastload.core.pickle_file import is_pickle, load_state_dict
 from fastload.core.progress import bar_wanted, binary_unit
@@ -46,6 +50,10 @@ from fastload.core.sharing import WARM_PIECE, SharedMapping, file_sharing
 from .options import VllmLoadOptions
 
 _MADV_RANDOM = 1
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: threads reading ahead into the page cache (requests in flight for the disk), unless the
+#: ``threads`` option says otherwise
+READ_THREADS = 8
 #: bytes of copies made ahead of the weight loaders at most (copy path)
 COPY_AHEAD = 256 << 20
 
@@ -75,12 +83,16 @@ def check_index(index: str, folder: str) -> None:
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a handed-out tensor came from: for messages, and for reading its slices."""
+    """Where a handed-out tensor came from: for messages, and for copying it (or a slice of it)
+    with the engine."""
 
     path: str
     name: str
     #: the mapping the tensor is a view of (``None``: a copy, or a pickle file's tensor)
     mapping: SharedMapping | None = None
+    #: the stored dtype (a safetensors name) and shape, where ``mapping`` is set
+    st_dtype: str = ""
+    shape: tuple[int, ...] = ()
 
 
 @dataclass
@@ -149,7 +161,6 @@ class CheckpointWeights:
         self._wake = threading.Condition()
         self._stop = False
         self._reader: threading.Thread | None = None
-        self.read_error: FastloadError | None = None
 
     def _check_index_against_shards(self, index: str) -> None:
         with open(index, encoding="utf-8") as fh:
@@ -176,11 +187,15 @@ class CheckpointWeights:
     # -- reading ahead ---------------------------------------------------------------------------
 
     def _start_reader(self) -> None:
-        """The helper thread that reads the mapped files ahead of the weight loaders (one rank:
-        every byte is needed), paced to stay within the memory budget's read-ahead room."""
+        """The helper thread that reads the mapped files into the page cache ahead of the weight
+        loaders (one rank: every byte is needed), where they are not cached yet, on several
+        threads (the disk's queue kept full), paced to stay within the memory budget's read-ahead
+        room. Only into the page cache: the engine copies from there (positioned reads), and a
+        view a parameter keeps maps its pages when it is first used, so the server maps no page
+        it does not keep."""
         if not self.options.read_ahead or self.tp_size > 1:
             return
-        pieces: list[tuple[SharedMapping, int, int, int]] = []  # (mapping, start, stop, at)
+        pieces: list[tuple[_core.SafetensorsFile, int, int, int]] = []  # (file, start, stop, at)
         at = 0
         for f in self._files:
             if f.st is None:
@@ -192,32 +207,39 @@ class CheckpointWeights:
                     *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
                 ]
                 for a, b in zip(cuts, [*cuts[1:], stop], strict=True):
-                    pieces.append((f.mapping, a, b, at + a - start))
+                    pieces.append((f.st, a, b, at + a - start))
             at += stop - start
         if not pieces:
             return
         room = memory_budget().read_ahead_room()
-        threads = self.options.threads
+        threads = self.options.threads or READ_THREADS
 
         def run() -> None:
+            null = os.open(os.devnull, os.O_WRONLY)
             try:
-                for mapping, a, b, begin in pieces:
-                    with self._wake:
-                        while not self._stop and room is not None and begin - self._consumed > room:
-                            self._wake.wait(0.5)
-                        if self._stop:
-                            return
-                    cold = mapping.file.mostly_uncached(a, b - a)
-                    mapping.file.read_ahead(
-                        mapping.address + a,
-                        a,
-                        b - a,
-                        threads=threads if cold else 1,
-                        cached=True,
-                        cold=cold,
-                    )
-            except FastloadError as e:  # the consumer's own faults then report the file
-                self.read_error = e
+                with ThreadPoolExecutor(threads, thread_name_prefix="fastload-vllm-read") as pool:
+                    for st, a, b, begin in pieces:
+                        with self._wake:
+                            while (
+                                not self._stop
+                                and room is not None
+                                and begin - self._consumed > room
+                            ):
+                                self._wake.wait(0.5)
+                            if self._stop:
+                                return
+                        fd = st.fileno()
+                        if fd is None or not st.mostly_uncached(a, b - a):
+                            continue
+                        step = -(-(b - a) // threads // _PAGE) * _PAGE
+                        starts = range(a, b, step)
+                        stops = [min(c + step, b) for c in starts]
+                        n = len(starts)
+                        list(pool.map(_read_through, [fd] * n, [null] * n, starts, stops))
+            except OSError:
+                pass  # the engine's and the faults' own reads then report the file
+            finally:
+                os.close(null)
 
         self._reader = threading.Thread(target=run, name="fastload-vllm-read-ahead", daemon=True)
         self._reader.start()
@@ -281,21 +303,25 @@ class CheckpointWeights:
             worker.join()
             self._stop = False
 
-    def _tensors(self, f: _File) -> Iterator[tuple[str, torch.Tensor]]:
+    def _tensors(self, f: _File) -> Iterator[tuple[str, torch.Tensor, Origin]]:
+        """``f``'s tensors in file order, each with where it came from."""
         if f.st is None:
             state = load_state_dict(f.path)
             for name in list(state):
-                yield name, state.pop(name)
+                yield name, state.pop(name), Origin(f.path, name)
             return
         if f.mapping is None:
-            yield from self._copies(f)
+            for name, tensor in self._copies(f):
+                yield name, tensor, Origin(f.path, name)
             return
         for name, st_dtype, shape, _begin, _end in f.entries or ():
             view = f.mapping.view(name, to_torch(st_dtype))
             if view is None:  # an offset not aligned for the dtype: a copy
                 view = torch.empty(shape, dtype=to_torch(st_dtype), device="cpu")
                 copy_into(f.st, [(name, view, st_dtype, None)], self.options.threads)
-            yield name, view
+                yield name, view, Origin(f.path, name)
+                continue
+            yield name, view, Origin(f.path, name, f.mapping, st_dtype, tuple(shape))
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         bar = None
@@ -313,13 +339,11 @@ class CheckpointWeights:
         self._start_reader()
         try:
             for f in self._files:
-                for name, tensor in self._tensors(f):
+                for name, tensor, origin in self._tensors(f):
                     self.current = (f.path, name)
                     nbytes = tensor.numel() * tensor.element_size()
-                    if nbytes:
-                        self.origins[tensor.untyped_storage().data_ptr()] = Origin(
-                            f.path, name, f.mapping
-                        )
+                    if nbytes:  # a storage freed and reused by a later tensor: the later's
+                        self.origins[tensor.untyped_storage().data_ptr()] = origin
                     yield name, tensor
                     self.bytes += nbytes
                     with self._wake:
@@ -331,6 +355,16 @@ class CheckpointWeights:
             self.close()
             if bar is not None:
                 bar.close()
+
+
+def _read_through(fd: int, null: int, start: int, stop: int) -> None:
+    """Reads file bytes ``[start, stop)`` into the page cache without copying them anywhere
+    (``sendfile`` to /dev/null; the GIL is released meanwhile)."""
+    while start < stop:
+        sent = os.sendfile(null, fd, start, stop - start)
+        if sent <= 0:
+            return
+        start += sent
 
 
 def _madvise(address: int, length: int, advice: int) -> None:
