@@ -6,6 +6,8 @@ under a real vLLM engine: tests/test_vllm.py."""
 
 from __future__ import annotations
 
+import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,28 @@ def test_a_copy_of_another_shape_names_the_file_and_the_tensor(tmp_path: Path) -
             if name == "k":
                 wrong.copy_(tensor)
     stream.close()
+
+
+def _present_pages(address: int, nbytes: int) -> int:
+    """How many pages of ``[address, address + nbytes)`` this process has mapped (pagemap)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = address // page, (address + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return sum(1 for i in range(0, len(raw), 8) if raw[i + 7] & 0x80)
+
+
+def test_an_adopted_parameter_replaced_later_leaves_the_page_tables(tmp_path: Path) -> None:
+    # vLLM's post-load processing replaces parameters (on CPU: every linear weight, repacked);
+    # the checkpoint pages of the one replaced must not stay counted in the server's RSS
+    path, tensors = _checkpoint(tmp_path)
+    params, watch = _load(path, tp_size=1)
+    o = params["o"]
+    assert watch.adopted == 2 and torch.equal(o, tensors["o"])  # read: its pages are mapped
+    address, nbytes = o.data_ptr(), o.numel() * o.element_size()
+    assert _present_pages(address, nbytes) >= nbytes // os.sysconf("SC_PAGE_SIZE") - 1
+    o.data = torch.zeros_like(o.data)  # what post-processing does: a new tensor in its place
+    gc.collect()
+    assert _present_pages(address, nbytes) <= 2  # at most the pages shared with neighbours
+    assert torch.equal(params["norm"], tensors["norm"])  # the other views are untouched

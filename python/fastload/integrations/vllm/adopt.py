@@ -9,6 +9,8 @@ tensor fastload handed out, and:
   dtype, contiguous, on the CPU, the parameter owning its whole storage): the parameter becomes the
   view of the checkpoint's mapping (``param.data = view``) instead of a copy of it. The view is a
   page of the page cache until written (copy-on-write), so replicas on one host share one copy;
+  its pages leave the server's page tables as soon as nothing uses them (a parameter vLLM's
+  post-load processing replaced);
 * **copies with the engine** (one rank) where the copy is a whole checkpoint tensor into a
   contiguous CPU destination of the same dtype and shape (a parameter, or the rows of a fused
   qkv/gate_up parameter): the Rust engine reads the bytes from the file (the page cache the
@@ -30,7 +32,9 @@ Copies from anything else (a converted tensor, a parameter to a parameter) run u
 
 from __future__ import annotations
 
+import ctypes
 import os
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,10 +47,39 @@ from fastload.core.errors import ModelMismatchError
 from .weights import Origin
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_MADV_DONTNEED = 4
 #: row spans merged into one read only where they touch (a gap is another rank's bytes)
 _MERGE_GAP = 1
 #: bytes below which a copy stays torch's (the engine's call costs more than it saves)
 ENGINE_MIN = 256 << 10
+
+
+def _dropped_when_freed(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on the bytes of ``view`` (a view of a file mapping, owning its storage) whose
+    whole pages are dropped from this process's page tables (``MADV_DONTNEED``; they stay in the
+    page cache) as soon as no tensor uses them any more: vLLM's post-load processing replaces
+    most parameters (on CPU it repacks every linear weight for oneDNN), and the pages of the one
+    it replaced would otherwise stay mapped, counted in the server's RSS, until the whole mapping
+    goes, raising its peak above that of a load that copies (whose copies are freed one by
+    one)."""
+    nbytes = view.numel() * view.element_size()
+    address = view.data_ptr()
+    buffer = (ctypes.c_char * nbytes).from_address(address)
+    buffer.owner = view  # the view, hence the mapping, lives as long as the buffer
+    out = torch.frombuffer(buffer, dtype=view.dtype, count=view.numel()).view(view.shape)
+    # runs when the last storage on the buffer is freed, while the mapping is still mapped
+    weakref.finalize(buffer, _drop_pages, address, nbytes)
+    return out
+
+
+def _drop_pages(address: int, nbytes: int) -> None:
+    """``MADV_DONTNEED`` on the whole pages inside ``[address, address + nbytes)`` (pages shared
+    with a neighbouring tensor are left alone); advisory, a failure changes memory, not data."""
+    start = -(-address // _PAGE) * _PAGE
+    stop = (address + nbytes) // _PAGE * _PAGE
+    if stop > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED)
 
 
 def _owns_storage(t: torch.Tensor) -> bool:
@@ -130,7 +163,7 @@ class CopyWatch(TorchFunctionMode):
             and src.device.type == "cpu"
         ):
             self._read(src, origin)
-            param.data = src
+            param.data = _dropped_when_freed(src)
             del self._params[dst.untyped_storage().data_ptr()]
             self.adopted += 1
             self.adopted_bytes += src.numel() * src.element_size()
