@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -498,7 +499,7 @@ def main() -> None:
         "shards": len(_shards(model)),
         "cpus": os.cpu_count(),
         "repeats": args.repeats,
-        "command": "python benches/vllm_bench.py " + " ".join(sys.argv[1:]),
+        "command": "python benches/vllm_bench.py " + shlex.join(sys.argv[1:]),
         "floors": {"cold_read_all": [], "memcpy_all": []},
         "runs": [],
     }

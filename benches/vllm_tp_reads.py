@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -215,7 +216,7 @@ def main() -> None:
         "shards": len(shards),
         "ideal_tp2_rank": replicated + sharded / 2,
         "pages_tp2_rank": max(pages_needed(shards, ranks=2)),
-        "command": "python benches/vllm_tp_reads.py " + " ".join(sys.argv[1:]),
+        "command": "python benches/vllm_tp_reads.py " + shlex.join(sys.argv[1:]),
         "runs": [],
     }
     for tp in (1, 2):
