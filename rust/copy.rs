@@ -17,7 +17,7 @@ mod planner;
 mod runner;
 
 pub use planner::{plan, Plan};
-pub use runner::{copy, execute};
+pub use runner::{copy, execute, execute_many};
 
 /// Source bytes per task: big enough to amortize scheduling, small enough to balance threads.
 pub const CHUNK: u64 = 8 << 20;

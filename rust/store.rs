@@ -1,0 +1,626 @@
+//! Object storage as a source of bytes (feature `store`): checkpoints read with ranged GETs from
+//! S3 (and S3-compatible stores), Google Cloud Storage, Azure Blob Storage, or any HTTP server
+//! that honours `Range`, through the `object_store` crate: one trait for every store, retries
+//! and timeouts as configuration, ranged reads as the primitive.
+//!
+//! * [`Store`]: one bucket (container, host) and its client, configured from the URL, the
+//!   standard environment variables of its kind (`AWS_*`, `GOOGLE_*`, `AZURE_*`), defaults the
+//!   caller read from configuration files (an AWS profile) and the caller's options.
+//! * [`Object`]: one object of a store, its size and version (ETag) fixed when it was opened.
+//!   Every later read asks for that version (`If-Match`): an object replaced during a load is an
+//!   error ([`StoreFailure::Changed`]), never a mix of two versions.
+//!
+//! Reads block the calling thread (the copy engine's workers) while one shared runtime's threads
+//! drive the connections; the bytes of a response go straight into the caller's buffer as they
+//! arrive. Transient failures (connection refused or cut, timeouts, 5xx and 429 answers, a body
+//! cut short, which resumes from the byte it reached) are retried by `object_store` with bounded
+//! exponential backoff ([`Settings`]); everything else is an [`Error::Store`] at once. Nothing
+//! here prints or logs: `object_store` reports retries through `tracing`, which stays silent
+//! without a subscriber, and messages never carry credentials or a URL's query.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use object_store::aws::{AmazonS3Builder, AmazonS3ConfigKey};
+use object_store::azure::{AzureConfigKey, MicrosoftAzureBuilder};
+use object_store::gcp::{GoogleCloudStorageBuilder, GoogleConfigKey};
+use object_store::http::HttpBuilder;
+use object_store::path::Path as StorePath;
+use object_store::{
+    BackoffConfig, ClientConfigKey, ClientOptions, GetOptions, GetRange, ObjectStore,
+    ObjectStoreExt, ObjectStoreScheme, RetryConfig,
+};
+use tokio::runtime::Runtime;
+use url::Url;
+
+use crate::error::{Error, Result, StoreFailure};
+
+/// Retries of a failing request, unless the options say otherwise (`max_retries`).
+pub const DEFAULT_MAX_RETRIES: usize = 5;
+/// First wait before a retry (`retry_init_backoff`); doubled each time, with jitter.
+pub const DEFAULT_INIT_BACKOFF: Duration = Duration::from_millis(200);
+/// Longest wait between retries (`retry_max_backoff`).
+pub const DEFAULT_MAX_BACKOFF: Duration = Duration::from_secs(8);
+/// No retry starts this long after a request's first attempt (`retry_timeout`).
+pub const DEFAULT_RETRY_TIMEOUT: Duration = Duration::from_secs(120);
+/// Client timeouts fastload sets unless the options or the environment set them: connecting,
+/// waiting for any byte of a response (a stalled store), and one whole request (at most
+/// [`crate::copy::CHUNK`] bytes, or a header).
+pub const DEFAULT_TIMEOUTS: [(ClientConfigKey, &str); 3] = [
+    (ClientConfigKey::ConnectTimeout, "10s"),
+    (ClientConfigKey::ReadTimeout, "30s"),
+    (ClientConfigKey::Timeout, "300s"),
+];
+
+/// Options fastload reads itself (the retry policy); every other option goes to the store's
+/// builder, which refuses a key it does not know.
+const RETRY_KEYS: [&str; 5] = [
+    "max_retries",
+    "retry_timeout",
+    "retry_init_backoff",
+    "retry_max_backoff",
+    "retry_backoff_base",
+];
+
+/// What configures a [`Store`] besides its URL.
+#[derive(Clone, Default)]
+pub struct Settings {
+    /// The caller's options (`object_store`'s configuration keys, e.g. `aws_endpoint`,
+    /// `aws_region`, `timeout`, `read_timeout`, plus [`RETRY_KEYS`]); they win over everything.
+    pub options: Vec<(String, String)>,
+    /// Values from configuration files (an AWS profile's keys, region and endpoint): used where
+    /// neither the environment nor the options give a value.
+    pub defaults: Vec<(String, String)>,
+}
+
+// Hand-written: the values are credentials, never printed.
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let keys = |kv: &[(String, String)]| kv.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+        f.debug_struct("Settings")
+            .field("options", &keys(&self.options))
+            .field("defaults", &keys(&self.defaults))
+            .finish()
+    }
+}
+
+/// One bucket, container or host, and the client that reads it.
+#[derive(Debug)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    /// `scheme://authority`: what messages name with an object's key.
+    base: String,
+}
+
+/// One object of a [`Store`], as it was when opened.
+#[derive(Debug)]
+pub struct Object {
+    store: Arc<dyn ObjectStore>,
+    url: String,
+    path: StorePath,
+    size: u64,
+    e_tag: Option<String>,
+}
+
+/// The runtime every store's requests run on: built on first use, and again in a child process
+/// after a fork (the parent's runtime threads do not exist there; using its runtime would hang).
+fn runtime() -> Result<Arc<Runtime>> {
+    static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
+    let mut slot = RUNTIME.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if let Some((owner, rt)) = slot.as_ref() {
+        if *owner == pid {
+            return Ok(rt.clone());
+        }
+        // A forked child: the parent's runtime cannot run here, and dropping it would wait on
+        // threads that do not exist.
+        if let Some((_, stale)) = slot.take() {
+            std::mem::forget(stale);
+        }
+    }
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(2, 16);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("fastload-store")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Io {
+            detail: format!("cannot start the object storage runtime: {e}"),
+            source: None,
+        })?;
+    let rt = Arc::new(rt);
+    *slot = Some((pid, rt.clone()));
+    Ok(rt)
+}
+
+/// Runs `future` to completion on the store runtime, blocking this thread.
+fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
+    Ok(runtime()?.block_on(future))
+}
+
+/// `detail` without the query of any URL in it (an Azure SAS token or a presigned signature
+/// would otherwise be shown), on one line, at most 600 characters.
+pub fn redact(detail: &str) -> String {
+    let mut out = String::with_capacity(detail.len());
+    let mut rest = detail;
+    while let Some(at) = rest.find("://") {
+        // copy up to the end of the URL's path, then skip its query (to whitespace or a closing
+        // bracket or quote)
+        let (head, tail) = rest.split_at(at);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c.is_whitespace() || matches!(c, ')' | '"' | '\'' | '>' | ']'))
+            .unwrap_or(tail.len());
+        let url = &tail[..end];
+        match url.find('?') {
+            Some(q) => {
+                out.push_str(&url[..q]);
+                out.push_str("?<query hidden>");
+            }
+            None => out.push_str(url),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    let one_line = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    let one_line = one_line.trim_end_matches([':', ' ']).to_string();
+    if one_line.chars().count() > 600 {
+        let cut: String = one_line.chars().take(600).collect();
+        return format!("{cut}...");
+    }
+    one_line
+}
+
+/// An `object_store` error as fastload's, sorted by who can do something about it.
+fn failure(e: object_store::Error) -> Error {
+    use object_store::Error as E;
+    let failure = match &e {
+        E::NotFound { .. } => StoreFailure::NotFound,
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => StoreFailure::Denied,
+        E::Precondition { .. } | E::NotModified { .. } => StoreFailure::Changed,
+        E::InvalidPath { .. } | E::UnknownConfigurationKey { .. } | E::NotSupported { .. } => {
+            StoreFailure::Config
+        }
+        E::NotImplemented { .. } => StoreFailure::Config,
+        _ => StoreFailure::Unavailable,
+    };
+    Error::Store {
+        failure,
+        tensor: None,
+        detail: redact(&e.to_string()),
+    }
+}
+
+fn config_error(detail: impl Into<String>) -> Error {
+    Error::Store {
+        failure: StoreFailure::Config,
+        tensor: None,
+        detail: detail.into(),
+    }
+}
+
+fn parse_duration(key: &str, value: &str) -> Result<Duration> {
+    humantime::parse_duration(value.trim()).map_err(|_| {
+        config_error(format!(
+            "option '{key}': '{value}' is not a duration (e.g. '30s', '500ms', '2m')"
+        ))
+    })
+}
+
+/// The retry policy: fastload's defaults, changed by the options in [`RETRY_KEYS`].
+fn retry_config(options: &HashMap<&str, &str>) -> Result<RetryConfig> {
+    let mut retry = RetryConfig {
+        backoff: BackoffConfig {
+            init_backoff: DEFAULT_INIT_BACKOFF,
+            max_backoff: DEFAULT_MAX_BACKOFF,
+            base: 2.0,
+        },
+        max_retries: DEFAULT_MAX_RETRIES,
+        retry_timeout: DEFAULT_RETRY_TIMEOUT,
+    };
+    for (&key, &value) in options {
+        match key {
+            "max_retries" => {
+                retry.max_retries = value
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| *n <= 100)
+                    .ok_or_else(|| {
+                        config_error(format!(
+                            "option 'max_retries': '{value}' is not a count from 0 to 100"
+                        ))
+                    })?
+            }
+            "retry_timeout" => retry.retry_timeout = parse_duration(key, value)?,
+            "retry_init_backoff" => retry.backoff.init_backoff = parse_duration(key, value)?,
+            "retry_max_backoff" => retry.backoff.max_backoff = parse_duration(key, value)?,
+            "retry_backoff_base" => {
+                retry.backoff.base = value
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|b| (1.0..=10.0).contains(b))
+                    .ok_or_else(|| {
+                        config_error(format!(
+                            "option 'retry_backoff_base': '{value}' is not a number from 1 to 10"
+                        ))
+                    })?
+            }
+            _ => {}
+        }
+    }
+    Ok(retry)
+}
+
+/// `AWS_`, `GOOGLE_` or `AZURE_` variables of the environment, as the builders' `from_env`
+/// reads them (names lowercased).
+fn environment(prefix: &str) -> Vec<(String, String)> {
+    std::env::vars_os()
+        .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+        .filter(|(k, _)| k.starts_with(prefix))
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect()
+}
+
+/// Builds a cloud store's builder in precedence order (later wins): fastload's client
+/// defaults, configuration-file defaults, the environment, the URL, the caller's options. Unknown keys in the caller's options are
+/// refused; unknown environment variables are skipped, as `from_env` skips them.
+macro_rules! configure {
+    ($builder:expr, $key:ty, $prefix:expr, $url:expr, $options:expr, $defaults:expr) => {{
+        let mut b = $builder;
+        for (key, value) in DEFAULT_TIMEOUTS {
+            b = b.with_config(<$key>::Client(key), value);
+        }
+        // in order of precedence, lowest first: each later value replaces an earlier one
+        for (k, v) in $defaults {
+            let key: $key = k
+                .parse()
+                .map_err(|_| config_error(format!("configuration file key '{k}' is unknown")))?;
+            b = b.with_config(key, v.as_str());
+        }
+        for (k, v) in environment($prefix) {
+            if let Ok(key) = k.parse::<$key>() {
+                b = b.with_config(key, v);
+            }
+        }
+        b = b.with_url($url);
+        for (k, v) in $options {
+            let key: $key = k.to_ascii_lowercase().parse().map_err(|_| {
+                config_error(format!("unknown option '{k}' for this kind of store"))
+            })?;
+            b = b.with_config(key, v.as_str());
+        }
+        b
+    }};
+}
+
+impl Store {
+    /// The store that `url` names (`s3://bucket/key`, `gs://...`, `az://container/...`,
+    /// `https://host/path`), and the key of the object or prefix it addresses in it.
+    ///
+    /// An `http://` endpoint (`AWS_ENDPOINT_URL=http://127.0.0.1:9000`, an `http://` URL) allows
+    /// plain HTTP, as the AWS SDKs do; otherwise only HTTPS is used.
+    pub fn from_url(url: &str, settings: &Settings) -> Result<(Store, String)> {
+        // before any client is built: reqwest has no TLS provider of its own here
+        rustls_provider();
+        let parsed = Url::parse(url)
+            .map_err(|e| config_error(format!("'{}' is not a URL ({e})", redact(url))))?;
+        let (scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|_| {
+            config_error(format!(
+                "'{}' is not an object storage URL (s3://, gs://, az://, http(s)://)",
+                redact(url)
+            ))
+        })?;
+        let base = parsed[..url::Position::BeforePath].to_string();
+        let options: Vec<(String, String)> = settings
+            .options
+            .iter()
+            .filter(|(k, _)| !RETRY_KEYS.contains(&k.as_str()))
+            .cloned()
+            .collect();
+        let retry_options: HashMap<&str, &str> = settings
+            .options
+            .iter()
+            .filter(|(k, _)| RETRY_KEYS.contains(&k.as_str()))
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        let retry = retry_config(&retry_options)?;
+        let user_http = options
+            .iter()
+            .any(|(k, _)| k.to_ascii_lowercase().ends_with("allow_http"));
+        let plain = |endpoint: Option<String>| {
+            !user_http && endpoint.is_some_and(|e| e.trim().starts_with("http://"))
+        };
+        let inner: Arc<dyn ObjectStore> = match scheme {
+            ObjectStoreScheme::AmazonS3 => {
+                let mut b = configure!(
+                    AmazonS3Builder::new(),
+                    AmazonS3ConfigKey,
+                    "AWS_",
+                    url,
+                    &options,
+                    &settings.defaults
+                );
+                if plain(b.get_config_value(&AmazonS3ConfigKey::Endpoint)) {
+                    b = b.with_config(
+                        AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp),
+                        "true",
+                    );
+                }
+                Arc::new(b.with_retry(retry).build().map_err(failure)?)
+            }
+            ObjectStoreScheme::GoogleCloudStorage => {
+                let mut b = configure!(
+                    GoogleCloudStorageBuilder::new(),
+                    GoogleConfigKey,
+                    "GOOGLE_",
+                    url,
+                    &options,
+                    &settings.defaults
+                );
+                if let Ok(path) = std::env::var("SERVICE_ACCOUNT") {
+                    if b.get_config_value(&GoogleConfigKey::ServiceAccount)
+                        .is_none()
+                    {
+                        b = b.with_service_account_path(path);
+                    }
+                }
+                if plain(b.get_config_value(&GoogleConfigKey::BaseUrl)) {
+                    b = b.with_config(GoogleConfigKey::Client(ClientConfigKey::AllowHttp), "true");
+                }
+                Arc::new(b.with_retry(retry).build().map_err(failure)?)
+            }
+            ObjectStoreScheme::MicrosoftAzure => {
+                let mut b = configure!(
+                    MicrosoftAzureBuilder::new(),
+                    AzureConfigKey,
+                    "AZURE_",
+                    url,
+                    &options,
+                    &settings.defaults
+                );
+                if let Ok(endpoint) = std::env::var("MSI_ENDPOINT") {
+                    b = b.with_msi_endpoint(endpoint);
+                }
+                let emulator = b
+                    .get_config_value(&AzureConfigKey::UseEmulator)
+                    .is_some_and(|v| v == "true");
+                if emulator || plain(b.get_config_value(&AzureConfigKey::Endpoint)) {
+                    b = b.with_config(AzureConfigKey::Client(ClientConfigKey::AllowHttp), "true");
+                }
+                Arc::new(b.with_retry(retry).build().map_err(failure)?)
+            }
+            ObjectStoreScheme::Http => {
+                let mut client = ClientOptions::new();
+                for (key, value) in DEFAULT_TIMEOUTS {
+                    client = client.with_config(key, value);
+                }
+                client = client.with_allow_http(parsed.scheme() == "http");
+                for (k, v) in &options {
+                    let key: ClientConfigKey = k.to_ascii_lowercase().parse().map_err(|_| {
+                        config_error(format!("unknown option '{k}' for an HTTP store"))
+                    })?;
+                    client = client.with_config(key, v.as_str());
+                }
+                let b = HttpBuilder::new()
+                    .with_url(base.clone())
+                    .with_client_options(client)
+                    .with_retry(retry);
+                Arc::new(b.build().map_err(failure)?)
+            }
+            other => {
+                return Err(config_error(format!(
+                    "'{}' is a {other:?} URL; fastload reads s3://, gs://, az:// and http(s)://",
+                    redact(url)
+                )))
+            }
+        };
+        // The root of the store as a URL: the given URL less the key (the bucket or container
+        // stays in it, wherever the URL puts it); the scheme and host where that is not a
+        // suffix (a query, percent-encoding).
+        let key = path.as_ref().to_string();
+        let whole = parsed.as_str().trim_end_matches('/');
+        let root = match whole.strip_suffix(key.as_str()) {
+            Some(rest) if !key.is_empty() => rest.trim_end_matches('/').to_string(),
+            _ if key.is_empty() && parsed.query().is_none() => whole.to_string(),
+            _ => base,
+        };
+        Ok((Store { inner, base: root }, key))
+    }
+
+    /// `scheme://bucket`: the URL of the store's root.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// The URL of `key` in this store, for messages.
+    pub fn url_of(&self, key: &str) -> String {
+        format!("{}/{}", self.base, key)
+    }
+
+    fn path(&self, key: &str) -> Result<StorePath> {
+        StorePath::parse(key).map_err(|e| {
+            config_error(format!(
+                "'{}' is not an object key ({e})",
+                redact(&self.url_of(key))
+            ))
+        })
+    }
+
+    /// Size and version of `key`, or `None` if there is no such object (a missing bucket is an
+    /// error).
+    pub fn head(&self, key: &str) -> Result<Option<(u64, Option<String>)>> {
+        let path = self.path(key)?;
+        match block_on(self.inner.head(&path))? {
+            Ok(meta) => Ok(Some((meta.size, meta.e_tag))),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(failure(e)),
+        }
+    }
+
+    /// The whole object `key` (a small file: an index, a config), refused unread beyond
+    /// `max_bytes`.
+    pub fn get(&self, key: &str, max_bytes: u64) -> Result<Vec<u8>> {
+        let object = self.open(key)?;
+        if object.size > max_bytes {
+            return Err(Error::Store {
+                failure: StoreFailure::Config,
+                tensor: None,
+                detail: format!(
+                    "{} is {} bytes, more than the {max_bytes} bytes this file may have",
+                    self.url_of(key),
+                    object.size
+                ),
+            });
+        }
+        let mut out = vec![0u8; object.size as usize];
+        object.read_into(&mut out, 0)?;
+        Ok(out)
+    }
+
+    /// `(key, size)` of the objects directly under `prefix` (not in its sub-prefixes).
+    pub fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
+        let trimmed = prefix.trim_end_matches('/');
+        let path = if trimmed.is_empty() {
+            None
+        } else {
+            Some(self.path(trimmed)?)
+        };
+        let listed = block_on(self.inner.list_with_delimiter(path.as_ref()))?.map_err(failure)?;
+        Ok(listed
+            .objects
+            .into_iter()
+            .map(|m| (m.location.as_ref().to_string(), m.size))
+            .collect())
+    }
+
+    /// Opens `key`: its size and version, asked once (a missing object is
+    /// [`StoreFailure::NotFound`]). The object shares this store's client.
+    pub fn open(&self, key: &str) -> Result<Object> {
+        let path = self.path(key)?;
+        let meta = block_on(self.inner.head(&path))?.map_err(failure)?;
+        Ok(Object {
+            store: self.inner.clone(),
+            url: self.url_of(key),
+            path,
+            size: meta.size,
+            e_tag: meta.e_tag,
+        })
+    }
+}
+
+/// Installs ring as the process's TLS provider (reqwest is built without a default one): once,
+/// before the first HTTPS connection. Another library may have installed one already: then that
+/// one is used.
+fn rustls_provider() -> bool {
+    static DONE: OnceLock<bool> = OnceLock::new();
+    *DONE.get_or_init(|| {
+        rustls::crypto::CryptoProvider::get_default().is_some()
+            || rustls::crypto::ring::default_provider()
+                .install_default()
+                .is_ok()
+            || rustls::crypto::CryptoProvider::get_default().is_some()
+    })
+}
+
+impl Object {
+    /// The object's size in bytes when opened.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Its URL, for messages.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Reads `[offset, offset + len)` with one ranged GET, handing the bytes to `sink` in the
+    /// order and pieces they arrive. A body cut short is resumed from the byte it reached (by
+    /// `object_store`, within the retry policy); fewer or more bytes than asked for, or another
+    /// version of the object, is an error. `sink` may stop the read with an error.
+    pub fn read_chunks(
+        &self,
+        offset: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        let range: Range<u64> = offset..offset.saturating_add(len);
+        if range.end > self.size {
+            return Err(Error::FileShrunk {
+                expected: range.end,
+                actual: self.size,
+            });
+        }
+        let options = GetOptions {
+            range: Some(GetRange::Bounded(range.clone())),
+            if_match: self.e_tag.clone(),
+            ..Default::default()
+        };
+        let short = |got: u64| Error::Store {
+            failure: StoreFailure::Changed,
+            tensor: None,
+            detail: format!(
+                "{}: bytes {}..{} answered with {got} bytes",
+                self.url(),
+                range.start,
+                range.end
+            ),
+        };
+        block_on(async {
+            let result = self
+                .store
+                .get_opts(&self.path, options)
+                .await
+                .map_err(failure)?;
+            if result.range != range {
+                return Err(Error::Store {
+                    failure: StoreFailure::Changed,
+                    tensor: None,
+                    detail: format!(
+                        "{}: asked for bytes {:?}, the store answered {:?}",
+                        self.url(),
+                        range,
+                        result.range
+                    ),
+                });
+            }
+            let mut stream = result.into_stream();
+            let mut got = 0u64;
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(failure)?;
+                if got + chunk.len() as u64 > len {
+                    return Err(short(got + chunk.len() as u64));
+                }
+                got += chunk.len() as u64;
+                sink(&chunk)?;
+            }
+            if got != len {
+                return Err(short(got));
+            }
+            Ok(())
+        })?
+    }
+
+    /// Fills `dst` with the bytes at `offset`.
+    pub fn read_into(&self, dst: &mut [u8], offset: u64) -> Result<()> {
+        let mut at = 0usize;
+        self.read_chunks(offset, dst.len() as u64, &mut |chunk| {
+            dst[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
