@@ -17,6 +17,10 @@ mod planner;
 mod runner;
 
 pub use planner::{plan, Plan};
+#[cfg(test)]
+use planner::{DstPtr, Piece};
+#[cfg(test)]
+use runner::Scatter;
 pub use runner::{copy, execute, execute_many};
 
 /// Source bytes per task: big enough to amortize scheduling, small enough to balance threads.

@@ -582,6 +582,24 @@ impl Object {
                 .get_opts(&self.path, options)
                 .await
                 .map_err(failure)?;
+            // Stores that ignore If-Match still say which version and size they served.
+            let replaced = result.meta.size != self.size
+                || matches!((&result.meta.e_tag, &self.e_tag), (Some(a), Some(b)) if a != b);
+            if replaced {
+                return Err(Error::Store {
+                    failure: StoreFailure::Changed,
+                    tensor: None,
+                    detail: format!(
+                        "{}: opened as {} bytes (ETag {}), now {} bytes (ETag {}): replaced \
+                         while loading",
+                        self.url(),
+                        self.size,
+                        self.e_tag.as_deref().unwrap_or("none"),
+                        result.meta.size,
+                        result.meta.e_tag.as_deref().unwrap_or("none")
+                    ),
+                });
+            }
             if result.range != range {
                 return Err(Error::Store {
                     failure: StoreFailure::Changed,

@@ -295,6 +295,13 @@ def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
             if dest.tensor is not None:
                 src.mode = "fill"
             elif dest.device == DISK:  # stays in the file; read when its module runs
+                if ckpt.files[stored.file].mode == "ranged-get":
+                    raise UnsupportedError(
+                        f"{ckpt.file_path(stored)}: tensor {stored.name!r} is mapped to 'disk', "
+                        "but the checkpoint is in object storage: offloaded tensors are read "
+                        "from a local file when their module runs. Map it to a device, or "
+                        "download the checkpoint first"
+                    )
                 src.mode = "offload"
             elif dest.selection is not None:
                 src.mode = "slice"

@@ -8,12 +8,17 @@ device=..., backend=...)`` with ``keys``, ``offset_keys``, ``metadata``, ``get_t
 Every read goes through the Rust copy engine (:mod:`fastload._core`): the destination tensor is
 allocated once, on its final dtype, and filled in parallel with the GIL released. Destinations on
 an accelerator are filled through the bounded staging pipeline of :mod:`fastload.streaming`.
+
+A path may also be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
+``az://``, ``http(s)://``; :mod:`fastload.core.object_store`): the header is read first, then
+the tensors with parallel ranged GETs into their destinations; ``storage_options`` configures the
+store (:mod:`fastload.core.store_config`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -21,9 +26,10 @@ import torch
 
 from fastload import _core
 from fastload.arguments import check_bool
+from fastload.core import object_store
 from fastload.devices import DeviceArg, parse_device
 from fastload.dtypes import CONVERTIBLE, conversion_dtype, parse_dtype, to_st, to_torch, torch_shape
-from fastload.engine import READ_MODES, CopyItem, TensorFile, copy_into
+from fastload.engine import READ_MODES, CopyItem, TensorFile, copy_files, copy_into
 from fastload.errors import RequestError, UnsupportedError
 from fastload.slices import SafeSlice
 from fastload.streaming import StagingPool
@@ -45,16 +51,35 @@ def resolve_read_mode(read_mode: str | None, backend: str | None) -> str:
 
 
 def open_file(
-    path: str | os.PathLike[str], read_mode: str = "pread", *, strict: bool = False
+    path: str | os.PathLike[str],
+    read_mode: str = "pread",
+    *,
+    strict: bool = False,
+    storage_options: Mapping[str, object] | None = None,
 ) -> _core.SafetensorsFile:
     """Opens and validates one file; ``read_mode`` is ``"pread"`` (default) or ``"mmap"``.
 
     ``strict`` also refuses what the safetensors crate accepts and fastload reads by default
-    (an unknown field in a tensor entry, ``"__metadata__": null``).
+    (an unknown field in a tensor entry, ``"__metadata__": null``). An object storage URL is
+    read with ranged GETs (``read_mode`` does not apply; ``"mmap"`` is refused), configured by
+    ``storage_options``.
     """
     if read_mode not in READ_MODES:
         raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
     check_bool(strict, "strict", where=os.fspath(path))
+    if object_store.is_url(path):
+        assert isinstance(path, str)
+        if read_mode == "mmap":
+            raise RequestError(
+                f"{path}: read_mode='mmap' needs a local file; an object in object storage is "
+                "read with ranged GETs"
+            )
+        return object_store.open_file(path, storage_options, strict=strict)
+    if storage_options is not None:
+        raise RequestError(
+            f"{os.fspath(path)}: storage_options apply to object storage URLs (s3://, gs://, "
+            "az://, http(s)://), not to local files"
+        )
     return _core.SafetensorsFile(os.fspath(path), read_mode, strict=strict)
 
 
@@ -96,37 +121,67 @@ def fill(
     all staged through ``pool`` (default: one default-sized pool for this call).
     The caller must not free or resize a destination until this returns.
     """
-    check_threads(threads, file.path)
-    jobs: list[CopyItem] = []  # hold the contiguous temporaries until the copy is done
+    return fill_many([(file, items)], threads, pool, progress)
+
+
+def fill_many(
+    work: Sequence[tuple[TensorFile, Iterable[FillItem]]],
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+    progress: _core.Progress | None = None,
+) -> int:
+    """:func:`fill` for the items of several files. Their CPU destinations are filled in one
+    engine call when every file is a safetensors file and one of them is in object storage
+    (:func:`fastload.engine.copy_files`: the shards are read in parallel with each other);
+    otherwise one call per file, in order. Destinations on other devices are staged per file."""
+    prepared: list[tuple[TensorFile, list[CopyItem]]] = []
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
-    remote: dict[torch.device, list[FillItem]] = {}
-    for name, dest, selection in items:
-        _check_destination(file.path, name, dest)
-        if dest.device.type == "meta":
-            raise RequestError(f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill")
-        if dest.device.type != "cpu":
-            remote.setdefault(dest.device, []).append((name, dest, selection))
-            continue
-        target = (
-            dest
-            if dest.is_contiguous()
-            else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
-        )
-        if target is not dest:
-            after.append((dest, target))
-        jobs.append((name, target, to_st(target.dtype), selection))
-    written = copy_into(file, jobs, threads, progress) if jobs else 0
+    staged: list[tuple[TensorFile, dict[torch.device, list[FillItem]]]] = []
+    for file, items in work:
+        check_threads(threads, file.path)
+        jobs: list[CopyItem] = []  # hold the contiguous temporaries until the copy is done
+        remote: dict[torch.device, list[FillItem]] = {}
+        for name, dest, selection in items:
+            _check_destination(file.path, name, dest)
+            if dest.device.type == "meta":
+                raise RequestError(
+                    f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill"
+                )
+            if dest.device.type != "cpu":
+                remote.setdefault(dest.device, []).append((name, dest, selection))
+                continue
+            target = (
+                dest
+                if dest.is_contiguous()
+                else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+            )
+            if target is not dest:
+                after.append((dest, target))
+            jobs.append((name, target, to_st(target.dtype), selection))
+        prepared.append((file, jobs))
+        if remote:
+            staged.append((file, remote))
+    together = len(prepared) > 1 and all(isinstance(f, _core.SafetensorsFile) for f, _ in prepared)
+    together = together and any(f.mode == "ranged-get" for f, _ in prepared)
+    written = 0
+    if together:
+        files = [(f, jobs) for f, jobs in prepared if jobs]
+        written = copy_files(files, threads, progress) if files else 0  # type: ignore[arg-type]
+    else:
+        for file, jobs in prepared:
+            written += copy_into(file, jobs, threads, progress) if jobs else 0
     with torch.no_grad():  # destinations may be parameters that require grad
         for dest, target in after:
             dest.copy_(target)
-    if remote:
+    if staged:
         from fastload.streaming import stream_into
 
         pool = pool if pool is not None else StagingPool()
-        for device_items in remote.values():
-            written += stream_into(
-                file, device_items, pool=pool, threads=threads, progress=progress
-            )
+        for file, by_device in staged:
+            for device_items in by_device.values():
+                written += stream_into(
+                    file, device_items, pool=pool, threads=threads, progress=progress
+                )
     return written
 
 
@@ -209,11 +264,14 @@ class SafeOpen:
         strict: bool = False,
         staging_bytes: int | str | None = None,
         process_group: Any = None,
+        storage_options: Mapping[str, object] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.device = parse_device(device, where=self.path)
         mode = resolve_read_mode(read_mode, backend)
-        self._file: _core.SafetensorsFile | None = open_file(path, mode, strict=strict)
+        self._file: _core.SafetensorsFile | None = open_file(
+            path, mode, strict=strict, storage_options=storage_options
+        )
         self.threads = threads
         # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
@@ -342,6 +400,7 @@ def safe_open(
     strict: bool = False,
     staging_bytes: int | str | None = None,
     process_group: Any = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> SafeOpen:
     """``safetensors.safe_open`` for torch (``framework="pt"``).
 
@@ -351,6 +410,12 @@ def safe_open(
     staging pool used for accelerator destinations (default
     :data:`fastload.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned). ``process_group``:
     collective reads (see :class:`SafeOpen`).
+
+    ``path`` may be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
+    ``az://``, ``http(s)://``): the header is read and validated on open, and each read fetches
+    the tensor's bytes with parallel ranged GETs into its destination. ``storage_options``
+    configures the store (endpoint, region, credentials, timeouts, retries; see
+    :mod:`fastload.core.store_config`).
     """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
@@ -363,6 +428,7 @@ def safe_open(
         strict=strict,
         staging_bytes=staging_bytes,
         process_group=process_group,
+        storage_options=storage_options,
     )
 
 
@@ -377,6 +443,7 @@ def load_file(
     strict: bool = False,
     staging_bytes: int | str | None = None,
     process_group: Any = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a file, like ``safetensors.torch.load_file`` (same keys, bitwise equal).
 
@@ -389,11 +456,28 @@ def load_file(
     the group calls this on the same file (or its own copy of it), each reads about 1/N of the
     bytes from storage and the ranks exchange the rest (:mod:`fastload.collective`); every rank
     gets all the tensors.
+
+    ``path`` may be an object storage URL (``s3://bucket/model.safetensors`` ...; see
+    :func:`safe_open`): the tensors are read with parallel ranged GETs straight into them, with
+    a progress bar when the file is large (``FASTLOAD_DISABLE_PROGRESS_BARS=1`` turns it off).
     """
     want = _float_dtype(dtype)
     device = parse_device(device, where=os.fspath(path))
     pool = StagingPool.sized(staging_bytes)
-    file = open_file(path, resolve_read_mode(read_mode, backend), strict=strict)
+    file = open_file(
+        path,
+        resolve_read_mode(read_mode, backend),
+        strict=strict,
+        storage_options=storage_options,
+    )
+    if process_group is None and file.mode == "ranged-get":
+        from fastload.progress import byte_progress
+
+        out = _allocate_all(file, device, want)
+        total = sum(t.numel() * t.element_size() for t in out.values())
+        with byte_progress(total, True) as counter:
+            fill(file, [(k, t, None) for k, t in out.items()], threads, pool, counter)
+        return out
     if process_group is None:
         return _read_all(file, device, want, threads, pool)
     from fastload import collective

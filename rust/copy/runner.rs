@@ -224,7 +224,7 @@ fn run_remote(
 /// Writes a run of pieces from the bytes of one read, in the pieces' order, each converted to
 /// its destination's dtype where it differs: an element split between two chunks of the
 /// response waits in `carry` for its other part.
-struct Scatter<'a> {
+pub(super) struct Scatter<'a> {
     pieces: &'a [Piece],
     /// the piece being written
     index: usize,
@@ -236,7 +236,7 @@ struct Scatter<'a> {
 }
 
 impl<'a> Scatter<'a> {
-    fn new(pieces: &'a [Piece]) -> Self {
+    pub(super) fn new(pieces: &'a [Piece]) -> Self {
         Scatter {
             pieces,
             index: 0,
@@ -249,7 +249,7 @@ impl<'a> Scatter<'a> {
 
     /// Takes the next bytes of the read (the reader checks that the read's length is the
     /// pieces' total, so every byte has a place).
-    fn feed(&mut self, mut chunk: &[u8]) {
+    pub(super) fn feed(&mut self, mut chunk: &[u8]) {
         while !chunk.is_empty() && self.index < self.pieces.len() {
             let p = self.pieces[self.index];
             let take = ((p.src_len - self.src_done) as usize).min(chunk.len());
