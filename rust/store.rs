@@ -501,6 +501,20 @@ impl Store {
             .collect())
     }
 
+    /// Fills `dst` with the bytes of `key` at `offset`: one ranged GET, no other request (the
+    /// transport alone, as a floor to measure loads against).
+    pub fn read_into(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let path = self.path(key)?;
+        let url = self.url_of(key);
+        let mut at = 0usize;
+        let end = offset.saturating_add(dst.len() as u64);
+        read_range(&*self.inner, &path, &url, offset..end, None, &mut |chunk| {
+            dst[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+            Ok(())
+        })
+    }
+
     /// Opens `key`: its size and version, asked once (a missing object is
     /// [`StoreFailure::NotFound`]). The object shares this store's client.
     pub fn open(&self, key: &str) -> Result<Object> {
@@ -530,6 +544,80 @@ fn rustls_provider() -> bool {
     })
 }
 
+/// The version of an object a read must come from.
+#[derive(Clone, Copy)]
+struct Version<'a> {
+    size: u64,
+    e_tag: Option<&'a str>,
+}
+
+/// One ranged GET of `range` of `path`, its bytes handed to `sink` as they arrive; with
+/// `version`, asked for that version (`If-Match`) and checked to come from it (stores that ignore
+/// `If-Match` still say which size and ETag they served).
+fn read_range(
+    store: &dyn ObjectStore,
+    path: &StorePath,
+    url: &str,
+    range: Range<u64>,
+    version: Option<Version<'_>>,
+    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let len = range.end - range.start;
+    if len == 0 {
+        return Ok(());
+    }
+    let options = GetOptions {
+        range: Some(GetRange::Bounded(range.clone())),
+        if_match: version.and_then(|v| v.e_tag.map(String::from)),
+        ..Default::default()
+    };
+    let changed = |detail: String| Error::Store {
+        failure: StoreFailure::Changed,
+        tensor: None,
+        detail,
+    };
+    block_on(async {
+        let result = store.get_opts(path, options).await.map_err(failure)?;
+        if let Some(v) = version {
+            let e_tag_differs =
+                matches!((&result.meta.e_tag, v.e_tag), (Some(a), Some(b)) if a != b);
+            if result.meta.size != v.size || e_tag_differs {
+                return Err(changed(format!(
+                    "{url}: opened as {} bytes (ETag {}), now {} bytes (ETag {}): replaced while \
+                     loading",
+                    v.size,
+                    v.e_tag.unwrap_or("none"),
+                    result.meta.size,
+                    result.meta.e_tag.as_deref().unwrap_or("none")
+                )));
+            }
+        }
+        if result.range != range {
+            return Err(changed(format!(
+                "{url}: asked for bytes {range:?}, the store answered {:?}",
+                result.range
+            )));
+        }
+        let mut stream = result.into_stream();
+        let mut got = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(failure)?;
+            got += chunk.len() as u64;
+            if got > len {
+                break;
+            }
+            sink(&chunk)?;
+        }
+        if got != len {
+            return Err(changed(format!(
+                "{url}: bytes {}..{} answered with {got} bytes",
+                range.start, range.end
+            )));
+        }
+        Ok(())
+    })?
+}
+
 impl Object {
     /// The object's size in bytes when opened.
     pub fn size(&self) -> u64 {
@@ -551,82 +639,24 @@ impl Object {
         len: u64,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        if len == 0 {
-            return Ok(());
-        }
-        let range: Range<u64> = offset..offset.saturating_add(len);
-        if range.end > self.size {
+        if offset.saturating_add(len) > self.size {
             return Err(Error::FileShrunk {
-                expected: range.end,
+                expected: offset.saturating_add(len),
                 actual: self.size,
             });
         }
-        let options = GetOptions {
-            range: Some(GetRange::Bounded(range.clone())),
-            if_match: self.e_tag.clone(),
-            ..Default::default()
+        let version = Version {
+            size: self.size,
+            e_tag: self.e_tag.as_deref(),
         };
-        let short = |got: u64| Error::Store {
-            failure: StoreFailure::Changed,
-            tensor: None,
-            detail: format!(
-                "{}: bytes {}..{} answered with {got} bytes",
-                self.url(),
-                range.start,
-                range.end
-            ),
-        };
-        block_on(async {
-            let result = self
-                .store
-                .get_opts(&self.path, options)
-                .await
-                .map_err(failure)?;
-            // Stores that ignore If-Match still say which version and size they served.
-            let replaced = result.meta.size != self.size
-                || matches!((&result.meta.e_tag, &self.e_tag), (Some(a), Some(b)) if a != b);
-            if replaced {
-                return Err(Error::Store {
-                    failure: StoreFailure::Changed,
-                    tensor: None,
-                    detail: format!(
-                        "{}: opened as {} bytes (ETag {}), now {} bytes (ETag {}): replaced \
-                         while loading",
-                        self.url(),
-                        self.size,
-                        self.e_tag.as_deref().unwrap_or("none"),
-                        result.meta.size,
-                        result.meta.e_tag.as_deref().unwrap_or("none")
-                    ),
-                });
-            }
-            if result.range != range {
-                return Err(Error::Store {
-                    failure: StoreFailure::Changed,
-                    tensor: None,
-                    detail: format!(
-                        "{}: asked for bytes {:?}, the store answered {:?}",
-                        self.url(),
-                        range,
-                        result.range
-                    ),
-                });
-            }
-            let mut stream = result.into_stream();
-            let mut got = 0u64;
-            while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(failure)?;
-                if got + chunk.len() as u64 > len {
-                    return Err(short(got + chunk.len() as u64));
-                }
-                got += chunk.len() as u64;
-                sink(&chunk)?;
-            }
-            if got != len {
-                return Err(short(got));
-            }
-            Ok(())
-        })?
+        read_range(
+            &*self.store,
+            &self.path,
+            &self.url,
+            offset..offset + len,
+            Some(version),
+            sink,
+        )
     }
 
     /// Fills `dst` with the bytes at `offset`.

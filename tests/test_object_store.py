@@ -387,3 +387,18 @@ def test_the_url_checks_need_no_server():
         fastload.load_file(__file__, storage_options={"aws_region": "x"})
     with pytest.raises(RequestError, match="read_mode='mmap' needs a local file"):
         fastload.load_file("s3://b/k.safetensors", read_mode="mmap")
+
+
+def test_the_staged_path_of_gpu_loads_fills_from_s3_within_its_pool(env, big_file):
+    """Accelerator destinations are filled through the staging pool: run here with CPU
+    destinations (the same code without a GPU), 1 MiB buffers for tensors of up to 4 MiB."""
+    from fastload.streaming import StagingPool, stream_into
+
+    local, url = big_file
+    here = fastload.load_file(local)
+    out = {k: torch.empty_like(v) for k, v in here.items()}
+    pool = StagingPool(1 << 20, 2)
+    with fastload.safe_open(url) as f:
+        stream_into(f.file, [(k, t, None) for k, t in out.items()], pool=pool)
+    assert all(same_bytes(out[k], here[k]) for k in here)
+    assert pool.peak_bytes == 2 << 20

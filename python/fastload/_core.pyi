@@ -137,6 +137,10 @@ class ObjectStore:
         """``(size, etag)`` of object ``key``, or None if there is no such object."""
     def get(self, key: str, max_bytes: int) -> bytes:
         """The whole of object ``key``; refused unread when larger than ``max_bytes``."""
+    def _read_into(self, key: str, offset: int, address: int, length: int) -> int:
+        """Fill ``length`` bytes at ``address`` with those of ``key`` at ``offset`` (one ranged
+        GET, GIL released: the raw transport). Private: call
+        ``fastload.core.object_store.read_into``, which takes the address from a tensor."""
     def list(self, prefix: str) -> list[tuple[str, int]]:
         """``(key, size)`` of the objects directly under ``prefix``."""
     def open(self, keys: list[str], *, strict: bool = False) -> list[SafetensorsFile]:

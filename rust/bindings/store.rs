@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use rayon::prelude::*;
@@ -90,6 +91,33 @@ impl PyObjectStore {
             .detach(|| store.get(key, max_bytes))
             .map_err(|e| to_py(py, Path::new(&store.url_of(key)), e))?;
         Ok(PyBytes::new(py, &data))
+    }
+
+    /// Fills the `length` bytes at `address` with the bytes of `key` at `offset`: one ranged
+    /// GET, GIL released; the raw transport, what loads are measured against. Private: it
+    /// writes to a raw address; Python reaches it through
+    /// `fastload.core.object_store.read_into`, which takes the address from a tensor it holds.
+    #[pyo3(name = "_read_into")]
+    fn read_into(
+        &self,
+        py: Python<'_>,
+        key: &str,
+        offset: u64,
+        address: usize,
+        length: usize,
+    ) -> PyResult<u64> {
+        if address == 0 && length > 0 {
+            return Err(PyValueError::new_err("_read_into: a null address"));
+        }
+        let store = &*self.inner;
+        py.detach(|| {
+            // SAFETY: the caller (fastload.core.object_store.read_into) holds the tensor whose
+            // `length` bytes start at `address` for the duration of the call.
+            let dst = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, length) };
+            store.read_into(key, offset, dst)
+        })
+        .map_err(|e| to_py(py, Path::new(&store.url_of(key)), e))?;
+        Ok(length as u64)
     }
 
     /// `(key, size)` of the objects directly under `prefix`.

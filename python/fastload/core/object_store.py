@@ -32,6 +32,8 @@ import posixpath
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import torch
+
 from fastload import _core
 from fastload.checkpoint import (
     INDEX_FILE,
@@ -179,6 +181,15 @@ def open_checkpoint(
     return build_table(location, list(files), names)
 
 
+def read_into(store: _core.ObjectStore, key: str, offset: int, out: torch.Tensor) -> int:
+    """Fills the contiguous CPU tensor ``out`` with the bytes of object ``key`` at ``offset``:
+    one ranged GET straight into it, with no validation (the raw transport: what a load is
+    measured against). Returns the bytes read."""
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise RequestError(f"{store.url_of(key)}: read_into needs a contiguous CPU tensor")
+    return store._read_into(key, offset, out.data_ptr(), out.numel() * out.element_size())
+
+
 def fetch_files(
     url: str,
     names: Sequence[str],
@@ -247,5 +258,6 @@ __all__ = [
     "open_checkpoint",
     "open_file",
     "open_store",
+    "read_into",
     "resolve",
 ]
