@@ -48,8 +48,9 @@ from torch import nn
 from fastload.core import reading as reader
 from fastload.core.allocation import Fill, allocate
 from fastload.core.checkpoint import OpenCheckpoint
-from fastload.core.device_map import DeviceMap, dispatch, resolve_device_map
+from fastload.core.device_map import DeviceMap, resolve_device_map
 from fastload.core.devices import cpu_by_default
+from fastload.core.dispatch import dispatch
 from fastload.core.dtypes import CONVERTIBLE, parse_dtype
 from fastload.core.errors import RequestError, from_os_error
 from fastload.core.finishing import resolve_duplicates, swap_in

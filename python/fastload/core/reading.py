@@ -12,6 +12,7 @@ an accelerator are filled through the bounded staging pipeline of :mod:`fastload
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 
@@ -181,3 +182,33 @@ def allocate_all(
             torch_shape(st_dtype, shape, where=where), dtype=target, device=device
         )
     return out
+
+
+def validate(path: str | os.PathLike[str], *, strict: bool = False) -> int:
+    """Checks one file's header by every rule of the format without reading tensor data;
+    returns the number of tensors (``CheckpointError`` naming the file and the rule)."""
+    return _core.validate(path, strict=strict)
+
+
+def read_every_byte(file: TensorFile, chunk_bytes: int = 16 << 20) -> int:
+    """Reads every byte of every tensor of ``file`` through the copy engine, ``chunk_bytes`` at a
+    time into one scratch buffer; returns the bytes read. Catches what header checks cannot: I/O
+    errors and a file that shrank after it was opened."""
+    bits = _core.dtype_bits()
+    scratch = torch.empty(chunk_bytes, dtype=torch.uint8)
+    total = 0
+    for name, st_dtype, shape, begin, end in file.tensors():
+        nbytes = end - begin
+        if bits[st_dtype] % 8:  # a packed sub-byte type: only whole tensors can be read
+            copy_into(file, [(name, torch.empty(nbytes, dtype=torch.uint8), st_dtype, None)])
+            total += nbytes
+            continue
+        itemsize = bits[st_dtype] // 8
+        numel = math.prod(shape)
+        step = max(1, chunk_bytes // itemsize)
+        for start in range(0, numel, step):
+            stop = min(numel, start + step)
+            length = (stop - start) * itemsize
+            copy_into(file, [(name, scratch[:length], st_dtype, [start, stop])])
+            total += length
+    return total
