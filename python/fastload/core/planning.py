@@ -40,8 +40,6 @@ from fastload.core.tying import Slot, group_slots, tensor_slots
 logger = logging.getLogger("fastload")
 
 
-
-
 @dataclass
 class Source:
     """A model tensor (``slot``) that checkpoint tensor ``stored`` fills: where it goes
