@@ -4,8 +4,8 @@ download-then-load, with the network floor measured in the same run.
     python benches/object_store_bench.py [--gib 1] [--repeats 3] [--workdir /tmp/fastload-s3-bench]
         [--out benches/results/object-store-1GiB] [--loaders floor(ranged GETs),fastload,...]
 
-The benchmark Llama of ``fastload.bench`` (bf16, one ``model.safetensors``) is uploaded with
-boto3 to a local S3-compatible server (s3s-fs on 127.0.0.1, the server of the tests:
+The benchmark Llama of ``fastload.tools.bench.run`` (bf16, one ``model.safetensors``) is uploaded
+with boto3 to a local S3-compatible server (s3s-fs on 127.0.0.1, the server of the tests:
 tests/s3_server.py; ``scripts/s3-server.sh`` installs it), which serves it from its page cache
 (one untimed read first, so that every loader finds it warm). Then every loader runs in a fresh
 interpreter, ``--repeats`` times round robin, with the AWS variables pointing at the server; each
@@ -207,7 +207,7 @@ def _server(root: Path) -> tuple[Any, dict[str, str]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from fastload.bench import compile_fastload, make_checkpoint
+    from fastload.tools.bench.run import compile_fastload, make_checkpoint
 
     compile_fastload()
     work = args.workdir

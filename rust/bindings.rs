@@ -1,5 +1,5 @@
 //! The `fastload._core` Python extension: thin wrappers over the core that release the GIL for
-//! all I/O and copying, and turn core errors into the `fastload.errors` hierarchy.
+//! all I/O and copying, and turn core errors into the `fastload.core.errors` hierarchy.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -110,6 +110,12 @@ impl PySafetensorsFile {
     #[getter]
     fn mode(&self) -> &'static str {
         self.inner.mode().name()
+    }
+
+    /// Whether the bytes come from object storage (read with ranged GETs).
+    #[getter]
+    fn remote(&self) -> bool {
+        self.inner.is_remote()
     }
 
     /// File size in bytes.
@@ -244,7 +250,7 @@ impl PySafetensorsFile {
     /// Fills destinations given as `(name, ptr, nbytes, dtype, selection)`; returns bytes written.
     ///
     /// Private (`_copy_into`): it writes to raw addresses, so Python reaches it only through
-    /// `fastload.engine.copy_into`, which derives each address and length from a tensor.
+    /// `fastload.core.engine.copy_into`, which derives each address and length from a tensor.
     ///
     /// Every job is validated before any byte is written. The GIL is released while copying;
     /// a long copy (or one given `progress`) is watched from the calling thread, which re-takes
@@ -261,8 +267,8 @@ impl PySafetensorsFile {
     ) -> PyResult<u64> {
         let file = &*self.inner;
         let err = |e| to_py(py, file.path(), e);
-        pool::check_threads(threads).map_err(err)?;
-        let plan = plan_jobs(file, jobs).map_err(|e| match e {
+        let workers = planning_workers(file, threads).map_err(err)?;
+        let plan = plan_jobs(file, jobs, workers).map_err(|e| match e {
             Planned::Py(e) => e,
             Planned::Core(e) => err(e),
         })?;
@@ -286,7 +292,20 @@ enum Planned {
 }
 
 /// The engine's plan for `jobs` on `file` (every job validated before any byte is written).
-fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>) -> Result<SendPlan, Planned> {
+/// The threads a copy from `file` plans its tasks for: `threads`, or by default the CPUs, and at
+/// least [`pool::REMOTE_THREADS`] for an object in object storage (as `copy::execute_many` runs
+/// it).
+fn planning_workers(file: &SafetensorsFile, threads: Option<usize>) -> Result<usize, Error> {
+    let workers = pool::check_threads(threads)?;
+    Ok(match threads {
+        None if file.is_remote() => workers.max(pool::REMOTE_THREADS),
+        _ => workers,
+    })
+}
+
+/// The engine's plan for `jobs` on `file`, its tasks sized for `workers` threads
+/// (`copy::plan_for_threads`); every job validated before any byte is written.
+fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>, workers: usize) -> Result<SendPlan, Planned> {
     let mut requests = Vec::with_capacity(jobs.len());
     for (name, ptr, len, dtype, sel) in jobs {
         let selection = parse_selection(&name, sel).map_err(Planned::Py)?;
@@ -300,7 +319,7 @@ fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>) -> Result<SendPlan, Planned
         });
     }
     // Raw pointers are not Send; the plan only holds them as addresses.
-    copy::plan(file, &requests)
+    copy::plan_for_threads(file, &requests, workers)
         .map(SendPlan)
         .map_err(Planned::Core)
 }
@@ -337,7 +356,7 @@ fn run_copy(
 /// Fills the destinations of several files in one copy (`[(file, jobs)]`, jobs as
 /// `SafetensorsFile._copy_into` takes them): the tasks of every file run on one pool, so the
 /// shards of a checkpoint are read in parallel with each other. Private, as `_copy_into`:
-/// Python reaches it through `fastload.engine.copy_files`.
+/// Python reaches it through `fastload.core.engine.copy_files`.
 #[pyfunction]
 #[pyo3(name = "_copy_files", signature = (items, threads = None, progress = None))]
 fn copy_files(
@@ -351,8 +370,8 @@ fn copy_files(
     let mut work = Vec::with_capacity(items.len());
     for (file, (_, jobs)) in files.iter().zip(items) {
         let err = |e| to_py(py, file.path(), e);
-        pool::check_threads(threads).map_err(err)?;
-        let plan = plan_jobs(file, jobs).map_err(|e| match e {
+        let workers = planning_workers(file, threads).map_err(err)?;
+        let plan = plan_jobs(file, jobs, workers).map_err(|e| match e {
             Planned::Py(e) => e,
             Planned::Core(e) => err(e),
         })?;

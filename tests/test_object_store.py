@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import fastload
-from fastload.errors import CheckpointError, FastloadIOError, MemoryBudgetError, RequestError
-from fastload.memory import MemoryBudget
+from fastload.core.errors import CheckpointError, FastloadIOError, MemoryBudgetError, RequestError
+from fastload.core.memory import MemoryBudget
 from fresh import run_script
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server
 from tensor_samples import every_dtype_tensors
@@ -205,7 +205,7 @@ def test_storage_options_win_over_the_environment(env, big_file, monkeypatch):
 
 
 def test_a_long_load_from_s3_shows_progress(env, big_file, monkeypatch, capsys):
-    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 1 << 20)
+    monkeypatch.setattr("fastload.core.progress.PROGRESS_MIN_BYTES", 1 << 20)
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
     fastload.load_file(big_file[1])
     err = capsys.readouterr().err
@@ -330,7 +330,7 @@ def test_a_model_larger_than_the_budget_is_refused_before_a_tensor_byte_is_fetch
     local, url = big_file
     nbytes = sum(t.numel() * t.element_size() for t in big_tensors().values())
     monkeypatch.setattr(
-        "fastload.loading.memory_budget", lambda: MemoryBudget(nbytes // 2, "a test budget")
+        "fastload.core.loading.memory_budget", lambda: MemoryBudget(nbytes // 2, "a test budget")
     )
     with pytest.raises(MemoryBudgetError, match="object storage") as caught:
         fastload.from_pretrained(_holder, url, progress=False)
@@ -392,7 +392,7 @@ def test_the_url_checks_need_no_server():
 def test_the_staged_path_of_gpu_loads_fills_from_s3_within_its_pool(env, big_file):
     """Accelerator destinations are filled through the staging pool: run here with CPU
     destinations (the same code without a GPU), 1 MiB buffers for tensors of up to 4 MiB."""
-    from fastload.streaming import StagingPool, stream_into
+    from fastload.core.streaming import StagingPool, stream_into
 
     local, url = big_file
     here = fastload.load_file(local)

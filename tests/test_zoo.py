@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fastload
-from fastload.tying import find_tie_groups
+from fastload.core.tying import find_tie_groups
 
 pytest.importorskip("transformers")
 

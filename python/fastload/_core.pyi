@@ -42,6 +42,9 @@ class SafetensorsFile:
     def mode(self) -> str:
         """The read path: "pread", "mmap", or "ranged-get" (an object in object storage)."""
     @property
+    def remote(self) -> bool:
+        """Whether the bytes come from object storage (read with ranged GETs)."""
+    @property
     def file_size(self) -> int: ...
     @property
     def data_start(self) -> int: ...
@@ -79,7 +82,7 @@ class SafetensorsFile:
     ) -> int:
         """Validate every job, then fill the destinations in parallel with the GIL released.
 
-        Private: the jobs name raw addresses. Call ``fastload.engine.copy_into``, which takes
+        Private: the jobs name raw addresses. Call ``fastload.core.engine.copy_into``, which takes
         tensors and derives each address and length from one.
 
         ``threads``: 1..MAX_THREADS (``RequestError`` otherwise). A long copy, or one given
@@ -153,7 +156,7 @@ def _copy_files(
     progress: Progress | None = None,
 ) -> int:
     """``SafetensorsFile._copy_into`` for several files in one copy (their tasks on one pool).
-    Private: call ``fastload.engine.copy_files``."""
+    Private: call ``fastload.core.engine.copy_files``."""
 
 def write_file(
     path: str | PathLike[str],

@@ -11,8 +11,8 @@ The files come back as ``fastload._core.SafetensorsFile`` objects (``mode == "ra
 
 A checkpoint URL names one ``.safetensors`` object, a sharded index (``*.index.json``), or a
 prefix ("directory") holding ``model.safetensors`` or ``model.safetensors.index.json``. An index
-is checked as a local one (:func:`fastload.checkpoint.parse_index`); its shards' headers are read
-in parallel, and their tensors are read in parallel across shards.
+is checked as a local one (:func:`fastload.core.checkpoint.parse_index`); its shards' headers are
+read in parallel, and their tensors are read in parallel across shards.
 
 Failures: a missing object or bucket is ``FileNotFoundError`` (a ``FastloadIOError``), denied
 access ``PermissionError``, a store that cannot be reached or keeps failing after the retries
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from fastload import _core
-from fastload.checkpoint import (
+from fastload.core.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
     CheckpointFiles,
@@ -43,9 +43,9 @@ from fastload.checkpoint import (
     build_table,
     parse_index,
 )
+from fastload.core.errors import CheckpointError, FastloadFileNotFoundError, RequestError
+from fastload.core.pickle_file import is_pickle
 from fastload.core.store_config import aws_profile_defaults, check_storage_options
-from fastload.errors import CheckpointError, FastloadFileNotFoundError, RequestError
-from fastload.pickle_file import is_pickle
 
 #: URL schemes read from object storage (as ``object_store`` recognizes them)
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
@@ -60,6 +60,12 @@ def is_url(path: object) -> bool:
     if not isinstance(path, str) or "://" not in path:
         return False
     return path.split("://", 1)[0].lower() in SCHEMES
+
+
+def is_remote(file: object) -> bool:
+    """Whether an opened checkpoint file (a ``_core.SafetensorsFile``, a pickle file...) is an
+    object in object storage."""
+    return isinstance(file, _core.SafetensorsFile) and file.remote
 
 
 class ObjectUrl(str):
@@ -254,6 +260,7 @@ __all__ = [
     "SCHEMES",
     "download_files",
     "fetch_files",
+    "is_remote",
     "is_url",
     "open_checkpoint",
     "open_file",

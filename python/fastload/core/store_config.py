@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from fastload.errors import RequestError
+from fastload.core.errors import RequestError
 
 #: the AWS files' credential keys (taken together, or not at all)
 _CREDENTIALS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
