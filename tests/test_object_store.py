@@ -276,7 +276,8 @@ def test_a_store_that_keeps_failing_is_an_error_naming_the_url_and_tensor_and_no
     url = big_file[1]
     model = _holder()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    proxy.arm(mode, after=1 << 20, times=-1, stall_seconds=3)
+    # past a header's request (256 KiB and the HTTP headers), inside every data request
+    proxy.arm(mode, after=300 << 10, times=-1, stall_seconds=3)
     options = {**QUICK, "max_retries": "1"}
     with pytest.raises(FastloadIOError, match="store-unavailable") as caught:
         fastload.from_pretrained(model, url, storage_options=options, progress=False)
