@@ -75,23 +75,15 @@ def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float =
 class S3Server:
     """s3s-fs serving a fresh directory on 127.0.0.1, with a boto3 client for uploads."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, anonymous: bool = False) -> None:
+        """``anonymous``: no credentials asked (a plain HTTP server of the same objects, for
+        ``http://`` URLs)."""
         binary = require_server()
         self.root = root
         self.port = _free_port()
+        keys = [] if anonymous else ["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY]
         self.process = subprocess.Popen(
-            [
-                binary,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--access-key",
-                ACCESS_KEY,
-                "--secret-key",
-                SECRET_KEY,
-                str(root),
-            ],
+            [binary, "--host", "127.0.0.1", "--port", str(self.port), *keys, str(root)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -212,6 +212,32 @@ def test_a_long_load_from_s3_shows_progress(env, big_file, monkeypatch, capsys):
     assert "fastload" in err and "MiB" in err and "100%" in err
 
 
+def test_a_plain_http_server_with_ranges_is_a_store_too(server, big_file):
+    local, url = big_file
+    anonymous = S3Server(server.root, anonymous=True)  # the same objects, no credentials asked
+    try:
+        http = f"{anonymous.endpoint}/models/big/model.safetensors"
+        remote = fastload.load_file(http)
+        assert all(same_bytes(remote[k], t) for k, t in fastload.load_file(local).items())
+    finally:
+        anonymous.stop()
+
+
+def test_the_files_beside_the_weights_download_without_the_weights(env, tmp_path):
+    from fastload.core.object_store import download_files
+
+    local = tmp_path / "model"
+    local.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer.model", "merges.txt"):
+        (local / name).write_text(name)
+    fastload.save_file({"w": torch.ones(4)}, local / "model.safetensors")
+    url = env.upload(local, "models", "side-files")
+    got = download_files(url, tmp_path / "out")
+    names = sorted(p.name for p in got)
+    assert names == ["config.json", "merges.txt", "tokenizer.json", "tokenizer.model"]
+    assert all((tmp_path / "out" / n).read_text() == n for n in names)
+
+
 # --- faults --------------------------------------------------------------------------------------
 
 
