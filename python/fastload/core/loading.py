@@ -433,8 +433,9 @@ def _read(
     work = [(ckpt.files[index], by_file[index]) for index in sorted(by_file)]
     with byte_progress(total, progress) as counter:
         try:
-            # one copy for all files when they come from object storage (read in parallel
-            # across shards: reader.fill_many); one per file from a disk
-            return reader.fill_many(work, threads, pool, counter)
+            if any(is_remote(file) for file, _ in work):
+                # one copy for every file: the shards' requests in parallel with each other
+                return reader.fill_many(work, threads, pool, counter)
+            return sum(reader.fill(file, fills, threads, pool, counter) for file, fills in work)
         finally:
             pool.release()
