@@ -14,12 +14,12 @@ import fastload
 from fastload.core.device_map import (
     DeviceMap,
     default_budgets,
-    dispatch,
     no_split_names,
     plan_auto,
     resolve_device_map,
     tensor_sizes,
 )
+from fastload.core.dispatch import dispatch
 from fastload.core.errors import RequestError, UnsupportedError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

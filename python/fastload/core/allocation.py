@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from fastload import _core
+from fastload.core.actions import Action, Mode
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.memory import MemoryBudget, memory_budget
 from fastload.core.placement import Selection, selected_shape
@@ -53,7 +54,7 @@ def allocate(
         by_file.setdefault(stored.file, []).append(Fill(stored.name, tensor, selection))
 
     for group in load_plan.groups:
-        if group.action == "load" and group.pieces is not None:
+        if group.action == Action.LOAD and group.pieces is not None:
             # Merged (MoE experts) or split (fused qkv) tensors: each stored piece is read
             # straight into its slice of the one destination (fastload.hf.conversions).
             dest = group.sources[0].dest
@@ -61,17 +62,17 @@ def allocate(
             for piece in group.pieces:
                 copy_into(piece.stored, piece.view(tensor), piece.selection)
             group.dest, group.new = dest, tensor
-        elif group.action == "load":
+        elif group.action == Action.LOAD:
             group.dest = group.sources[0].dest
             for i, src in enumerate(group.sources):
                 stored, dest = src.stored, src.dest
-                if src.mode == "offload":  # stays in the file; read when its module runs
+                if src.mode == Mode.OFFLOAD:  # stays in the file; read when its module runs
                     continue
-                if src.mode == "fill":  # the family's own tensor: filled in place, kept
+                if src.mode == Mode.FILL:  # the family's own tensor: filled in place, kept
                     assert dest.tensor is not None
                     copy_into(stored, dest.tensor, dest.selection)
                     continue
-                if src.mode == "view":
+                if src.mode == Mode.VIEW:
                     if stored.file not in mappings:
                         file = ckpt.files[stored.file]
                         assert isinstance(file, _core.SafetensorsFile)
@@ -105,7 +106,7 @@ def initial_or_kept(group: Group) -> torch.Tensor | None:
     if dest.tensor is not None:  # the family's own tensor, left to the family
         return None
     shape = selected_shape(tuple(group.template.shape), dest.selection)
-    if group.action == "init":
+    if group.action == Action.INIT:
         if dest.dtype.is_floating_point or dest.dtype.is_complex:
             # NaN marks "not initialized yet": skeleton.initialize checks none is left.
             return torch.full(shape, math.nan, dtype=dest.dtype, device=dest.memory)

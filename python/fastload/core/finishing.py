@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fastload.core import keys as keymod
+from fastload.core.actions import Action
 from fastload.core.errors import FastloadError
 from fastload.core.planning import Group
 from fastload.core.report import LoadReport
@@ -97,7 +98,7 @@ def swap_in(
             own = {s.key: _wrap(group, extras[s.name]) for s in group.untied}
             for slot in group.slots:
                 swap.set(slot, own.get(slot.key, value))
-            if group.action == "init":
+            if group.action == Action.INIT:
                 targets[group.slots[0].name] = value
         initialize(model, targets, family)
         slots = tensor_slots(model)  # one walk for the check and the report
@@ -105,7 +106,7 @@ def swap_in(
     except BaseException:
         swap.rollback()
         raise
-    report.initialized = [n for g in groups if g.action == "init" for n in g.names]
+    report.initialized = [n for g in groups if g.action == Action.INIT for n in g.names]
     report.tied = [[s.name for s in g] for g in group_slots(slots) if len(g) > 1]
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastload.core.actions import Action, Mode
 from fastload.core.errors import MemoryBudgetError
 from fastload.core.units import format_bytes
 
@@ -126,7 +127,7 @@ def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudge
         return
     owned, reasons, accelerator = 0, set(), False
     for group in load_plan.groups:
-        if group.action != "load":
+        if group.action != Action.LOAD:
             continue
         if group.pieces is not None:
             dest = group.sources[0].dest
@@ -137,7 +138,7 @@ def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudge
             continue
         for src in group.sources:
             dest, stored = src.dest, src.stored
-            if src.mode in ("view", "offload"):  # page cache (reclaimable), or left on disk
+            if src.mode in (Mode.VIEW, Mode.OFFLOAD):  # page cache (reclaimable), or left on disk
                 continue
             if dest.device.type != "cpu":
                 accelerator = True
@@ -149,9 +150,9 @@ def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudge
             # the elements of its part of the stored tensor, in the destination's dtype
             elements = math.prod(stored.shape) * src.nbytes // max(stored.nbytes, 1)
             owned += elements * dest.dtype.itemsize
-            if src.mode == "convert":
+            if src.mode == Mode.CONVERT:
                 reasons.add(f"conversion to {str(dest.dtype).removeprefix('torch.')}")
-            elif src.mode == "slice":
+            elif src.mode == Mode.SLICE:
                 reasons.add("slices")
             elif mmap == "copy":
                 reasons.add("mmap='copy'")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from fastload import _core
+from fastload.core.actions import Action
 from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.device_map import DISK, DeviceMap
 from fastload.core.errors import UnsupportedError
@@ -40,7 +41,7 @@ def offloaded_names(groups: Iterable[Group]) -> set[str]:
     return {
         n
         for g in groups
-        if g.action == "load" and g.dest is not None and g.dest.device == DISK
+        if g.action == Action.LOAD and g.dest is not None and g.dest.device == DISK
         for n in g.names
     }
 
@@ -55,7 +56,7 @@ def dispatch_offloaded(
 
     disk_tensors: dict[str, tuple[_core.SafetensorsFile, str, torch.dtype]] = {}
     for group in groups:
-        if group.action != "load" or group.dest is None or group.dest.device != DISK:
+        if group.action != Action.LOAD or group.dest is None or group.dest.device != DISK:
             continue
         stored, dest = group.sources[0].stored, group.sources[0].dest
         file = ckpt.files[stored.file]

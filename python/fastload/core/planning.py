@@ -24,6 +24,7 @@ from torch import nn
 
 from fastload import _core
 from fastload.core import keys as keymod
+from fastload.core.actions import Action, Mode
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.device_map import DISK
 from fastload.core.dtypes import CONVERTIBLE, to_st
@@ -31,6 +32,7 @@ from fastload.core.engine import TensorFile
 from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
 from fastload.core.hooks import Merge, ModelHooks, View
 from fastload.core.load_options import LoadOptions
+from fastload.core.object_store import is_remote
 from fastload.core.placement import Destination, Placement, selected_shape
 from fastload.core.report import LoadReport
 from fastload.core.sharing import file_sharing
@@ -39,19 +41,15 @@ from fastload.core.tying import Slot, group_slots, tensor_slots
 logger = logging.getLogger("fastload")
 
 
-#: how a loaded tensor gets its bytes ("fill": into the model family's own tensor, in place)
-MODES = ("view", "copy", "convert", "slice", "merge", "offload", "fill")
-
-
 @dataclass
 class Source:
     """A model tensor (``slot``) that checkpoint tensor ``stored`` fills: where it goes
-    (``dest``) and how (``mode``, one of :data:`MODES`)."""
+    (``dest``) and how (``mode``)."""
 
     slot: Slot
     stored: StoredTensor
     dest: Destination
-    mode: str = "copy"
+    mode: Mode = Mode.COPY
 
     @property
     def nbytes(self) -> int:
@@ -67,7 +65,7 @@ class Group:
     template: torch.Tensor
     # loaded members, canonical first
     sources: list[Source] = field(default_factory=list)
-    action: str = "keep"  # "load" | "init" | "keep"
+    action: Action = Action.KEEP
     dest: Destination | None = None
     new: torch.Tensor | None = None
     # further members also present in the checkpoint, loaded to compare with the canonical one
@@ -125,12 +123,12 @@ class LoadPlan:
     #: file index -> (whether its tensors may be views of its mapping, why in words)
     sharing: dict[int, tuple[bool, str]]
 
-    def sources(self, *modes: str) -> list[Source]:
+    def sources(self, *modes: Mode) -> list[Source]:
         """The sources of the loaded groups in any of ``modes`` (all of them without)."""
         return [
             src
             for g in self.groups
-            if g.action == "load"
+            if g.action == Action.LOAD
             for src in g.sources
             if not modes or src.mode in modes
         ]
@@ -138,7 +136,7 @@ class LoadPlan:
     @property
     def merged(self) -> list[Group]:
         """The groups assembled from stored pieces."""
-        return [g for g in self.groups if g.action == "load" and g.pieces is not None]
+        return [g for g in self.groups if g.action == Action.LOAD and g.pieces is not None]
 
 
 def plan(
@@ -227,7 +225,7 @@ def plan(
     for group in groups:
         group.sources.sort(key=lambda s: position[s.slot.name])
         if group.sources:
-            group.action = "load"
+            group.action = Action.LOAD
             continue
         reinit = any(n in mismatched for n in group.names)
         if not reinit and not set(group.names) <= later:  # later: the family fills it after
@@ -236,7 +234,7 @@ def plan(
                 listed.append(name)
         meta = group.template.device.type == "meta" and not set(group.names) <= later
         if meta or (reinit and not group.is_buffer):
-            group.action = "init"
+            group.action = Action.INIT
         first = group.slots[0]
         dest = placement.destination(first.name, group.template, None, is_buffer=first.is_buffer)
         if dest.device == DISK:  # not in the file: kept in memory, served to the offload hooks
@@ -277,10 +275,10 @@ def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
     view."""
     viewed: set[str] = set()
     for group in plan.groups:
-        if group.action != "load":
+        if group.action != Action.LOAD:
             continue
         if group.pieces is not None:
-            group.sources[0].mode = "merge"
+            group.sources[0].mode = Mode.MERGE
             dest = group.sources[0].dest
             if dest.device == DISK:
                 raise UnsupportedError(
@@ -293,13 +291,20 @@ def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
         for src in group.sources:
             stored, dest = src.stored, src.dest
             if dest.tensor is not None:
-                src.mode = "fill"
+                src.mode = Mode.FILL
             elif dest.device == DISK:  # stays in the file; read when its module runs
-                src.mode = "offload"
+                if is_remote(ckpt.files[stored.file]):
+                    raise UnsupportedError(
+                        f"{ckpt.file_path(stored)}: tensor {stored.name!r} is mapped to 'disk', "
+                        "but the checkpoint is in object storage: offloaded tensors are read "
+                        "from a local file when their module runs. Map it to a device, or "
+                        "download the checkpoint first"
+                    )
+                src.mode = Mode.OFFLOAD
             elif dest.selection is not None:
-                src.mode = "slice"
+                src.mode = Mode.SLICE
             elif to_st(dest.dtype) != stored.st_dtype:
-                src.mode = "convert"
+                src.mode = Mode.CONVERT
             elif (
                 dest.device.type == "cpu"
                 and plan.sharing[stored.file][0]
@@ -307,9 +312,9 @@ def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
                 and _aligned(ckpt.files[stored.file], stored, dest.dtype)
             ):
                 viewed.add(stored.name)
-                src.mode = "view"
+                src.mode = Mode.VIEW
             else:
-                src.mode = "copy"
+                src.mode = Mode.COPY
 
 
 def _aligned(file: TensorFile, stored: StoredTensor, dtype: torch.dtype) -> bool:
@@ -323,18 +328,18 @@ def _aligned(file: TensorFile, stored: StoredTensor, dtype: torch.dtype) -> bool
 def _count(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
     """The report's counts of what the plan reads, shares and leaves on disk."""
     report = plan.report
-    loaded = plan.sources("view", "copy", "convert", "slice", "merge", "fill")
+    loaded = plan.sources(Mode.VIEW, Mode.COPY, Mode.CONVERT, Mode.SLICE, Mode.MERGE, Mode.FILL)
     report.tensors_loaded = len(loaded)
-    report.bytes_read = sum(s.nbytes for s in loaded if s.mode != "merge")
+    report.bytes_read = sum(s.nbytes for s in loaded if s.mode != Mode.MERGE)
     report.bytes_read += sum(p.nbytes for g in plan.merged for p in g.pieces or ())
-    report.bytes_offloaded = sum(s.nbytes for s in plan.sources("offload"))
-    report.bytes_shared = sum(s.nbytes for s in plan.sources("view"))
+    report.bytes_offloaded = sum(s.nbytes for s in plan.sources(Mode.OFFLOAD))
+    report.bytes_shared = sum(s.nbytes for s in plan.sources(Mode.VIEW))
     views: dict[int, int] = {}
     copies: dict[int, int] = {}
     for s in loaded:
-        if s.mode == "view":
+        if s.mode == Mode.VIEW:
             views[s.stored.file] = views.get(s.stored.file, 0) + 1
-        elif s.mode != "merge":
+        elif s.mode != Mode.MERGE:
             copies[s.stored.file] = copies.get(s.stored.file, 0) + 1
     for g in plan.merged:
         for p in g.pieces or ():
@@ -374,7 +379,7 @@ def _add_merge(
             f"{ckpt.file_path(stored[0])}: tensor {stored[0].name!r} is merged into or split "
             f"from {merge.target!r}, which tp_plan shards; fastload does not shard such tensors"
         )
-    group.sources.append(Source(slot, stored[0], dest, "merge"))
+    group.sources.append(Source(slot, stored[0], dest, Mode.MERGE))
     group.pieces = []
     for t, p in zip(stored, merge.pieces, strict=True):
         nbytes = t.nbytes

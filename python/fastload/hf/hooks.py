@@ -47,6 +47,9 @@ class TransformersHooks(ModelHooks):
         self.contract = contract
         #: transformers' tensor parallelism (fastload.hf.dtensor_tp), when asked for
         self.tp: Any = None
+        #: where the checkpoint's side files (generation_config.json) are, when the core's
+        #: location has no local directory (a checkpoint in object storage, fetched alongside)
+        self.directory: Path | None = None
 
     def collision_order(self) -> Callable[[str], Any] | None:
         if not self.contract:
@@ -129,7 +132,7 @@ class TransformersHooks(ModelHooks):
             recompute_buffers(model)
         finish_transformers(
             model,
-            directory=directory,
+            directory=directory if directory is not None else self.directory,
             load_generation_config=built_here,
             generation_config=self.generation_config,
             device_map=device_map,

@@ -188,40 +188,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _read_all(file: Any, scratch: Any) -> int:
-    """Reads every byte of every tensor of ``file`` through the copy engine (into ``scratch``, a
-    uint8 tensor); returns the bytes read. Catches what header checks cannot: I/O errors and a
-    file that shrank after it was opened."""
-    import torch
-
-    from fastload import _core
-    from fastload.core.engine import copy_into
-
-    bits = _core.dtype_bits()
-    total = 0
-    for name, st_dtype, shape, begin, end in file.tensors():
-        nbytes = end - begin
-        if bits[st_dtype] % 8:  # packed sub-byte type: only whole tensors can be read
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            copy_into(file, [(name, buf, st_dtype, None)])
-            total += nbytes
-            continue
-        itemsize = bits[st_dtype] // 8
-        numel = math.prod(shape)
-        step = max(1, scratch.numel() // itemsize)
-        for start in range(0, numel, step):
-            stop = min(numel, start + step)
-            length = (stop - start) * itemsize
-            copy_into(file, [(name, scratch[:length], st_dtype, [start, stop])])
-            total += length
-    return total
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
-    import torch
-
-    from fastload import _core
     from fastload.core.checkpoint import open_checkpoint, resolve
+    from fastload.core.reading import read_every_byte, validate
 
     location = resolve(args.path)
     if location.index is not None or Path(args.path).is_dir():
@@ -236,7 +205,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     failures: list[str] = []
     for f in location.files:
         try:
-            _core.validate(f)
+            validate(f)
         except FastloadError as e:
             failures.append(str(e))
     if failures:
@@ -245,9 +214,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(location)  # the index against the headers
     read = 0
     if not args.headers_only:
-        scratch = torch.empty(VERIFY_CHUNK, dtype=torch.uint8)
         for f in ckpt.files:
-            read += _read_all(f, scratch)
+            read += read_every_byte(f, VERIFY_CHUNK)
     stray = []
     if location.index is not None:
         listed = {p.name for p in location.files}

@@ -112,7 +112,7 @@ def _map_and_touch(path: Path) -> list[Any]:
     return [torch.empty(0, dtype=torch.uint8).set_(storage, start, (size - start,))]
 
 
-def _parallel_read(path: Path, threads: int = 8, block: int = 16 << 20) -> list[Any]:
+def parallel_read(path: Path, threads: int = 8, block: int = 16 << 20) -> list[Any]:
     start, size = _data_range(path)
     fd = os.open(path, os.O_RDONLY)
     buffers = [bytearray(block) for _ in range(threads)]
@@ -142,7 +142,7 @@ def _load(loader: str, checkpoint: Path) -> list[Any]:
     if loader == "floor(map+touch)":
         return _map_and_touch(st_path)
     if loader == "floor(parallel read)":
-        return _parallel_read(st_path)
+        return parallel_read(st_path)
     if loader == "floor(skeleton+map+touch)":
         _skeleton(checkpoint)
         return _map_and_touch(st_path)

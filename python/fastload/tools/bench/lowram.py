@@ -167,14 +167,14 @@ def child(loader: str, checkpoint: Path) -> dict[str, Any]:
     import fastload
     import fastload.api  # noqa: F401
     import fastload.hf.front  # noqa: F401
-    from fastload.tools.bench.loaders import _parallel_read
+    from fastload.tools.bench.loaders import parallel_read
 
     tokens = torch.arange(8)[None]
     out: dict[str, Any] = {}
     t0 = time.perf_counter()
     if loader == "floor(cold read)":
         for path in safetensors_files(checkpoint):
-            _parallel_read(path)
+            parallel_read(path)
         out["seconds"] = time.perf_counter() - t0
         return out
     if loader == "transformers":
