@@ -138,6 +138,14 @@ class S3Server:
         client.upload_file(str(local), bucket, key)
         return f"s3://{bucket}/{key}"
 
+    def place(self, local: Path, bucket: str, key: str) -> str:
+        """As :meth:`upload` for a directory, without a client: s3s-fs serves the files of its
+        root directory (``root/bucket/key``), so copying them there is uploading them (for
+        environments without boto3, such as vLLM's)."""
+        target = self.root / bucket / key
+        shutil.copytree(local, target, dirs_exist_ok=True)
+        return f"s3://{bucket}/{key}/"
+
     def stop(self) -> None:
         self.process.terminate()
         try:

@@ -429,3 +429,78 @@ def test_the_staged_path_of_gpu_loads_fills_from_s3_within_its_pool(env, big_fil
         stream_into(f.file, [(k, t, None) for k, t in out.items()], pool=pool)
     assert all(same_bytes(out[k], here[k]) for k in here)
     assert pool.peak_bytes == 2 << 20
+
+
+# --- vLLM's weights from object storage, and `fastload fetch` -----------------------------------
+
+
+def _remote_weights(url: str, **kwargs: object):
+    from fastload.integrations.vllm.remote import RemoteWeights
+
+    return RemoteWeights(url, **kwargs)  # type: ignore[arg-type]
+
+
+def _reader_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name == "fastload-remote-weights"]
+
+
+def test_vllm_weights_from_s3_are_every_stored_tensor_bitwise_in_small_batches(env, tmp_path):
+    local = tmp_path / "sharded"
+    fastload.save_pretrained(_sequential(), local, max_shard_size="600KB")
+    url = env.upload(local, "models", "vllm-sharded")
+    here: dict[str, torch.Tensor] = {}
+    for shard in local.glob("*.safetensors"):
+        here.update(fastload.load_file(shard))
+    stream = _remote_weights(url, batch_bytes=300_000, skip=lambda name: name == "5.bias")
+    assert len(stream.paths) >= 3 and stream.total == sum(
+        t.numel() * t.element_size() for n, t in here.items() if n != "5.bias"
+    )
+    got = dict(iter(stream))
+    assert sorted(got) == sorted(n for n in here if n != "5.bias")
+    assert all(same_bytes(got[n], here[n]) for n in got)
+    assert stream.bytes == stream.total
+    assert _reader_threads() == []
+
+
+def test_vllm_weights_from_s3_dropped_early_stop_their_reader(env, big_file):
+    stream = _remote_weights(big_file[1], batch_bytes=1 << 20)
+    it = iter(stream)
+    name, tensor = next(it)
+    assert same_bytes(tensor, big_tensors()[name])
+    it.close()  # what a weight loader failing on the first tensor does to the generator
+    assert _reader_threads() == []
+
+
+def test_vllm_weights_from_a_store_that_keeps_failing_name_the_url_and_tensor(proxy, big_file):
+    url = big_file[1]
+    proxy.arm("cut", after=300 << 10, times=-1)
+    stream = _remote_weights(url, storage_options={**QUICK, "max_retries": "1"})
+    with pytest.raises(FastloadIOError, match="store-unavailable") as caught:
+        list(stream)
+    assert url in str(caught.value) and "tensor '" in str(caught.value)
+    assert _reader_threads() == []
+
+
+def test_fastload_fetch_copies_the_config_and_tokenizer_never_the_weights(env, tmp_path, capsys):
+    from fastload.tools.cli import main
+
+    local = tmp_path / "model"
+    local.mkdir()
+    for name in ("config.json", "tokenizer.json", "chat_template.jinja"):
+        (local / name).write_text(name)
+    fastload.save_file({"w": torch.ones(4)}, local / "model.safetensors")
+    url = env.upload(local, "models", "fetch-me")
+    assert main(["fetch", url, str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "chat_template.jinja",
+        "config.json",
+        "tokenizer.json",
+    ]
+    assert "config.json" in capsys.readouterr().out
+    # bad input: one line on stderr, status 1
+    assert main(["fetch", str(local), str(tmp_path / "no")]) == 1
+    assert main(["fetch", "s3://models/nothing-here/", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "not an object storage URL" in err[0] and "nothing-here" in err[1]

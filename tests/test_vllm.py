@@ -243,6 +243,46 @@ def test_llm_offline_with_load_format_fastload_gives_the_tokens_of_safetensors(
     assert "of weights from 1 file(s)" in output, output
 
 
+def test_weights_read_from_s3_give_the_tokens_of_safetensors(
+    llama: Path, reference: list[list[int]], tmp_path: Path
+) -> None:
+    """A fleet without local weights: config and tokenizer copied by ``fastload fetch``, the
+    weights read from the store (``weights`` in the extra config) by the Rust engine."""
+    from s3_server import S3Server
+
+    (tmp_path / "s3-root").mkdir()
+    s3 = S3Server(tmp_path / "s3-root")
+    try:
+        url = s3.place(llama, "models", "llama")
+        env = _env(**s3.env())
+        local = tmp_path / "config-only"
+        fetch = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from fastload.tools.cli import main; sys.exit(main(sys.argv[1:]))",
+                "fetch",
+                url,
+                str(local),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert fetch.returncode == 0, fetch.stderr
+        assert list(local.glob("*.safetensors")) == [] and (local / "config.json").is_file()
+        extra = {"weights": url, "storage_options": {"max_retries": 2}}
+        (tokens,), output = _tokens(
+            [local], env, load_format="fastload", model_loader_extra_config=extra
+        )
+    finally:
+        s3.stop()
+    assert tokens == reference, output
+    shards = len(list(llama.glob("*.safetensors")))
+    assert f"of weights from {shards} file(s)" in output, output
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -138,3 +138,21 @@ def test_an_adopted_parameter_replaced_later_leaves_the_page_tables(tmp_path: Pa
     gc.collect()
     assert _present_pages(address, nbytes) <= 2  # at most the pages shared with neighbours
     assert torch.equal(params["norm"], tensors["norm"])  # the other views are untouched
+
+
+def test_the_weights_option_takes_an_object_storage_url_and_its_storage_options() -> None:
+    from fastload import RequestError
+    from fastload.integrations.vllm.options import parse_options
+
+    url = "s3://bucket/llama/"
+    options = parse_options({"weights": url, "storage_options": {"max_retries": 3}})
+    assert options.weights == url and options.storage_options == {"max_retries": "3"}
+    assert parse_options({}).weights is None
+    for bad, words in (
+        ({"weights": "/local/dir"}, "must be an object storage URL"),
+        ({"weights": 3}, "must be an object storage URL"),
+        ({"storage_options": {"region": "x"}}, "'weights', which is not set"),
+        ({"weights": url, "storage_options": "region=x"}, "storage_options must be a dict"),
+    ):
+        with pytest.raises(RequestError, match=words):
+            parse_options(bad)

@@ -5,6 +5,9 @@
 * ``fastload convert IN OUT_DIR``: a pickle checkpoint (``.bin``/``.pt``, or a sharded
   ``pytorch_model.bin.index.json``) to safetensors, loaded with ``torch.load(weights_only=True)``
   and with tied (shared) tensors stored once;
+* ``fastload fetch URL DIR``: the config and tokenizer files of an object storage prefix (never
+  the weights), e.g. for ``vllm serve DIR --load-format fastload`` with the weights read from
+  ``URL``;
 * ``fastload bench``: the performance harness (:mod:`fastload.tools.bench.run`);
 * ``fastload demo``: the all-MiniLM-L6-v2 demonstration (:mod:`fastload.tools.demo`).
 
@@ -305,6 +308,23 @@ def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     return out, aliases, cloned
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from fastload.core.object_store import DEFAULT_PATTERNS, download_files, is_url
+
+    if not is_url(args.url):
+        raise RequestError(
+            f"{args.url}: not an object storage URL (s3://, gs://, az://, http(s)://)"
+        )
+    written = download_files(args.url, args.directory, patterns=args.pattern or DEFAULT_PATTERNS)
+    if not written:
+        raise RequestError(
+            f"{args.url}: no file there matches {', '.join(args.pattern or DEFAULT_PATTERNS)}"
+        )
+    for path in written:
+        _emit(f"{path} ({format_bytes(path.stat().st_size)})")
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from fastload.safetensors.saving import TIED_KEY, save_file
 
@@ -421,6 +441,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("output", metavar="OUT_DIR", help="the directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing model.safetensors")
     p.set_defaults(run=cmd_convert)
+
+    p = sub.add_parser(
+        "fetch",
+        help="copy the config and tokenizer files of an object storage prefix to a directory",
+        description="Copy the small files directly under an object storage prefix (config, "
+        "tokenizer, chat template: *.json *.txt *.model *.tiktoken *.jinja *.py by default; "
+        "weights never) into DIR, e.g. for vllm serve DIR --load-format fastload "
+        '--model-loader-extra-config \'{"weights": "URL"}\'. Credentials and endpoints come '
+        "from the standard environment (AWS_*, AWS_ENDPOINT_URL...) and files.",
+    )
+    p.add_argument("url", metavar="URL", help="s3://bucket/prefix/ (or gs://, az://, https://)")
+    p.add_argument("directory", metavar="DIR", help="the local directory to write into")
+    p.add_argument(
+        "--pattern", action="append", metavar="GLOB", help="fetch these names instead (repeatable)"
+    )
+    p.set_defaults(run=cmd_fetch)
 
     for name, (_, help_text) in _DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)

@@ -75,7 +75,7 @@ def _mean_pooled(hidden: Any, mask: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m fastload.tools.demo", description=__doc__.split("\n")[0]
+        prog="python -m fastload.tools.demo", description=" ".join(__doc__.split("\n\n")[0].split())
     )
     parser.add_argument("--repeat", type=int, default=3, help="timed loads per loader (best kept)")
     parser.add_argument(

@@ -45,6 +45,7 @@ from fastload.core.units import format_bytes
 from .adopt import CopyWatch
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
 from .release import MappingRecord, release_unused
+from .remote import RemoteWeights
 from .weights import CheckpointWeights, check_index
 
 logger = init_logger("vllm.model_executor.model_loader.fastload")
@@ -80,7 +81,9 @@ class FastloadModelLoader(DefaultModelLoader):
             dataclasses.replace(load_config, load_format="auto", model_loader_extra_config=extra)
         )
         self._origins: dict[int, Any] = {}
-        self._streams: list[CheckpointWeights] = []
+        self._streams: list[CheckpointWeights | RemoteWeights] = []
+        #: the model argument of the load (the primary source; its weights may be remote)
+        self._primary: str | None = None
         self._mappings: list[MappingRecord] = []
 
     # -- which files -----------------------------------------------------------------------------
@@ -102,9 +105,15 @@ class FastloadModelLoader(DefaultModelLoader):
             model_name_or_path, subfolder, revision, fall_back_to_pt, allow_patterns_overrides
         )
 
+    def download_model(self, model_config: ModelConfig) -> None:
+        if self.options.weights is None:  # else the weights stay in the store until read
+            super().download_model(model_config)
+
     def _get_weights_iterator(
         self, source: DefaultModelLoader.Source
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        if self.options.weights is not None and source.model_or_path == self._primary:
+            return self._remote_weights(source)
         hf_folder, files, use_safetensors, index_file = self._prepare_weights(
             source.model_or_path,
             source.subfolder,
@@ -152,6 +161,34 @@ class FastloadModelLoader(DefaultModelLoader):
             if not should_skip_weight(name, self.local_expert_ids)
         )
 
+    def _remote_weights(
+        self, source: DefaultModelLoader.Source
+    ) -> Generator[tuple[str, torch.Tensor], None, None]:
+        """The primary weights from the object store of the ``weights`` option: every file
+        opened and validated here, the tensors read in batches ahead of the weight loaders."""
+        assert self.options.weights is not None
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
+        progress = self.options.progress
+        if progress is None:
+            progress = enable_tqdm(self.load_config.use_tqdm_on_load)
+        unused = source.is_unused_weight
+
+        def skip(name: str) -> bool:  # what vLLM's default loader leaves unread or skips
+            return should_skip_weight(name, self.local_expert_ids) or (
+                unused is not None and unused(name)
+            )
+
+        stream = RemoteWeights(
+            self.options.weights,
+            storage_options=self.options.storage_options,
+            threads=self.options.threads,
+            progress=progress,
+            skip=skip,
+        )
+        self._streams.append(stream)
+        return ((source.prefix + name, tensor) for name, tensor in stream)
+
     # -- loading ---------------------------------------------------------------------------------
 
     def load_model(
@@ -181,6 +218,7 @@ class FastloadModelLoader(DefaultModelLoader):
                     "subclasses that vLLM rebuilds with torchao's own reader; --load-format "
                     f"{LOAD_FORMAT} does not read them: serve it with --load-format auto"
                 )
+        self._primary = model_config.model
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
         watch = CopyWatch(
             self._origins,

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastload.core.errors import RequestError
+from fastload.core.object_store import is_url
+from fastload.core.store_config import check_storage_options
 from fastload.core.threads import MAX_THREADS
 
 #: the load format's name, as users pass it to ``--load-format``
@@ -31,6 +33,10 @@ KEYS = {
     "checkpoint's page cache instead of a copy (copy-on-write; needs mmap views)",
     "progress": "true/false: the progress bar (default: vLLM's use_tqdm_on_load)",
     "enable_weights_track": "vLLM's check that every parameter was loaded (default: vLLM's)",
+    "weights": "an object storage URL (s3://, gs://, az://, http(s)://) of the checkpoint to "
+    "read the weights from (the model argument then names only the config and tokenizer)",
+    "storage_options": "the object store's options for 'weights' (as fastload.from_pretrained's "
+    "storage_options; credentials otherwise from the standard environment and files)",
 }
 
 #: vLLM's keys for its own load formats, refused here with what fastload does instead
@@ -50,6 +56,9 @@ class VllmLoadOptions:
     share_weights: bool = True
     progress: bool | None = None
     enable_weights_track: bool | None = None
+    #: the object storage URL the weights are read from, if not from the model's files
+    weights: str | None = None
+    storage_options: Mapping[str, str] | None = None
 
 
 def _bool(key: str, value: object) -> bool:
@@ -109,6 +118,22 @@ def parse_options(
         )
     progress = extra_config.get("progress")
     track = extra_config.get("enable_weights_track")
+    weights = extra_config.get("weights")
+    if weights is not None and not is_url(weights):
+        raise RequestError(
+            "--model-loader-extra-config: 'weights' must be an object storage URL (s3://, gs://, "
+            f"az://, http(s)://), got {weights!r}"
+        )
+    try:
+        storage = check_storage_options(
+            extra_config.get("storage_options"), "--model-loader-extra-config"
+        )
+    except TypeError as e:
+        raise RequestError(str(e)) from None
+    if storage is not None and weights is None:
+        raise RequestError(
+            "--model-loader-extra-config: 'storage_options' applies to 'weights', which is not set"
+        )
     return VllmLoadOptions(
         mmap=mmap,
         threads=threads,
@@ -116,6 +141,8 @@ def parse_options(
         share_weights=_bool("share_weights", extra_config.get("share_weights", True)),
         progress=None if progress is None else _bool("progress", progress),
         enable_weights_track=None if track is None else _bool("enable_weights_track", track),
+        weights=weights,
+        storage_options=storage,
     )
 
 

@@ -1,0 +1,167 @@
+"""The weights of a vLLM load read straight from object storage (the ``weights`` option).
+
+vLLM 0.32 accepts an object-storage model (``s3://``, ``gs://``, ``az://``) only with its own
+Run:ai load formats (its config check refuses any other ``--load-format``), so fastload takes the
+weights' URL as an option instead: the model argument names the config and tokenizer (a local
+directory, e.g. made by ``fastload fetch URL DIR``, or a hub name), and
+``--model-loader-extra-config '{"weights": "s3://bucket/prefix/"}'`` where the tensors are.
+
+Every file's header is read and validated (and the index checked against the shards) before the
+first tensor is handed out; the tensors are then read by the Rust engine, ranged GETs written
+straight into CPU tensors, in batches of :data:`BATCH_BYTES` on a helper thread one batch ahead
+of the model's weight loaders: at most two batches are held at a time, never the checkpoint.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from fastload.core import object_store
+from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
+from fastload.core.dtypes import torch_shape
+from fastload.core.errors import UnsupportedError
+from fastload.core.progress import byte_progress
+from fastload.core.reading import fill_many
+
+#: the bytes of one batch of tensors read together (a larger tensor is a batch of its own); the
+#: load holds at most two batches beside the model
+BATCH_BYTES = 256 << 20
+
+_DONE = object()
+
+
+def batches(tensors: list[StoredTensor], limit: int = BATCH_BYTES) -> list[list[StoredTensor]]:
+    """``tensors`` in checkpoint order (file, then offset), cut into runs of at most ``limit``
+    bytes (a tensor larger than that alone)."""
+    ordered = sorted(tensors, key=lambda t: (t.file, t.begin))
+    out: list[list[StoredTensor]] = []
+    size = limit
+    for t in ordered:
+        if size + t.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.nbytes
+    return out
+
+
+class RemoteWeights:
+    """The checkpoint at ``url``, opened and validated; iterate for ``(name, tensor)`` pairs in
+    checkpoint order, each a CPU tensor of the stored dtype and shape that nothing else holds.
+    ``skip``: names not to read (tensors the model does not take); ``batch_bytes``: the size of
+    the batches read together (:data:`BATCH_BYTES`)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        storage_options: Mapping[str, object] | None = None,
+        threads: int | None = None,
+        progress: bool = False,
+        skip: Callable[[str], bool] | None = None,
+        batch_bytes: int = BATCH_BYTES,
+    ) -> None:
+        self.url = url
+        self.threads = threads
+        self.progress = progress
+        self.batch_bytes = batch_bytes
+        self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
+        for t in self.checkpoint.tensors.values():
+            where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
+            try:
+                torch_shape(t.st_dtype, list(t.shape), where=where)
+                _ = t.dtype  # raises for a dtype torch lacks
+            except UnsupportedError as e:
+                raise UnsupportedError(
+                    f"{e}; --load-format fastload refuses the checkpoint rather than load it "
+                    "differently"
+                ) from None
+        #: the tensors read, in checkpoint order (``skip``: those the model does not take)
+        self.tensors = [
+            t for t in self.checkpoint.tensors.values() if skip is None or not skip(t.name)
+        ]
+        #: (URL of the file, tensor name) of the tensor handed out last
+        self.current: tuple[str, str] | None = None
+        #: tensor bytes handed out
+        self.bytes = 0
+        self._stop = threading.Event()
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self.checkpoint.files]
+
+    @property
+    def total(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def _read(self, batch: list[StoredTensor], counter: Any) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        work: dict[int, list[tuple[str, torch.Tensor, None]]] = {}
+        for t in batch:
+            where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
+            shape = torch_shape(t.st_dtype, list(t.shape), where=where)
+            tensor = torch.empty(shape, dtype=t.dtype)
+            work.setdefault(t.file, []).append((t.name, tensor, None))
+            out.append((t.name, tensor))
+        files = self.checkpoint.files
+        fill_many([(files[i], items) for i, items in work.items()], self.threads, None, counter)
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        by_name = self.checkpoint.tensors
+        # one batch queued and one being read: two batches at most beside the one consumed
+        ready: queue.Queue[Any] = queue.Queue(maxsize=1)
+
+        def put(item: Any) -> bool:
+            while not self._stop.is_set():
+                try:
+                    ready.put(item, timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def produce() -> None:
+            try:
+                with byte_progress(self.total, self.progress, desc="fastload") as counter:
+                    for batch in batches(self.tensors, self.batch_bytes):
+                        if not put(self._read(batch, counter)):
+                            return
+                put(_DONE)
+            except BaseException as e:  # handed to the consumer, raised there
+                put(e)
+
+        reader = threading.Thread(target=produce, name="fastload-remote-weights", daemon=True)
+        reader.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                for name, tensor in item:
+                    self.current = (self.checkpoint.file_path(by_name[name]), name)
+                    self.bytes += tensor.numel() * tensor.element_size()
+                    yield name, tensor
+                del item
+        finally:
+            self.close()
+            while reader.is_alive():  # a batch it could not hand over is dropped
+                try:
+                    ready.get(timeout=0.1)
+                except queue.Empty:
+                    pass
+            reader.join()
+
+    def close(self) -> None:
+        """Stops the helper thread after the batch it is reading (the iterator was dropped)."""
+        self._stop.set()
+
+
+__all__ = ["BATCH_BYTES", "RemoteWeights", "batches"]
