@@ -1,0 +1,258 @@
+"""One zoo cell: a checkpoint loaded into a class by transformers and by fastload, compared.
+
+:func:`load_pair` loads with transformers' ``from_pretrained`` and with fastload (its direct API,
+or transformers' own call under ``fastload.patch_transformers()``), keeping what each returned or
+raised; :func:`assert_loads_alike` compares the two: the same error, or the same tensor names,
+parameter/buffer roles, dtypes, bitwise values, tie groups, non-persistent buffers, outputs and
+loading info (missing, unexpected and mismatched names as transformers lists them).
+
+Where fastload differs from transformers on purpose (README, "Deliberate differences"), the
+comparison checks that the difference is exactly the documented one and returns its name, so the
+sweep counts it apart from equal cells:
+
+* ``"refuses a checkpoint none of whose names matches"`` (direct API): transformers loads nothing
+  and initializes the whole model; fastload raises ``CheckpointError``;
+* ``"unplanned conversion <Op>"`` (direct API): transformers reorders stored values with a
+  conversion fastload does not plan; fastload raises ``UnsupportedError`` naming it;
+* ``"keeps the stored padding row"`` (direct API): transformers' initialization zeroes a row of a
+  loaded tensor (Funnel's ``word_embeddings`` at ``pad_token_id``); fastload keeps what is stored;
+* ``"keeps the constructor value transformers leaves uninitialized"``: a tensor no init function
+  covers is whatever ``torch.empty`` gave in transformers (NaN here: its loads run in
+  deterministic mode, which fills fresh memory with NaN); fastload keeps the value ``__init__``
+  gave it. Uninitialized memory is no contract, so this one stands under the patch too.
+
+Under the patch every other one must be equal.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import fastload
+from fastload.tying import find_tie_groups
+from tiny_models import model_tensors, outputs_of
+from zoo_models import example_inputs, model_class
+
+#: the conversions fastload plans as reads (fastload.hf.conversions)
+PLANNED_CONVERSIONS = ("MergeModulelist", "Concatenate", "Chunk", "Split")
+#: the loading-info entries that hold names
+NAME_ENTRIES = ("missing_keys", "unexpected_keys", "mismatched_keys")
+
+
+@dataclass
+class Loaded:
+    """What one loader gave: a model and its loading info, or an error."""
+
+    model: nn.Module | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    #: under the patch: whether fastload served the call (else transformers' own loader did)
+    served: bool = True
+
+
+def _bare(error: BaseException) -> BaseException:
+    """``error`` without its traceback and chained errors (their frames hold whole models)."""
+    error.__context__ = error.__cause__ = None
+    return error.with_traceback(None)
+
+
+def _transformers(cls: type, directory: Path, kwargs: dict[str, Any]) -> Loaded:
+    # Deterministic mode fills the memory torch.empty hands out with NaN: a tensor transformers
+    # leaves uninitialized shows as NaN instead of passing for a value.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        model, info = cls.from_pretrained(directory, output_loading_info=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - compared with fastload's error
+        return Loaded(error=_bare(e))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    return Loaded(model.eval(), info)
+
+
+def _fastload(cls: type, directory: Path, kwargs: dict[str, Any], patched: bool) -> Loaded:
+    if not patched:
+        try:
+            model, report = fastload.from_pretrained(
+                cls, directory, output_loading_info=True, progress=False, **kwargs
+            )
+        except Exception as e:  # noqa: BLE001 - compared with transformers'
+            return Loaded(error=_bare(e))
+        return Loaded(model, report.to_dict())
+    import fastload.hf.patch as patch
+
+    before = patch.last_report
+    with fastload.patch_transformers():
+        try:
+            model, info = cls.from_pretrained(directory, output_loading_info=True, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            return Loaded(error=_bare(e), served=patch.last_report is not before)
+    return Loaded(model.eval(), info, served=patch.last_report is not before)
+
+
+def load_pair(
+    class_name: str, directory: Path, *, patched: bool = False, **kwargs: Any
+) -> tuple[Loaded, Loaded]:
+    """(fastload's load, transformers' load) of ``directory`` into ``class_name``."""
+    cls = model_class(class_name)
+    theirs = _transformers(cls, directory, kwargs)
+    ours = _fastload(cls, directory, kwargs, patched)
+    return ours, theirs
+
+
+def _ties(model: nn.Module) -> set[frozenset[str]]:
+    return {frozenset(g) for g in find_tie_groups(model)}
+
+
+def _initialized_alike(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """What initialization decides regardless of the random stream: constants and zero rows."""
+    if theirs.numel() == 0 or not theirs.is_floating_point():
+        return
+    assert not torch.isnan(ours).any(), f"{name}: left uninitialized"
+    flat = theirs.float().flatten()
+    if bool((flat == flat[0]).all()):
+        assert torch.equal(ours, theirs), f"{name}: transformers gives the constant {flat[0]}"
+        return
+    if theirs.dim() == 2:
+        zero_rows = (theirs == 0).all(dim=1)
+        assert torch.equal((ours[zero_rows] == 0).all(dim=1), zero_rows[zero_rows]), (
+            f"{name}: rows {zero_rows.nonzero().flatten().tolist()} are zero in transformers"
+        )
+
+
+def _uninitialized(tensor: torch.Tensor) -> bool:
+    """Whether a tensor is all NaN: memory transformers left uninitialized (filled with NaN
+    because its load runs in deterministic mode, :func:`_transformers`)."""
+    return tensor.is_floating_point() and tensor.numel() > 0 and bool(tensor.isnan().all())
+
+
+def _zeroed_rows_only(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Whether the tensors differ only in rows transformers zeroed (``ours`` non-zero there)."""
+    if ours.dim() != 2 or ours.shape != theirs.shape:
+        return False
+    differ = (ours != theirs).any(dim=1)
+    zero = (theirs == 0).all(dim=1)
+    return bool(differ.any()) and bool((zero[differ]).all())
+
+
+def _names(info: dict[str, Any], entry: str) -> set[Any]:
+    return {tuple(x) if isinstance(x, list) else x for x in info.get(entry) or ()}
+
+
+def assert_info_alike(ours: Loaded, theirs: Loaded, *, whole: bool = False) -> None:
+    """The same missing, unexpected and mismatched names (``whole``: every entry of the dict)."""
+    entries = sorted(set(ours.info) | set(theirs.info)) if whole else NAME_ENTRIES
+    for entry in entries:
+        a, e = _names(ours.info, entry), _names(theirs.info, entry)
+        assert a == e, (
+            f"loading info {entry!r}: only fastload lists {sorted(map(str, a - e))[:8]}, "
+            f"only transformers lists {sorted(map(str, e - a))[:8]}"
+        )
+
+
+def _compare_tensors(ours: nn.Module, theirs: nn.Module, missing: set[str]) -> list[str]:
+    """Names, roles, dtypes, values (bitwise, except tensors both initialize), ties; returns
+    the documented differences found."""
+    a, e = model_tensors(ours), model_tensors(theirs)
+    assert sorted(a) == sorted(e), f"names differ: {sorted(set(a) ^ set(e))[:10]}"
+    params = {n for n, _ in ours.named_parameters(remove_duplicate=False)}
+    assert params == {n for n, _ in theirs.named_parameters(remove_duplicate=False)}
+    initialized = set(missing)
+    for group in find_tie_groups(theirs):
+        if initialized & set(group):
+            initialized |= set(group)
+    differences = []
+    for name, expected in e.items():
+        got = a[name]
+        assert got.shape == expected.shape, f"{name}: shape {got.shape} != {expected.shape}"
+        assert got.dtype == expected.dtype, f"{name}: dtype {got.dtype} != {expected.dtype}"
+        assert got.device.type != "meta", f"{name}: left on meta"
+        if _uninitialized(expected):
+            # transformers leaves it as torch.empty gave it; fastload keeps the value __init__
+            # gave it (README: deliberate differences)
+            assert not _uninitialized(got), f"{name}: left uninitialized"
+            differences.append("keeps the constructor value transformers leaves uninitialized")
+        elif name in initialized:
+            _initialized_alike(name, got, expected)
+        elif not torch.equal(got, expected):
+            if _zeroed_rows_only(got, expected):
+                differences.append("keeps the stored padding row")
+                continue
+            raise AssertionError(
+                f"{name}: values differ (max {(got.double() - expected.double()).abs().max()})"
+            )
+    assert _ties(ours) == _ties(theirs), "tie groups differ"
+    return sorted(set(differences))
+
+
+def _compare_outputs(ours: nn.Module, theirs: nn.Module) -> None:
+    """Outputs of bitwise-equal tensors are compared bitwise, with a rounding-level tolerance
+    as a fallback: kernels may round differently by memory alignment (transformers' tensors can
+    be views of a mapped shard file at any offset)."""
+    inputs = example_inputs(theirs)
+    if inputs is None:
+        return
+    try:
+        torch.manual_seed(0)  # forwards that draw random numbers (ViTMAE's masking)
+        expected = outputs_of(theirs, inputs)
+    except Exception:  # noqa: BLE001 - transformers' own forward fails: nothing to compare
+        return
+    torch.manual_seed(0)
+    got = outputs_of(ours, inputs)
+    assert len(got) == len(expected)
+    for i, (x, y) in enumerate(zip(got, expected, strict=True)):
+        if not torch.equal(x, y):
+            torch.testing.assert_close(x, y, msg=f"output {i} differs")
+
+
+def _documented_refusal(ours: Loaded, theirs: Loaded) -> str | None:
+    """The deliberate difference fastload's direct API refusing a load where transformers
+    loads is, if it is one."""
+    text = str(ours.error)
+    if isinstance(ours.error, fastload.UnsupportedError):
+        found = re.search(r"needs transformers' (\w+) conversion", text)
+        if found is not None and found.group(1) not in PLANNED_CONVERSIONS:
+            return f"unplanned conversion {found.group(1)}"
+    if isinstance(ours.error, fastload.CheckpointError) and "none of its" in text:
+        assert theirs.model is not None
+        keys = set(theirs.model.state_dict())
+        assert keys <= _names(theirs.info, "missing_keys"), (
+            f"fastload refuses, but transformers loads {sorted(keys - theirs.info['missing_keys'])}"
+        )
+        return "refuses a checkpoint none of whose names matches"
+    return None
+
+
+def assert_loads_alike(ours: Loaded, theirs: Loaded, *, patched: bool = False) -> list[str]:
+    """Both raise the same error, or both load the same model; returns the documented
+    differences (none under the patch)."""
+    if theirs.error is not None:
+        assert ours.error is not None, (
+            f"transformers raises {type(theirs.error).__name__}: {str(theirs.error)[:300]}; "
+            "fastload loads"
+        )
+        assert isinstance(ours.error, type(theirs.error)), (
+            f"transformers raises {type(theirs.error).__name__}: {str(theirs.error)[:200]}; "
+            f"fastload raises {type(ours.error).__name__}: {str(ours.error)[:200]}"
+        )
+        return []
+    if ours.error is not None:
+        documented = None if patched else _documented_refusal(ours, theirs)
+        if documented is None:
+            raise ours.error
+        return [documented]
+    assert ours.model is not None and theirs.model is not None
+    differences = _compare_tensors(ours.model, theirs.model, _names(theirs.info, "missing_keys"))
+    assert_info_alike(ours, theirs, whole=patched)
+    if patched:
+        contract = [d for d in differences if "uninitialized" not in d]
+        assert not contract, f"under the patch: {contract}"
+    if not differences and not theirs.info.get("missing_keys"):
+        _compare_outputs(ours.model, theirs.model)
+    return differences
