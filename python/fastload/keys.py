@@ -285,16 +285,26 @@ class Authorization:
     def missing_ok(self, name: str) -> bool:
         return self.missing is not None and self.missing.search(name) is not None
 
-    def unexpected_ok(self, model: nn.Module, name: str, mapped: str, prefix: str | None) -> bool:
-        """Whether checkpoint tensor ``name`` (model-side ``mapped``) is expected to be unused."""
-        if self.unexpected is not None and (
+    def unexpected_declared(self, name: str, mapped: str) -> bool:
+        """Whether the model class declares checkpoint tensor ``name`` (model-side ``mapped``)
+        as expected to be unused."""
+        return self.unexpected is not None and (
             self.unexpected.search(name) is not None or self.unexpected.search(mapped) is not None
-        ):
-            return True
-        candidates = [mapped]
-        if prefix:
-            candidates.append(f"{prefix}.{mapped}")
-        return any(declined_layer(model, c) for c in candidates)
+        )
+
+    def unexpected_ok(self, model: nn.Module, name: str, mapped: str, prefix: str | None) -> bool:
+        """Whether checkpoint tensor ``name`` (model-side ``mapped``) is expected to be unused:
+        declared so, or a tensor of a layer the model does not build."""
+        return self.unexpected_declared(name, mapped) or declined(model, mapped, prefix)
+
+
+def declined(model: nn.Module, mapped: str, prefix: str | None) -> bool:
+    """Whether model-side name ``mapped`` lies in a layer the model does not build, with or
+    without the base-model prefix (:func:`declined_layer`)."""
+    candidates = [mapped]
+    if prefix:
+        candidates.append(f"{prefix}.{mapped}")
+    return any(declined_layer(model, c) for c in candidates)
 
 
 def format_names(names: Sequence[str], limit: int = 20) -> str:

@@ -1,0 +1,70 @@
+"""Where the model-zoo sweep (issue 37) found fastload loading differently from transformers:
+what the loading info lists, which stored copy a tie group keeps, what initialization may
+write, and which errors are raised. Each test compares with transformers' own load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+import fastload
+
+pytest.importorskip("transformers")
+
+from zoo_models import build, model_class, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("unpatched")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)
+
+
+def saved(class_name: str, model_type: str, directory: Path, **config: Any) -> Path:
+    build(class_name, tiny_config(model_type, **config)).save_pretrained(directory)
+    return directory
+
+
+def both(class_name: str, directory: Path, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """(fastload's model and loading info, transformers' model and loading info)."""
+    cls = model_class(class_name)
+    ours, report = fastload.from_pretrained(
+        cls, directory, output_loading_info=True, progress=False, **kwargs
+    )
+    theirs, info = cls.from_pretrained(directory, output_loading_info=True, **kwargs)
+    return ours, report, theirs, info
+
+
+# --- loading info ----------------------------------------------------------------------------
+
+
+def test_loading_info_lists_a_layer_the_model_does_not_build_as_unexpected_like_transformers(
+    tmp_path,
+):
+    directory = saved("BertModel", "bert", tmp_path)  # with its pooler
+    _, report, _, info = both("BertLMHeadModel", directory)  # built without one
+    assert info["unexpected_keys"] == {"pooler.dense.bias", "pooler.dense.weight"}
+    assert report.to_dict()["unexpected_keys"] == info["unexpected_keys"]
+    assert report.unexpected == []  # expected: no warning, as before
+
+
+def test_loading_info_lists_unexpected_tensors_under_the_names_transformers_renames_them_to(
+    tmp_path,
+):
+    directory = saved("ViTMAEForPreTraining", "vit_mae", tmp_path)
+    stored = set(load_file(directory / "model.safetensors"))
+    assert "decoder.decoder_encoder.layer.0.attention.attention.key.weight" in stored
+    _, report, _, info = both("ViTMAEModel", directory)
+    assert "decoder.decoder_layers.0.attention.k_proj.weight" in info["unexpected_keys"]
+    assert report.to_dict()["unexpected_keys"] == info["unexpected_keys"]
+    # the report itself keeps the stored names, which the warning shows
+    assert "decoder.decoder_encoder.layer.0.attention.attention.key.weight" in report.unexpected
