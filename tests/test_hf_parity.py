@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import fastload
@@ -68,3 +69,23 @@ def test_loading_info_lists_unexpected_tensors_under_the_names_transformers_rena
     assert report.to_dict()["unexpected_keys"] == info["unexpected_keys"]
     # the report itself keeps the stored names, which the warning shows
     assert "decoder.decoder_encoder.layer.0.attention.attention.key.weight" in report.unexpected
+
+
+# --- ties ------------------------------------------------------------------------------------
+
+
+def test_a_tie_group_stored_twice_with_different_values_keeps_the_copy_transformers_keeps(
+    tmp_path,
+):
+    # A causal-LM checkpoint stores the decoder embedding and the LM head apart; the seq2seq
+    # class ties both to `model.shared`, which the checkpoint lacks.
+    directory = saved("BigBirdPegasusForCausalLM", "bigbird_pegasus", tmp_path)
+    stored = load_file(directory / "model.safetensors")
+    assert not torch.equal(stored["lm_head.weight"], stored["model.decoder.embed_tokens.weight"])
+    ours, _, theirs, _ = both("BigBirdPegasusForConditionalGeneration", directory)
+    for model in (ours, theirs):
+        assert model.model.shared.weight is model.lm_head.weight
+        assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
+        assert torch.equal(
+            model.model.decoder.embed_tokens.weight, stored["model.decoder.embed_tokens.weight"]
+        )

@@ -229,8 +229,11 @@ def plan(
             report.unexpected.append(ckpt_name)
 
     # What each group does, and missing model tensors.
+    tie_order = hooks.tie_source_order(model)
     for group in groups:
         group.sources.sort(key=lambda s: position[s.slot.name])
+        if tie_order is not None and len(group.sources) > 1:
+            group.sources.sort(key=lambda s: tie_order(s.slot.name))
         if group.sources:
             group.action = "load"
             continue

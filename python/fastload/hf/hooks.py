@@ -59,6 +59,18 @@ class TransformersHooks(ModelHooks):
     def refuse_no_match(self) -> bool:
         return not self.contract
 
+    def tie_source_order(self, model: nn.Module) -> Callable[[str], Any] | None:
+        # transformers ties after loading, pair by pair in `all_tied_weights_keys` order
+        # ({target: source}, one source per group): the source keeps its stored values if the
+        # checkpoint has it, else the first stored target in that order gives them to it, and
+        # every other stored member is compared with those and untied if it differs
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        rank = {source: 0 for source in tied.values()}
+        for i, target in enumerate(tied):
+            rank.setdefault(target, i + 1)
+        last = len(rank) + 1
+        return lambda name: rank.get(name, last)
+
     def merges(
         self,
         model: nn.Module,
