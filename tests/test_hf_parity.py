@@ -89,3 +89,38 @@ def test_a_tie_group_stored_twice_with_different_values_keeps_the_copy_transform
         assert torch.equal(
             model.model.decoder.embed_tokens.weight, stored["model.decoder.embed_tokens.weight"]
         )
+
+
+# --- initialization writing into loaded tensors ----------------------------------------------
+
+
+@pytest.fixture
+def funnel(tmp_path: Path) -> Path:
+    return saved("FunnelForMaskedLM", "funnel", tmp_path, pad_token_id=0)
+
+
+def test_transformers_zeroes_the_stored_padding_row_of_a_funnel_checkpoint(funnel):
+    # The fact fastload's two behaviours answer: Funnel's _init_weights zeroes
+    # word_embeddings.weight[pad_token_id] through a view, which transformers' "already loaded"
+    # flag does not cover, on every load.
+    stored = load_file(funnel / "model.safetensors")["funnel.embeddings.word_embeddings.weight"]
+    theirs = model_class("FunnelForMaskedLM").from_pretrained(funnel)
+    assert bool(stored[0].ne(0).any())
+    assert bool(theirs.funnel.embeddings.word_embeddings.weight[0].eq(0).all())
+
+
+def test_the_direct_api_keeps_the_stored_padding_row_of_a_funnel_checkpoint(funnel):
+    stored = load_file(funnel / "model.safetensors")["funnel.embeddings.word_embeddings.weight"]
+    ours = fastload.from_pretrained(model_class("FunnelForMaskedLM"), funnel, progress=False)
+    assert torch.equal(ours.funnel.embeddings.word_embeddings.weight, stored)
+
+
+def test_under_the_patch_the_padding_row_of_a_funnel_checkpoint_is_zeroed_as_transformers_does(
+    funnel,
+):
+    cls = model_class("FunnelForMaskedLM")
+    theirs = cls.from_pretrained(funnel)
+    with fastload.patch_transformers():
+        ours = cls.from_pretrained(funnel)
+    for name in ("funnel.embeddings.word_embeddings.weight", "lm_head.weight"):
+        assert torch.equal(ours.get_parameter(name), theirs.get_parameter(name)), name

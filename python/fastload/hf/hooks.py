@@ -137,7 +137,7 @@ class TransformersHooks(ModelHooks):
             missing += [name for name, _, _ in report.mismatched]
             finish_like_transformers(model, self.tp, missing=missing)
         elif built_here:  # non-persistent buffers as transformers computes them
-            recompute_buffers(model)
+            recompute_buffers(model, every_module=self.contract)
         finish_transformers(
             model,
             directory=directory,
