@@ -14,6 +14,7 @@ the tiny vocabulary are moved inside it.
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 VOCAB = 99
@@ -230,10 +231,33 @@ def _shrunk(config: Any, depth: int = 0, **overrides: Any) -> Any:
             kwargs[key] = _shrunk(sub, depth + 1)
     kwargs.update(overrides)
     try:
-        return cls(**kwargs)
+        return _construct(cls, kwargs, keep=set(overrides))
     except Exception:  # noqa: BLE001 - some composite configs take their sub-configs as dicts
         subs = {k: v.to_dict() for k, v in kwargs.items() if isinstance(v, PretrainedConfig)}
-        return cls(**{**kwargs, **subs})
+        return _construct(cls, {**kwargs, **subs}, keep=set(overrides))
+
+
+def _construct(cls: type, kwargs: dict[str, Any], keep: set[str], depth: int = 0) -> Any:
+    """``cls(**kwargs)``; where the config's validation names some of the tiny sizes (``hidden
+    size (32) must equal codebook_dim``), the default of one of them (or of all), up to twice."""
+    try:
+        return cls(**kwargs)
+    except Exception as e:
+        if depth >= 2:
+            raise
+        text = str(e)
+        named = [
+            k for k in kwargs if k not in keep and re.search(rf"(?<![\w.]){re.escape(k)}\b", text)
+        ]
+        drops = [[k] for k in named] + ([named] if len(named) > 1 else [])
+        for drop in drops:
+            try:
+                return _construct(
+                    cls, {k: v for k, v in kwargs.items() if k not in drop}, keep, depth + 1
+                )
+            except Exception:  # noqa: BLE001, S112 - the next candidate
+                continue
+        raise
 
 
 @functools.cache
