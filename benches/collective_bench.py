@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastload.page_cache import evict
+from fastload.core.page_cache import evict
 
 LOADERS = (
     "fastload(process_group)",
@@ -86,8 +86,8 @@ def _rank(rank: int, world: int, port: int, root: str, loaders: list[str], out: 
     import transformers
 
     import fastload
+    import fastload.core.loading  # noqa: F401
     import fastload.hf.dtensor_tp  # noqa: F401
-    import fastload.loading  # noqa: F401
 
     transformers.LlamaForCausalLM  # noqa: B018  (imports the Llama module)
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fastload-bench"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    from fastload.bench import make_checkpoint
+    from fastload.tools.bench.run import make_checkpoint
 
     checkpoint = make_checkpoint(args.workdir, args.gib, "bfloat16")
     size = (checkpoint / "model.safetensors").stat().st_size

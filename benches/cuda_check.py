@@ -4,7 +4,7 @@ Prepared on a CPU machine and run on a GPU machine that has no package registry 
 as wheels, see ``scripts/cuda-wheels.sh``). One command does everything and writes one JSON file::
 
     python benches/cuda_check.py --out cuda_results.json            # 1 and 8 GiB, < 8 minutes
-    python benches/cuda_check.py --plot cuda_results.json           # the PNG, on any machine
+    python benches/cuda_check.py --plot cuda_results.json    # the PNG and .md page, anywhere
 
 Steps:
 
@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fastload.page_cache import evict, warm
+from fastload.core.page_cache import evict, warm
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,6 +117,46 @@ def make_checkpoint(directory: Path, size_gib: float, device: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
+def _reset_peak_rss() -> bool:
+    """Restarts the kernel's peak-RSS count (VmHWM) from the current RSS (Linux 4.0+), so a
+    run's peak is its own, not one left by the imports; False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def resident_fraction(path: Path) -> float | None:
+    """The share of ``path``'s pages in the page cache, from the kernel (``mincore(2)`` on a
+    fresh mapping, as util-linux's ``fincore`` reads it); None where that fails."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+    libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        return None
+    try:
+        vec = ctypes.create_string_buffer(pages)
+        if libc.mincore(addr, size, vec) != 0:
+            return None
+        return sum(b & 1 for b in vec.raw) / pages
+    finally:
+        libc.munmap(addr, size)
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -143,8 +183,11 @@ def _disk_read(path: Path) -> dict[str, Any]:
 
 # What each loader imports, done before any clock starts: a load is timed, not an import.
 _IMPORTS: dict[str, list[str]] = {
-    "fastload.load_file": ["fastload.reader"],
-    "fastload.from_pretrained": ["fastload.loading", "transformers.models.llama.modeling_llama"],
+    "fastload.load_file": ["fastload.safetensors.files"],
+    "fastload.from_pretrained": [
+        "fastload.core.loading",
+        "transformers.models.llama.modeling_llama",
+    ],
     "safetensors.safe_open": ["safetensors"],
     "transformers": ["transformers.models.llama.modeling_llama"],
     "fastsafetensors": ["fastsafetensors"],
@@ -222,10 +265,13 @@ def child(loader: str, ckpt: Path, device: str, mode: str, repeats: int) -> dict
     sums = json.loads((ckpt / "checksums.json").read_text())
     runs = []
     for _ in range(repeats):
+        resident = None
         if mode == "cold":
             evict(path)
+            resident = resident_fraction(path)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
+        hwm_reset = _reset_peak_rss()
         rss_before = _status_bytes("VmRSS")
         start = time.perf_counter()
         if loader == "floor:disk_read":
@@ -238,7 +284,10 @@ def child(loader: str, ckpt: Path, device: str, mode: str, repeats: int) -> dict
         run: dict[str, Any] = {
             "seconds": seconds,
             "peak_rss_over_baseline": _status_bytes("VmHWM") - rss_before,
+            "peak_rss_reset": hwm_reset,
         }
+        if resident is not None:
+            run["resident_after_evict"] = resident
         if cuda:
             run["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
         if not loader.startswith("floor:"):
@@ -251,6 +300,41 @@ def child(loader: str, ckpt: Path, device: str, mode: str, repeats: int) -> dict
         if cuda:
             torch.cuda.empty_cache()
     return {"runs": runs}
+
+
+#: the settings ``--tune`` tries for fastload.load_file on the warm file: pool size, copy
+#: threads, read path (the first of each is the default)
+TUNE_STAGING = ("128MiB", "512MiB", "1GiB")
+TUNE_THREADS = (None, 8, 32)
+TUNE_READ_MODES = ("pread", "mmap")
+
+
+def tune_child(ckpt: Path, device: str, repeats: int) -> dict[str, Any]:
+    """fastload.load_file to ``device`` with each setting of the tuning grid, ``repeats`` times
+    each, round-robin (so drift hits every setting alike); median seconds per setting."""
+    import itertools
+
+    import torch
+
+    import fastload
+
+    cuda = device.startswith("cuda")
+    torch.empty(1, device=device)
+    path = ckpt / "model.safetensors"
+    grid = list(itertools.product(TUNE_STAGING, TUNE_THREADS, TUNE_READ_MODES))
+    times: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        for staging, threads, read_mode in grid:
+            start = time.perf_counter()
+            out = fastload.load_file(
+                path, device=device, staging_bytes=staging, threads=threads, read_mode=read_mode
+            )
+            if cuda:
+                torch.cuda.synchronize(device)
+            key = f"staging={staging} threads={threads or 'default'} read_mode={read_mode}"
+            times.setdefault(key, []).append(time.perf_counter() - start)
+            del out
+    return {"settings": {k: statistics.median(v) for k, v in times.items()}}
 
 
 def run_child(
@@ -268,8 +352,8 @@ def run_child(
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
     result = json.loads(lines[-1])
-    times = [r["seconds"] for r in result["runs"]]
-    result["median_seconds"] = statistics.median(times)
+    if "runs" in result:
+        result["median_seconds"] = statistics.median(r["seconds"] for r in result["runs"])
     return result
 
 
@@ -278,8 +362,11 @@ def run_child(
 # ---------------------------------------------------------------------------------------------
 
 
-def run_tests(timeout: float, tests: Path = ROOT / "tests") -> dict[str, Any]:
-    """``pytest -m cuda`` on ``tests``; counts from its JUnit XML."""
+def run_tests(
+    timeout: float, tests: Path = ROOT / "tests", log: Path | None = None
+) -> dict[str, Any]:
+    """``pytest -m cuda`` on ``tests``; counts from its JUnit XML; pytest's whole output to
+    ``log`` if given."""
     import xml.etree.ElementTree as ET
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -294,6 +381,8 @@ def run_tests(timeout: float, tests: Path = ROOT / "tests") -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         out: dict[str, Any] = {"exit_code": proc.returncode, "tail": proc.stdout[-3000:]}
+        if log is not None:
+            log.write_text(proc.stdout + proc.stderr)
         if xml.exists():
             suite = ET.parse(xml).getroot()
             suite = suite if suite.tag == "testsuite" else suite[0]
@@ -312,7 +401,10 @@ def environment(device: str) -> dict[str, Any]:
 
     import torch
 
+    from fastload.core.streaming import DEFAULT_STAGING_BYTES
+
     env: dict[str, Any] = {
+        "staging_bytes": DEFAULT_STAGING_BYTES,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
@@ -333,11 +425,18 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def summarize(results: dict[str, Any]) -> None:
-    """Adds, per size and mode, each loader's ratio to the floor and to the fastest peer."""
+    """Adds, per size and mode, each loader's ratio to the floor and to the fastest peer.
+
+    The floor of a warm load is the pinned host-to-device copy of its bytes; of a cold load, the
+    slower of that copy and the parallel read of the evicted file (a load does both)."""
     for size in results["sizes"].values():
+        h2d = size["modes"].get("warm", {}).get("floor:pinned_h2d", {}).get("median_seconds")
         for mode, loaders in size["modes"].items():
-            floor_name = "floor:pinned_h2d" if mode == "warm" else "floor:disk_read"
-            floor = loaders.get(floor_name, {}).get("median_seconds")
+            disk = loaders.get("floor:disk_read", {}).get("median_seconds")
+            floors = [h2d] if mode == "warm" else [disk, h2d]
+            floor = max((f for f in floors if f), default=None)
+            if floor:
+                size.setdefault("floor_seconds", {})[mode] = floor
             peers = [
                 v["median_seconds"]
                 for k, v in loaders.items()
@@ -365,7 +464,8 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         results["skipped"] = "no CUDA device"
         return results
     if not args.no_tests:
-        results["tests"] = run_tests(timeout=args.tests_timeout)
+        log = args.out.with_suffix(".pytest.txt") if args.out else None
+        results["tests"] = run_tests(timeout=args.tests_timeout, log=log)
         print(f"tests: {json.dumps({k: v for k, v in results['tests'].items() if k != 'tail'})}")
     work = Path(args.workdir or tempfile.mkdtemp(prefix="cuda-check-"))
     for size_gib in args.sizes:
@@ -376,7 +476,7 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
         for mode in args.modes:
             loaders = entry["modes"].setdefault(mode, {})
             for loader in args.loaders:
-                if loader == "floor:disk_read" and mode == "warm":
+                if (loader, mode) in (("floor:disk_read", "warm"), ("floor:pinned_h2d", "cold")):
                     continue
                 left = args.budget_s - (time.monotonic() - begin)
                 if left < 20:
@@ -390,12 +490,75 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 shown = loaders[loader].get("median_seconds", loaders[loader].get("error"))
                 print(f"{size_gib:g} GiB {mode:4s} {loader:28s} {shown}", flush=True)
+        if args.tune and "tuning" not in results:
+            warm(path)
+            left = args.budget_s - (time.monotonic() - begin)
+            results["tuning"] = {"size": f"{size_gib:g}GiB"} | run_child(
+                "tune", ckpt, device, "warm", args.repeats, timeout=min(args.child_timeout, left)
+            )
+            print(f"tuning: {json.dumps(results['tuning'])}", flush=True)
         if not args.keep:
             path.unlink()
             (ckpt / "checksums.json").unlink()
     summarize(results)
     results["wall_seconds"] = time.monotonic() - begin
     return results
+
+
+def markdown(results: dict[str, Any], command: str) -> str:
+    """The results as a Markdown page: the machine, the command, a table per size and mode
+    (median seconds, GB/s, share of the floor, speed-up over the fastest peer, peak host RSS
+    above the pre-load RSS, tensors checked), the tuning grid and the tests."""
+    env = results.get("environment", {})
+    mib = 1 << 20
+    lines = [
+        f"# Loads to {env.get('device')} on {env.get('gpu', '?')}",
+        "",
+        f"Measured with `{command}` (each loader in a fresh process per mode; medians).",
+        "",
+        "Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if v is not None),
+        "",
+        "floor = the pinned host-to-device copy of the same bytes (warm); the slower of that and "
+        "parallel 64 MiB preads of the evicted file (cold). `x floor` = floor time / load time "
+        "(1.0 = at the floor); `x peer` = fastest peer's time / this time.",
+    ]
+    for size, entry in results.get("sizes", {}).items():
+        for mode, loaders in entry["modes"].items():
+            floor = entry.get("floor_seconds", {}).get(mode)
+            lines += [
+                "",
+                f"## {size} bf16, {mode} page cache" + (f" (floor {floor:.3f} s)" if floor else ""),
+                "",
+                "| loader | median s | GB/s | x floor | x peer | peak RSS MiB | correct |",
+                "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+            ]
+            for name, v in loaders.items():
+                if "median_seconds" not in v:
+                    lines.append(f"| {name} | {v.get('error', '?')} | | | | | |")
+                    continue
+                peak = max(r["peak_rss_over_baseline"] for r in v["runs"]) / mib
+                ok = {r.get("correct") for r in v["runs"]}
+                cells = [
+                    f"{v['median_seconds']:.3f}",
+                    f"{v['gb_per_s']:.1f}",
+                    f"{v['floor_over_time']:.2f}" if "floor_over_time" in v else "",
+                    f"{v['speedup_vs_fastest_peer']:.2f}" if "speedup_vs_fastest_peer" in v else "",
+                    f"{peak:.0f}",
+                    "" if ok == {None} else ("yes" if ok == {True} else "NO"),
+                ]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    tuning = results.get("tuning", {})
+    if "settings" in tuning:
+        lines += ["", f"## fastload.load_file settings, {tuning['size']} warm", ""]
+        lines += ["| setting | median s |", "| --- | ---: |"]
+        for k, v in sorted(tuning["settings"].items(), key=lambda kv: kv[1]):
+            lines.append(f"| {k} | {v:.4f} |")
+    tests = results.get("tests")
+    if tests:
+        counts = {k: tests.get(k) for k in ("tests", "failures", "errors", "skipped")}
+        lines += ["", "## pytest -m cuda", "", ", ".join(f"{k}: {v}" for k, v in counts.items())]
+        lines += [f"- failed: {name}" for name in tests.get("failed", [])]
+    return "\n".join(lines) + "\n"
 
 
 def plot(results_path: Path, png: Path) -> None:
@@ -437,21 +600,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-timeout", type=float, default=120.0)
     p.add_argument("--tests-timeout", type=float, default=180.0)
     p.add_argument("--no-tests", action="store_true", help="skip pytest -m cuda")
+    p.add_argument(
+        "--tune", action="store_true", help="also time load_file's settings on the first size"
+    )
     p.add_argument("--workdir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints")
-    p.add_argument("--plot", type=Path, default=None, help="only draw RESULTS.json as a PNG")
+    p.add_argument(
+        "--plot", type=Path, default=None, help="only write RESULTS.json as a PNG and a .md page"
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--ckpt", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--mode", default="warm", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child == "tune":
+        print(json.dumps(tune_child(args.ckpt, args.device, args.repeats)))
+        return 0
     if args.child:
         print(json.dumps(child(args.child, args.ckpt, args.device, args.mode, args.repeats)))
         return 0
     if args.plot:
         plot(args.plot, args.plot.with_suffix(".png"))
+        results = json.loads(args.plot.read_text())
+        command = results.get("command", "python benches/cuda_check.py")
+        args.plot.with_suffix(".md").write_text(markdown(results, command))
         return 0
-    out = args.out or Path(os.environ.get("OUT", ".")) / "cuda_results.json"
+    out = args.out = args.out or Path(os.environ.get("OUT", ".")) / "cuda_results.json"
     results = check(args)
+    results["command"] = "python benches/cuda_check.py " + " ".join(argv or sys.argv[1:])
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(f"wrote {out}")
     failed = results.get("tests", {}).get("failures", 0) + results.get("tests", {}).get("errors", 0)

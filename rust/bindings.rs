@@ -1,5 +1,5 @@
 //! The `fastload._core` Python extension: thin wrappers over the core that release the GIL for
-//! all I/O and copying, and turn core errors into the `fastload.errors` hierarchy.
+//! all I/O and copying, and turn core errors into the `fastload.core.errors` hierarchy.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -243,7 +243,7 @@ impl PySafetensorsFile {
     /// Fills destinations given as `(name, ptr, nbytes, dtype, selection)`; returns bytes written.
     ///
     /// Private (`_copy_into`): it writes to raw addresses, so Python reaches it only through
-    /// `fastload.engine.copy_into`, which derives each address and length from a tensor.
+    /// `fastload.core.engine.copy_into`, which derives each address and length from a tensor.
     ///
     /// Every job is validated before any byte is written. The GIL is released while copying;
     /// a long copy (or one given `progress`) is watched from the calling thread, which re-takes
@@ -272,8 +272,8 @@ impl PySafetensorsFile {
         }
         let file = &*self.inner;
         let err = |e| to_py(py, file.path(), e);
-        pool::check_threads(threads).map_err(err)?;
-        let plan = copy::plan(file, &requests).map_err(err)?;
+        let workers = pool::check_threads(threads).map_err(err)?;
+        let plan = copy::plan_for_threads(file, &requests, workers).map_err(err)?;
         // Raw pointers are not Send; the plan only holds them as addresses.
         let plan = SendPlan(plan);
         let progress = match progress {

@@ -16,11 +16,15 @@ use crate::dtype::Dtype;
 mod planner;
 mod runner;
 
-pub use planner::{plan, Plan};
+pub use planner::{plan, plan_for_threads, task_bytes, Plan};
 pub use runner::{copy, execute};
 
 /// Source bytes per task: big enough to amortize scheduling, small enough to balance threads.
 pub const CHUNK: u64 = 8 << 20;
+
+/// The smallest task [`task_bytes`] cuts a copy into for many threads: below this the per-task
+/// overhead (a pread call, a rayon steal) starts to show.
+pub const MIN_TASK: u64 = 1 << 20;
 
 /// The progress of one or more copies, shared with whoever watches them: the bytes written so far
 /// (counted per piece of at most [`CHUNK`] source bytes) and a flag that stops them between

@@ -4,4 +4,4 @@
 source "$(dirname "$0")/_env.sh"
 cd "$ROOT"
 build_ext release
-python -m fastload.bench "$@"
+python -m fastload.tools.bench "$@"

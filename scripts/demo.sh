@@ -4,4 +4,4 @@
 source "$(dirname "$0")/_env.sh"
 cd "$ROOT"
 build_ext release
-HF_HUB_OFFLINE=1 python -m fastload.demo "$@"
+HF_HUB_OFFLINE=1 python -m fastload.tools.demo "$@"

@@ -1,8 +1,8 @@
 """Running a fresh interpreter inside a real memory cgroup, for the tests of loads larger than
 memory (tests/test_low_memory.py).
 
-The cgroup itself is :class:`fastload.bench_lowram.MemoryCgroup` (the low-RAM benchmark's): a v2
-``memory.max`` or a v1 ``memory.limit_in_bytes`` group, removed afterwards. It needs root and a
+The cgroup itself is :class:`fastload.tools.bench.lowram.MemoryCgroup` (the low-RAM benchmark's): a
+v2 ``memory.max`` or a v1 ``memory.limit_in_bytes`` group, removed afterwards. It needs root and a
 cgroup filesystem with the memory controller (as on the project's machines and CI); elsewhere
 the tests that use it are skipped with :func:`unavailable`'s reason.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fastload.bench_lowram import MemoryCgroup
+from fastload.tools.bench.lowram import MemoryCgroup
 
 #: the reason no memory cgroup can be made here, or None
 UNAVAILABLE = MemoryCgroup.unavailable()
@@ -31,7 +31,7 @@ needs_memory_cgroup = pytest.mark.skipif(
 _PROBE = """
 import json, sys
 import torch, fastload, fastload.api  # what the children import before they load
-from fastload.memory import memory_budget
+from fastload.core.memory import memory_budget
 budget = memory_budget()
 print(json.dumps({"held": budget.limit - budget.available, "source": budget.source}))
 """

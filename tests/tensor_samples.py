@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fastload.dtypes import ST_TO_TORCH
+from fastload.core.dtypes import ST_TO_TORCH
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:

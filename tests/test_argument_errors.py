@@ -278,9 +278,9 @@ def _device_values() -> list[object]:
 
 @pytest.mark.parametrize("device", _device_values(), ids=repr)
 def test_a_device_map_entry_is_judged_as_the_device_argument_is(device) -> None:
-    # one parser of devices (fastload.devices.parse_device): the same value fails the same way
-    from fastload.device_map import resolve_device_map
-    from fastload.devices import parse_device
+    # one parser of devices (fastload.core.devices.parse_device): the same value fails the same way
+    from fastload.core.device_map import resolve_device_map
+    from fastload.core.devices import parse_device
 
     with pytest.raises(Exception) as as_device:  # noqa: PT011 - the class is what is compared
         parse_device(device, where="x")  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from fastload import bench  # noqa: E402
-from fastload.bench_loaders import CONVERSIONS, FLOORS, LOADERS, is_peer  # noqa: E402
+from fastload.tools.bench import run as bench  # noqa: E402
+from fastload.tools.bench.loaders import CONVERSIONS, FLOORS, LOADERS, is_peer  # noqa: E402
 
 
 def _row(seconds: float, rss_mib: float = 0.0) -> dict[str, float]:
@@ -83,7 +83,7 @@ def test_a_child_reports_the_modules_a_load_imported_inside_the_clock(
 ) -> None:
     import sys
 
-    from fastload import bench_loaders
+    from fastload.tools.bench import loaders as bench_loaders
 
     def load_importing(loader: str, checkpoint: Path) -> list[object]:
         monkeypatch.setitem(sys.modules, "fastload_bench_probe", object())

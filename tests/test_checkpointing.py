@@ -14,7 +14,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import fastload
-from fastload.gradient_checkpointing import is_gradient_checkpointing
+from fastload.training.gradient_checkpointing import is_gradient_checkpointing
 from tiny_models import make_config
 
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,6 @@
 """The ``fastload`` command line. Exit statuses and stderr are checked in a separate process
-(``python -m fastload.cli``); what the commands print and write is checked through
-``fastload.cli.main`` in this process, which spares a torch import per test."""
+(``python -m fastload.tools.cli``); what the commands print and write is checked through
+``fastload.tools.cli.main`` in this process, which spares a torch import per test."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from safetensors.torch import load_file as st_load_file
 from torch import nn
 
 import fastload
-from fastload.cli import dedupe_shared, main
+from fastload.tools.cli import dedupe_shared, main
 
 
 def cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fastload.cli", *map(str, args)],
+        [sys.executable, "-m", "fastload.tools.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,

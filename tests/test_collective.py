@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 import fastload
-from fastload.collective import Chunk, deal, pages, spans
-from fastload.errors import CheckpointError, RequestError
-from fastload.page_cache import evict
+from fastload.core.errors import CheckpointError, RequestError
+from fastload.core.page_cache import evict
+from fastload.distributed.collective import Chunk, deal, pages, spans
 from spawn_ranks import free_port, run_ranks
 
 TIMEOUT_S = 300

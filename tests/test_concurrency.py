@@ -23,7 +23,7 @@ from torch import nn
 
 import fastload
 from fastload import _core
-from fastload.engine import copy_into
+from fastload.core.engine import copy_into
 from tensor_samples import assert_bitwise_equal
 
 T = TypeVar("T")
@@ -221,7 +221,7 @@ CTRL_C = textwrap.dedent(
     import os, signal, sys, threading, time
     import torch
     from fastload import _core
-    from fastload.engine import copy_into
+    from fastload.core.engine import copy_into
     # Python leaves SIGINT ignored if it started that way (a background job of a shell script):
     # install the handler an interactive Python has, the one Ctrl-C reaches
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import save_file as st_save_file
 
 from fastload import _core
-from fastload.dtypes import to_st
-from fastload.engine import copy_into
+from fastload.core.dtypes import to_st
+from fastload.core.engine import copy_into
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 BITS = {torch.float64: torch.int64, torch.float32: torch.int32}

@@ -52,6 +52,27 @@ def test_a_cpu_run_measures_every_loader_and_checks_its_tensors(tmp_path: Path) 
     assert "correct" not in loaders["floor:disk_read"]["runs"][0]
     cuda_check.main(["--plot", str(out)])
     assert out.with_suffix(".png").stat().st_size > 0
+    page = out.with_suffix(".md").read_text()
+    assert "| fastload.load_file |" in page and "--loaders floor:disk_read" in page
+
+
+def test_the_tuning_grid_times_every_setting_of_load_file(tmp_path: Path) -> None:
+    ckpt = cuda_check.make_checkpoint(tmp_path, 0.01, "cpu")
+    result = cuda_check.run_child("tune", ckpt, "cpu", "warm", 1, timeout=120)
+    grid = len(cuda_check.TUNE_STAGING) * len(cuda_check.TUNE_THREADS)
+    assert len(result["settings"]) == grid * len(cuda_check.TUNE_READ_MODES), result
+    assert all(v > 0 for v in result["settings"].values())
+
+
+def test_residency_is_read_from_the_kernel_before_and_after_eviction(tmp_path: Path) -> None:
+    from fastload.core.page_cache import evict, warm
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"x" * (4 << 20))
+    warm(path)
+    assert cuda_check.resident_fraction(path) == 1.0
+    evict(path)
+    assert cuda_check.resident_fraction(path) < 0.5
 
 
 def test_a_loader_that_fails_is_recorded_with_its_error(tmp_path: Path) -> None:

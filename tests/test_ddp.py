@@ -13,7 +13,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file as st_load_file
 
 import fastload
-from fastload.gradient_checkpointing import is_gradient_checkpointing
+from fastload.training.gradient_checkpointing import is_gradient_checkpointing
 from spawn_ranks import free_port, run_ranks
 from tiny_models import make_config
 

@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 import fastload
-from fastload.device_map import (
+from fastload.core.device_map import (
     DeviceMap,
     default_budgets,
-    dispatch,
     no_split_names,
     plan_auto,
     resolve_device_map,
     tensor_sizes,
 )
-from fastload.errors import RequestError, UnsupportedError
+from fastload.core.dispatch import dispatch
+from fastload.core.errors import RequestError, UnsupportedError
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -208,6 +208,28 @@ def test_dispatch_moves_each_modules_inputs_to_the_device_of_its_weights() -> No
     assert out.shape == (1, 3, 4)
 
 
+def test_dispatch_moves_the_inputs_of_a_module_mapped_with_the_rest_to_its_own_weights() -> None:
+    # blocks.1 and head are mapped with the rest ("": meta) but run after blocks.0 (CPU): like a
+    # final norm on the CPU after a GPU layer, they need inputs moved to their own weights.
+    model = Stack()
+    model.blocks[1].to("meta")
+    model.head.to("meta")
+    dm = DeviceMap({"": torch.device("meta"), "blocks.0": torch.device("cpu")})
+    seen: dict[str, torch.device] = {}
+    dispatch(model, dm)
+    for name in ("blocks.0", "blocks.1", "head"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda _m, args, name=name: seen.__setitem__(name, args[0].device)
+        )
+    model.embed.to("cpu")
+    model(torch.tensor([[1, 2, 3]]))
+    assert seen == {
+        "blocks.0": torch.device("cpu"),
+        "blocks.1": torch.device("meta"),
+        "head": torch.device("meta"),
+    }
+
+
 def test_dispatch_adds_nothing_for_a_single_device() -> None:
     assert dispatch(Stack(), DeviceMap({"": torch.device("cpu")})) == []
 
@@ -270,7 +292,7 @@ def test_loading_with_both_device_and_device_map_is_refused(llama: tuple[nn.Modu
 
 
 def test_the_placement_gives_each_loaded_tensor_its_mapped_device() -> None:
-    from fastload.loading import Placement
+    from fastload.core.loading import Placement
 
     dm = DeviceMap({"": torch.device("cpu"), "blocks.1": torch.device("cuda:0")})
     placement = Placement(device=torch.device("cpu"), dtype=None, device_map=dm)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastload.errors import UnsupportedError
+from fastload.core.errors import UnsupportedError
 from fastload.hf.dtensor_tp import Selection, resolve_tp_options
 from spawn_ranks import free_port, run_ranks
 from tiny_models import example_inputs, make_checkpoint

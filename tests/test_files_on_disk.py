@@ -16,7 +16,7 @@ from safetensors.torch import save_file as st_save_file
 
 import fastload
 from fastload import _core
-from fastload.engine import copy_into
+from fastload.core.engine import copy_into
 
 CHUNK = _core.CHUNK
 N = 6 * CHUNK // 4  # F32 elements: six copy tasks

@@ -13,7 +13,7 @@ from torch import nn
 
 import fastload
 from fastload import CheckpointError, FastloadIOError, PickleRefusedError
-from fastload.checkpoint import open_checkpoint, resolve
+from fastload.core.checkpoint import open_checkpoint, resolve
 
 
 class Pair(nn.Module):

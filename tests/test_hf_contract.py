@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fastload  # noqa: E402
-from fastload.errors import CheckpointError, ModelMismatchError  # noqa: E402
+from fastload.core.errors import CheckpointError, ModelMismatchError  # noqa: E402
 from tiny_models import make_checkpoint, make_model, model_class  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")

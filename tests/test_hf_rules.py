@@ -60,7 +60,7 @@ def test_mixtral_checkpoint_stores_one_tensor_per_expert(mixtral):
 
 
 def test_expert_tensors_are_read_straight_into_slices_of_the_merged_tensor(mixtral, monkeypatch):
-    import fastload.reader as reader
+    import fastload.core.reading as reader
 
     filled: dict[str, torch.Tensor] = {}
     original = reader.fill

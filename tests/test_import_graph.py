@@ -1,9 +1,11 @@
-"""The package's import graph, read from the source: dependencies point down only.
+"""The package's tree, read from the source: dependencies point down only.
 
 Every ``import`` of a fastload module counts, at module level or inside a function (a lazy import
-is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run). The core
-loader imports nothing from the Hugging Face layer (:mod:`fastload.hf`), and no module reaches
-itself through its imports.
+is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run). The layers,
+bottom up: ``core`` (with ``distributed`` and ``training``, whose steps the core's pipeline runs),
+the safetensors-compatible API, the Hugging Face layer, the integrations, the public entry
+(``fastload``, ``fastload.api``) and the tools. No module reaches itself through its imports; no
+module is over 500 lines; the plan's modes and actions are enums.
 """
 
 from __future__ import annotations
@@ -13,17 +15,22 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
 
-#: the layers above the core: the public entry (which routes Hugging Face calls to fastload.hf),
-#: the package's lazy namespace, and the tools built on top
-ABOVE_CORE = {
-    "fastload",
-    "fastload.api",
-    "fastload.cli",
-    "fastload.bench",
-    "fastload.bench_loaders",
-    "fastload.bench_lowram",
-    "fastload.demo",
+#: each package of the tree and the packages it may import (besides itself and fastload._core)
+MAY_IMPORT: dict[str, set[str]] = {
+    "fastload.core": {"fastload.distributed", "fastload.training"},
+    "fastload.distributed": {"fastload.core"},
+    "fastload.training": {"fastload.core"},
+    "fastload.safetensors": {"fastload.core", "fastload.distributed", "fastload.training"},
+    "fastload.hf": {
+        "fastload.core",
+        "fastload.distributed",
+        "fastload.training",
+        "fastload.safetensors",
+    },
 }
+ENTRY = {"fastload", "fastload.api"}
+#: the most lines a module may have
+MAX_LINES = 500
 
 
 def _modules() -> dict[str, Path]:
@@ -68,9 +75,14 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
     return {m for m in out if m in modules and m != name}
 
 
+#: the Rust extension: a leaf every layer may use
+EXTENSION = "fastload._core"
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+    names = set(modules) | {EXTENSION}
+    return {name: imports_of(name, path, names) for name, path in modules.items()}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -131,20 +143,89 @@ def test_the_cycle_finder_finds_a_circle_and_nothing_else() -> None:
 
 def test_the_real_graph_has_the_edges_of_a_load() -> None:
     graph = import_graph()
-    assert {"fastload.planning", "fastload.load_options"} <= graph["fastload.loading"]
-    assert "fastload.loading" in graph["fastload.hf.front"]
+    loading = graph["fastload.core.loading"]
+    assert {"fastload.core.planning", "fastload.core.load_options"} <= loading
+    assert "fastload.core.loading" in graph["fastload.hf.front"]
 
 
 def test_no_module_of_the_package_reaches_itself_through_its_imports() -> None:
     assert cycles(import_graph()) == []
 
 
-def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
     graph = import_graph()
-    core = [m for m in graph if not m.startswith("fastload.hf") and m not in ABOVE_CORE]
-    assert len(core) > 30
     offending = {
-        m: sorted(d for d in graph[m] if d == "fastload.hf" or d.startswith("fastload.hf."))
-        for m in core
+        m: sorted(
+            d for d in deps if _package(d) not in (_package(m), EXTENSION, *MAY_IMPORT[_package(m)])
+        )
+        for m, deps in graph.items()
+        if _package(m) in MAY_IMPORT
     }
     assert {m: d for m, d in offending.items() if d} == {}
+    assert sum(1 for m in graph if m.startswith("fastload.core.")) > 30
+
+
+def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:
+    graph = import_graph()
+    core = [m for m in graph if _package(m) in ("fastload.core", "fastload.distributed")]
+    assert not {m: d for m in core for d in graph[m] if d.startswith("fastload.hf")}
+
+
+def test_nothing_below_the_tools_imports_them() -> None:
+    graph = import_graph()
+    users = {
+        m: sorted(d for d in deps if d.startswith("fastload.tools"))
+        for m, deps in graph.items()
+        if not m.startswith("fastload.tools")
+    }
+    assert {m: d for m, d in users.items() if d} == {}
+
+
+def test_the_tools_import_only_public_names() -> None:
+    """No private module (``fastload._core``) and no underscore name of another module."""
+    found = []
+    for path in (PACKAGE / "tools").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fastload"):
+                names = [a.name for a in node.names]
+                private = [n for n in names if n.startswith("_") and n != "__version__"]
+                if private and not (node.module or "").startswith("fastload.tools"):
+                    found.append(f"{path.name}: {node.module} {private}")
+    assert found == []
+
+
+def test_no_module_is_longer_than_the_limit() -> None:
+    lengths = {
+        str(path.relative_to(PACKAGE)): len(path.read_text(encoding="utf-8").splitlines())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {p: n for p, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def test_the_plans_modes_and_actions_are_enums_not_strings() -> None:
+    from enum import Enum
+
+    from fastload.core.actions import Action, Mode
+    from fastload.core.planning import Group, Source
+
+    assert issubclass(Mode, Enum) and issubclass(Action, Enum)
+    fields = {**Source.__dataclass_fields__, **Group.__dataclass_fields__}
+    assert (fields["mode"].type, fields["action"].type) == ("Mode", "Action")
+    # and nobody compares them with a bare string
+    compared = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                attrs = [s.attr for s in sides if isinstance(s, ast.Attribute)]
+                strings = [
+                    s for s in sides if isinstance(s, ast.Constant) and isinstance(s.value, str)
+                ]
+                if strings and {"mode", "action"} & set(attrs):
+                    compared.append(f"{path.name}:{node.lineno}")
+    assert compared == []

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fastload
-from fastload import checkpoint
+from fastload.core import checkpoint
 
 MODES = [
     {"read_mode": "pread"},

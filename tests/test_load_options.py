@@ -13,8 +13,8 @@ from torch import nn
 
 import fastload
 from fastload import api
-from fastload.errors import RequestError, UnsupportedError
-from fastload.load_options import DEFAULTS, OPTION_NAMES, LoadOptions
+from fastload.core.errors import RequestError, UnsupportedError
+from fastload.core.load_options import DEFAULTS, OPTION_NAMES, LoadOptions
 
 
 def test_every_typed_overload_of_from_pretrained_declares_exactly_the_load_options() -> None:

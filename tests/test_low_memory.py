@@ -1,4 +1,4 @@
-"""Models larger than memory: the memory budget (fastload.memory), read-ahead within it, copies
+"""Models larger than memory: the memory budget (fastload.core.memory), read-ahead within it, copies
 refused before allocating, and device_map="auto" sized by it; in a real memory cgroup where the
 machine allows one (tests/memory_cgroup.py), else skipped with the reason."""
 
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import fastload
-from fastload import memory, paced
-from fastload.memory import MemoryBudget
-from fastload.page_cache import evict
-from fastload.saving import save_file
+from fastload.core import memory, paced
+from fastload.core.memory import MemoryBudget
+from fastload.core.page_cache import evict
+from fastload.safetensors.saving import save_file
 from memory_cgroup import baseline_bytes, needs_memory_cgroup, run_in_cgroup
 
 LAYERS, WIDTH = 32, 2048  # 32 fp32 2048x2048 layers: 512 MiB of weights
@@ -175,7 +175,7 @@ def test_without_a_cgroup_limit_the_budget_is_mem_available(monkeypatch):
 
 def _small_budget(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
     monkeypatch.setattr(
-        "fastload.loading.memory_budget", lambda: MemoryBudget(nbytes, "a test budget")
+        "fastload.core.loading.memory_budget", lambda: MemoryBudget(nbytes, "a test budget")
     )
 
 
@@ -224,8 +224,8 @@ def _reference(state: dict[str, torch.Tensor]) -> nn.Module:
 
 @pytest.mark.skipif(not paced.supported(), reason="needs /proc/self/pagemap (Linux)")
 def test_the_paced_read_ahead_waits_for_the_forward_to_reach_what_it_read(tmp_path):
-    from fastload.reader import open_file
-    from fastload.sharing import SharedMapping
+    from fastload.core.reading import open_file
+    from fastload.core.sharing import SharedMapping
 
     path = tmp_path / "paced.safetensors"
     names = [f"{i:02d}" for i in range(6)]

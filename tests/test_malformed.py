@@ -24,7 +24,7 @@ from torch import nn
 import fastload
 import malformed_corpus
 from fastload import _core
-from fastload.errors import CheckpointError
+from fastload.core.errors import CheckpointError
 
 CASES = {case.name: case for case in malformed_corpus.CASES}
 RULES = sorted({case.rule for case in malformed_corpus.CASES})
@@ -302,7 +302,7 @@ def test_a_shard_that_shrinks_during_the_load_leaves_the_callers_module_unchange
 ) -> None:
     # The first shard is copied before the second one is cut: the failure comes after some
     # tensors were already read, and none of them may reach the module.
-    from fastload import reader
+    from fastload.core import reading as reader
 
     real_fill = reader.fill
     calls: list[str] = []

@@ -19,17 +19,17 @@ from safetensors.torch import save_file as st_save_file
 from torch import nn
 
 import fastload
-from fastload.engine import copy_into
-from fastload.errors import (
+from fastload.core.engine import copy_into
+from fastload.core.errors import (
     CheckpointError,
     PickleRefusedError,
     RequestError,
     TensorNotFoundError,
     UnsupportedError,
 )
-from fastload.pickle_file import PickleFile
-from fastload.reader import fill
-from fastload.streaming import stream_into
+from fastload.core.pickle_file import PickleFile
+from fastload.core.reading import fill
+from fastload.core.streaming import stream_into
 from tiny_models import assert_same_tensors, make_model, model_class
 
 

@@ -11,8 +11,8 @@ from torch import nn
 
 import fastload
 from fastload import _core
-from fastload.engine import copy_into
-from fastload.progress import DISABLE_VARS, binary_unit
+from fastload.core.engine import copy_into
+from fastload.core.progress import DISABLE_VARS, binary_unit
 
 CHUNK = _core.CHUNK
 
@@ -45,7 +45,7 @@ def bar_updates(monkeypatch: pytest.MonkeyPatch) -> list[float]:
             return out
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
-    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("fastload.core.progress.PROGRESS_MIN_BYTES", 0)
     for var in DISABLE_VARS:
         monkeypatch.delenv(var, raising=False)
     return updates
@@ -78,7 +78,7 @@ def test_the_bar_moves_during_a_one_file_load_not_only_at_its_end(
 def test_the_bar_labels_its_sizes_in_binary_units(
     wide: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("fastload.progress.PROGRESS_MIN_BYTES", 0)
+    monkeypatch.setattr("fastload.core.progress.PROGRESS_MIN_BYTES", 0)
     for var in DISABLE_VARS:
         monkeypatch.delenv(var, raising=False)
     fastload.from_pretrained(Wide, wide, progress=True, mmap="copy")

@@ -119,8 +119,8 @@ def test_an_unknown_read_mode_is_refused(every_dtype_file):
 
 
 def test_the_staging_pipeline_with_small_buffers_fills_cpu_destinations(every_dtype_file):
-    from fastload.reader import open_file
-    from fastload.streaming import stream_into
+    from fastload.core.reading import open_file
+    from fastload.core.streaming import stream_into
 
     want = st_load_file(every_dtype_file)
     dest = {k: torch.empty_like(v) for k, v in want.items() if v.dtype != torch.bool}
@@ -135,7 +135,7 @@ def test_the_staging_pipeline_with_small_buffers_fills_cpu_destinations(every_dt
 
 
 def test_slices_along_a_dimension_read_only_the_selected_rows_or_columns(tmp_path):
-    from fastload.reader import fill, open_file
+    from fastload.core.reading import fill, open_file
 
     m = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     path = tmp_path / "m.safetensors"
@@ -157,8 +157,8 @@ def test_load_file_to_cuda_equals_safetensors(every_dtype_file):
 
 
 def test_a_slice_larger_than_a_staging_buffer_is_staged_in_one_of_its_own(tmp_path):
-    from fastload.reader import open_file
-    from fastload.streaming import stream_into
+    from fastload.core.reading import open_file
+    from fastload.core.streaming import stream_into
 
     m = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     path = tmp_path / "m.safetensors"

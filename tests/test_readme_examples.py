@@ -42,7 +42,7 @@ def test_the_readme_has_python_examples_to_run() -> None:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
     """The directory the examples run in, and their environment."""
-    from fastload.demo import model_directory
+    from fastload.tools.demo import model_directory
 
     root = tmp_path_factory.mktemp("readme")
     cache = root / "hub"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fastload
-from fastload.dtypes import ST_TO_TORCH
+from fastload.core.dtypes import ST_TO_TORCH
 from tensor_samples import assert_bitwise_equal, raw_bytes
 
 

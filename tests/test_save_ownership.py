@@ -26,7 +26,7 @@ SAVER = textwrap.dedent(
     from pathlib import Path
     import torch
     import fastload
-    from fastload import saving
+    from fastload.safetensors import saving
     kind, target, go, fake_pid = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])
     os.getpid = lambda: fake_pid
     real = saving._write_new

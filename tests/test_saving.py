@@ -19,9 +19,10 @@ from safetensors.torch import load_file as st_load_file
 from torch import nn
 
 import fastload
-from fastload import _core, publish, saving
-from fastload.gradient_checkpointing import is_gradient_checkpointing
-from fastload.saving import parse_size
+from fastload import _core
+from fastload.safetensors import publish, saving
+from fastload.safetensors.saving import parse_size
+from fastload.training.gradient_checkpointing import is_gradient_checkpointing
 from tensor_samples import assert_bitwise_equal, every_dtype_tensors
 
 transformers = pytest.importorskip("transformers")
@@ -461,7 +462,7 @@ def test_the_next_save_removes_the_staging_directory_a_killed_save_left(tmp_path
 def test_a_save_leaves_a_staging_directory_whose_lock_is_held_alone(tmp_path: Path) -> None:
     # Ownership is the lock beside the directory (see test_save_ownership.py for other
     # processes); the pid in the name means nothing.
-    from fastload.ownership import OwnerLock
+    from fastload.safetensors.ownership import OwnerLock
 
     target = tmp_path / "ckpt"
     running = tmp_path / f".fastload-ckpt.{_dead_pid()}-0123abcd.tmp"

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 
 import fastload
-from fastload import _core, sharing
-from fastload.page_cache import evict
-from fastload.saving import save_file
-from fastload.sharing import WarmUp
+from fastload import _core
+from fastload.core import sharing
+from fastload.core.page_cache import evict
+from fastload.core.sharing import WarmUp
+from fastload.safetensors.saving import save_file
 
 MIB = 1 << 20
 
@@ -139,8 +140,8 @@ def test_four_processes_sharing_a_checkpoint_use_far_less_private_memory(checkpo
 def test_a_checkpoint_replaced_before_it_is_mapped_is_still_read_from_the_file_opened(tmp_path):
     # The mapping goes through the open file descriptor, not the path: the replacement (same
     # size, other values) is not what the views show.
-    from fastload.reader import open_file
-    from fastload.sharing import SharedMapping
+    from fastload.core.reading import open_file
+    from fastload.core.sharing import SharedMapping
 
     local = tmp_path / "w.safetensors"
     save_file({"w": torch.full((1024,), 1.0)}, local)
@@ -176,7 +177,7 @@ def test_mmap_copy_gives_private_copies_and_says_so(checkpoint):
 
 
 def test_the_default_copies_a_file_on_a_network_filesystem(checkpoint, monkeypatch):
-    monkeypatch.setattr("fastload.sharing.filesystem", lambda file: ("nfs", False))
+    monkeypatch.setattr("fastload.core.sharing.filesystem", lambda file: ("nfs", False))
     model, report = fastload.from_pretrained(
         Wide, checkpoint, progress=False, output_loading_info=True
     )
@@ -186,7 +187,7 @@ def test_the_default_copies_a_file_on_a_network_filesystem(checkpoint, monkeypat
 
 
 def test_mmap_shared_views_a_file_on_a_network_filesystem_when_asked(checkpoint, monkeypatch):
-    monkeypatch.setattr("fastload.sharing.filesystem", lambda file: ("nfs", False))
+    monkeypatch.setattr("fastload.core.sharing.filesystem", lambda file: ("nfs", False))
     _, report = fastload.from_pretrained(
         Wide, checkpoint, mmap="shared", progress=False, output_loading_info=True
     )
@@ -195,14 +196,14 @@ def test_mmap_shared_views_a_file_on_a_network_filesystem_when_asked(checkpoint,
 
 
 def test_a_file_reports_the_local_filesystem_it_is_on(checkpoint):
-    from fastload.reader import open_file
+    from fastload.core.reading import open_file
 
     name, local = open_file(checkpoint).filesystem()
     assert local and name
 
 
 def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash(checkpoint):
-    from fastload.reader import open_file
+    from fastload.core.reading import open_file
 
     opened = open_file(checkpoint)
     # An offset past the end is never cached, so the address range (page 0, never mapped in a
@@ -214,8 +215,8 @@ def test_reading_ahead_an_unmapped_range_is_an_error_not_a_crash(checkpoint):
 def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_path):
     import shutil
 
-    from fastload.reader import open_file
-    from fastload.sharing import SharedMapping
+    from fastload.core.reading import open_file
+    from fastload.core.sharing import SharedMapping
 
     local = tmp_path / "cold.safetensors"
     shutil.copyfile(checkpoint, local)
@@ -229,9 +230,9 @@ def test_views_read_ahead_after_eviction_hold_the_files_bytes(checkpoint, tmp_pa
 
 
 def test_no_read_ahead_when_the_views_exceed_half_the_memory_budget(checkpoint):
-    from fastload.memory import MemoryBudget
-    from fastload.reader import open_file
-    from fastload.sharing import SharedMapping
+    from fastload.core.memory import MemoryBudget
+    from fastload.core.reading import open_file
+    from fastload.core.sharing import SharedMapping
 
     mapping = SharedMapping(open_file(checkpoint))
     view = mapping.view("layers.0.weight", torch.float32)
@@ -241,9 +242,9 @@ def test_no_read_ahead_when_the_views_exceed_half_the_memory_budget(checkpoint):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="read-ahead into the mapping is Linux-only")
 def test_a_budget_smaller_than_the_views_reads_ahead_the_first_ones_in_order(tmp_path: Path):
-    from fastload.memory import MemoryBudget
-    from fastload.reader import open_file
-    from fastload.sharing import SharedMapping, prefetch_in_order
+    from fastload.core.memory import MemoryBudget
+    from fastload.core.reading import open_file
+    from fastload.core.sharing import SharedMapping, prefetch_in_order
 
     path = tmp_path / "order.safetensors"
     # stored in name order (a, b, c); handed out c, a, b, as a model's forward would use them
@@ -287,7 +288,7 @@ def test_an_evicted_file_is_read_ahead_from_the_moment_it_is_open(tmp_path: Path
 def test_a_cached_file_is_mapped_in_pieces_shared_with_the_loading_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("fastload.sharing.WARM_PIECE", 1 << 20)
+    monkeypatch.setattr("fastload.core.sharing.WARM_PIECE", 1 << 20)
     path = tmp_path / "warm.safetensors"
     tensors = {f"t{i}": torch.randn(3 << 16) for i in range(12)}  # 12 x 768 KiB
     save_file(tensors, path)
@@ -315,7 +316,7 @@ def made(monkeypatch: pytest.MonkeyPatch) -> list[WarmUp]:
             super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             started.append(self)
 
-    monkeypatch.setattr("fastload.loading.WarmUp", Recorded)
+    monkeypatch.setattr("fastload.core.loading.WarmUp", Recorded)
     return started
 
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file as st_save_file
 
 import fastload
-from fastload.reader import open_file
-from fastload.streaming import DEFAULT_STAGING_BYTES, StagingPool, stream_into
+from fastload.core.reading import open_file
+from fastload.core.streaming import DEFAULT_STAGING_BYTES, StagingPool, stream_into
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

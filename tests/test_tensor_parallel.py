@@ -15,8 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 import fastload
-from fastload.errors import RequestError, UnsupportedError
-from fastload.tensor_parallel import LLAMA_TP_PLAN, TPLayout, resolve_tp_plan, shard_selections
+from fastload.core.errors import RequestError, UnsupportedError
+from fastload.distributed.tensor_parallel import (
+    LLAMA_TP_PLAN,
+    TPLayout,
+    resolve_tp_plan,
+    shard_selections,
+)
 from spawn_ranks import free_port, run_ranks
 
 WORLD = 2
@@ -272,8 +277,8 @@ def test_llama_shards_concatenated_equal_the_full_tensors(run: dict[str, Any]) -
 
 
 def test_each_rank_reads_about_half_of_the_bytes_and_receives_the_rest(run: dict[str, Any]) -> None:
-    # a tensor-parallel load is collective (fastload.collective): the ranks split the reading
-    # and exchange, whatever shards each one keeps
+    # a tensor-parallel load is collective (fastload.distributed.collective): the ranks split the
+    # reading and exchange, whatever shards each one keeps
     full = run["mlp"].state_dict()
     total = sum(v.numel() * v.element_size() for v in full.values())
     for rank, r in enumerate(run["ranks"]):

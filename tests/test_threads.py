@@ -14,8 +14,8 @@ from torch import nn
 
 import fastload
 from fastload import _core
-from fastload.engine import copy_into
-from fastload.threads import MAX_THREADS
+from fastload.core.engine import copy_into
+from fastload.core.threads import MAX_THREADS
 
 BAD = [0, -1, MAX_THREADS + 1, 10_000, True, 2.0, "4"]
 

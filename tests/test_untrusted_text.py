@@ -17,12 +17,12 @@ from safetensors.torch import save_file as st_save_file
 from torch import nn
 
 import fastload
-from fastload import json_text
-from fastload.checkpoint import INDEX_FILE, open_checkpoint, resolve
-from fastload.cli import main
-from fastload.errors import FastloadError
-from fastload.keys import recorded_aliases
-from fastload.saving import TIED_KEY
+from fastload.core import json_text
+from fastload.core.checkpoint import INDEX_FILE, open_checkpoint, resolve
+from fastload.core.errors import FastloadError
+from fastload.core.keys import recorded_aliases
+from fastload.safetensors.saving import TIED_KEY
+from fastload.tools.cli import main
 
 DEEP = 100_000  # far past Python's recursion limit
 SHALLOW_BOMB = json_text.MAX_DEPTH + 1  # parses, but deeper than anything fastload reads

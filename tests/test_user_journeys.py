@@ -204,7 +204,7 @@ def test_a_disk_offloaded_model_loaded_by_a_relative_path_survives_a_chdir(llama
 
 def test_sentence_transformers_under_the_patch_gives_the_embeddings_it_gives_alone():
     pytest.importorskip("sentence_transformers")
-    from fastload.demo import model_directory
+    from fastload.tools.demo import model_directory
 
     out = run_user(
         """

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 import fastload
-from fastload.tying import find_tie_groups
+from fastload.core.tying import find_tie_groups
 from tiny_models import model_tensors, outputs_of
 from zoo_models import example_inputs, model_class
 

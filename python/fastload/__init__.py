@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fastload.errors import (
+from fastload.core.errors import (
     CheckpointError,
     FastloadError,
     FastloadFileNotFoundError,
@@ -32,21 +32,21 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "load_file": "fastload.reader",
-    "safe_open": "fastload.reader",
-    "SafeOpen": "fastload.reader",
+    "load_file": "fastload.safetensors.files",
+    "safe_open": "fastload.safetensors.files",
+    "SafeOpen": "fastload.safetensors.files",
     "from_pretrained": "fastload.api",
-    "LoadReport": "fastload.report",
-    "gradient_checkpointing_enable": "fastload.gradient_checkpointing",
-    "gradient_checkpointing_disable": "fastload.gradient_checkpointing",
-    "is_gradient_checkpointing": "fastload.gradient_checkpointing",
-    "unused_parameters": "fastload.training",
-    "save_pretrained": "fastload.saving",
-    "save_file": "fastload.saving",
-    "load": "fastload.serialize",
-    "save": "fastload.serialize",
-    "save_model": "fastload.serialize",
-    "load_model": "fastload.serialize",
+    "LoadReport": "fastload.core.report",
+    "gradient_checkpointing_enable": "fastload.training.gradient_checkpointing",
+    "gradient_checkpointing_disable": "fastload.training.gradient_checkpointing",
+    "is_gradient_checkpointing": "fastload.training.gradient_checkpointing",
+    "unused_parameters": "fastload.training.readiness",
+    "save_pretrained": "fastload.safetensors.saving",
+    "save_file": "fastload.safetensors.saving",
+    "load": "fastload.safetensors.serialize",
+    "save": "fastload.safetensors.serialize",
+    "save_model": "fastload.safetensors.serialize",
+    "load_model": "fastload.safetensors.serialize",
     "patch_transformers": "fastload.hf.patch",
     "unpatch_transformers": "fastload.hf.patch",
 }
@@ -88,25 +88,25 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
     from fastload.api import from_pretrained as from_pretrained
-    from fastload.gradient_checkpointing import (
-        gradient_checkpointing_disable as gradient_checkpointing_disable,
-    )
-    from fastload.gradient_checkpointing import (
-        gradient_checkpointing_enable as gradient_checkpointing_enable,
-    )
-    from fastload.gradient_checkpointing import (
-        is_gradient_checkpointing as is_gradient_checkpointing,
-    )
+    from fastload.core.report import LoadReport as LoadReport
     from fastload.hf.patch import patch_transformers as patch_transformers
     from fastload.hf.patch import unpatch_transformers as unpatch_transformers
-    from fastload.reader import SafeOpen as SafeOpen
-    from fastload.reader import load_file as load_file
-    from fastload.reader import safe_open as safe_open
-    from fastload.report import LoadReport as LoadReport
-    from fastload.saving import save_file as save_file
-    from fastload.saving import save_pretrained as save_pretrained
-    from fastload.serialize import load as load
-    from fastload.serialize import load_model as load_model
-    from fastload.serialize import save as save
-    from fastload.serialize import save_model as save_model
-    from fastload.training import unused_parameters as unused_parameters
+    from fastload.safetensors.files import SafeOpen as SafeOpen
+    from fastload.safetensors.files import load_file as load_file
+    from fastload.safetensors.files import safe_open as safe_open
+    from fastload.safetensors.saving import save_file as save_file
+    from fastload.safetensors.saving import save_pretrained as save_pretrained
+    from fastload.safetensors.serialize import load as load
+    from fastload.safetensors.serialize import load_model as load_model
+    from fastload.safetensors.serialize import save as save
+    from fastload.safetensors.serialize import save_model as save_model
+    from fastload.training.gradient_checkpointing import (
+        gradient_checkpointing_disable as gradient_checkpointing_disable,
+    )
+    from fastload.training.gradient_checkpointing import (
+        gradient_checkpointing_enable as gradient_checkpointing_enable,
+    )
+    from fastload.training.gradient_checkpointing import (
+        is_gradient_checkpointing as is_gradient_checkpointing,
+    )
+    from fastload.training.readiness import unused_parameters as unused_parameters

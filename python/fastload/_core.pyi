@@ -77,7 +77,7 @@ class SafetensorsFile:
     ) -> int:
         """Validate every job, then fill the destinations in parallel with the GIL released.
 
-        Private: the jobs name raw addresses. Call ``fastload.engine.copy_into``, which takes
+        Private: the jobs name raw addresses. Call ``fastload.core.engine.copy_into``, which takes
         tensors and derives each address and length from one.
 
         ``threads``: 1..MAX_THREADS (``RequestError`` otherwise). A long copy, or one given

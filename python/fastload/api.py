@@ -3,7 +3,7 @@
 It accepts the call shapes users bring (a model id or path alone, a class or Auto class and a
 path, a built module, ``None`` with ``config`` and ``state_dict``) and sends each to the layer that
 serves it: Hugging Face names, classes and options to :mod:`fastload.hf` (imported only then),
-anything else straight to the core loader (:func:`fastload.loading.load`).
+anything else straight to the core loader (:func:`fastload.core.loading.load`).
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 from torch import nn
 
-from fastload.arguments import check_bool
-from fastload.device_map import DeviceMapArg
+from fastload.core.arguments import check_bool
+from fastload.core.device_map import DeviceMapArg
+from fastload.core.hooks import ModelHooks
+from fastload.core.keys import KeyMap
+from fastload.core.load_options import DEFAULTS, LoadOptions, split_load_options
+from fastload.core.loading import load, plain_target
+from fastload.core.report import LoadReport
+from fastload.core.skeleton import is_transformers_model
 from fastload.hf.auto import is_auto_class
 from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
-from fastload.hooks import ModelHooks
-from fastload.keys import KeyMap
-from fastload.load_options import DEFAULTS, LoadOptions, split_load_options
-from fastload.loading import load, plain_target
-from fastload.report import LoadReport
-from fastload.skeleton import is_transformers_model
 
 M = TypeVar("M", bound=nn.Module)
 PathArg = str | os.PathLike[str]
@@ -204,7 +204,7 @@ def from_pretrained(
             config's dtype, else the checkpoint's; ``_keep_in_fp32_modules`` honoured; see
             :mod:`fastload.hf.dtype_rules`), otherwise each tensor's stored dtype.
             ``"stored"``: each tensor's stored dtype. A floating dtype converts floating tensors
-            during the copy (see :class:`fastload.placement.Placement`).
+            during the copy (see :class:`fastload.core.placement.Placement`).
         strict: makes both ``missing`` and ``unexpected`` ``"error"``.
         missing: model tensors absent from the checkpoint: ``"error"``, ``"warn"`` (default:
             log a warning listing them, then initialize) or ``"init"`` (initialize silently).
@@ -217,7 +217,7 @@ def from_pretrained(
         ignore_mismatched_sizes: re-initialize tensors whose stored shape differs, instead of
             raising ``CheckpointError``.
         key_map: renames checkpoint names first: a callable, or ``{regex: replacement}``.
-        output_loading_info: also return the :class:`~fastload.report.LoadReport`.
+        output_loading_info: also return the :class:`~fastload.core.report.LoadReport`.
         progress: show a progress bar over bytes for large loads or on a terminal.
         gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
             train mode (otherwise it is in eval mode).
@@ -229,7 +229,7 @@ def from_pretrained(
             private copy. ``"shared"``: views on any filesystem (safetensors files only: otherwise
             a ``RequestError``). ``"copy"``: every tensor is a private copy. Tensors that are
             converted, go to an accelerator or are sharded are always copies. The report's
-            ``sharing`` says which way each file went; see :mod:`fastload.sharing` for the rule
+            ``sharing`` says which way each file went; see :mod:`fastload.core.sharing` for the rule
             and the SIGBUS hazard of files changed in place.
         threads: copy threads (default: the CPU count, or 8 when a file is mostly not in the
             page cache, as the disk serves parallel requests better).
@@ -240,7 +240,7 @@ def from_pretrained(
             tensor is allocated on its device and read there directly; tied parameters share one
             tensor, on the device of the name the checkpoint stores. When several devices are
             used, each mapped module moves its inputs to its weights' device before it runs. See
-            :mod:`fastload.device_map`.
+            :mod:`fastload.core.device_map`.
         max_memory: ``{device: bytes or "10GiB"}`` budgets for a planned ``device_map`` (alone,
             it implies ``device_map="auto"``).
         no_split_module_classes: module class names kept whole on one device by the planner
@@ -252,15 +252,16 @@ def from_pretrained(
             placements and parallel forwards (:mod:`fastload.hf.dtensor_tp`; ``WORLD_SIZE`` in
             the environment, as under torchrun). fastload's own plans, ``{name pattern: style}``
             with styles ``"colwise"``, ``"rowwise"``, ``"replicate"``, or ``"llama"``
-            (:data:`~fastload.tensor_parallel.LLAMA_TP_PLAN`): plain local shards, row-parallel
-            ``nn.Linear`` layers all-reducing their output (:mod:`fastload.tensor_parallel`).
-            Either way the load is collective (below).
+            (:data:`~fastload.distributed.tensor_parallel.LLAMA_TP_PLAN`): plain local shards,
+            row-parallel ``nn.Linear`` layers all-reducing their output
+            (:mod:`fastload.distributed.tensor_parallel`). Either way the load is collective
+            (below).
         process_group: a collective load: the ranks of this ``torch.distributed`` group each
             read about 1/N of the checkpoint's bytes from storage and exchange the rest, and
             every rank ends with the model a single-process load gives (with ``tp_plan``: its
             shards). Each rank may pass its own copy of the checkpoint; their headers must
             agree. The report's ``bytes_read`` is this rank's storage bytes, ``bytes_received``
-            what the others sent it. See :mod:`fastload.collective`.
+            what the others sent it. See :mod:`fastload.distributed.collective`.
         allow_pickle: also load pickle checkpoints: a ``.bin``/``.pt`` file, a directory with
             ``pytorch_model.bin``, or a sharded ``pytorch_model.bin.index.json`` (checked like the
             safetensors index). They are read only with ``torch.load(weights_only=True)``, which
@@ -279,7 +280,7 @@ def from_pretrained(
         offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to
             disk): those parameters stay in the safetensors file, on ``meta`` in the model, and
             accelerate's hooks read them onto the execution device (the map's first GPU, else
-            the CPU) when their module runs (:mod:`fastload.offload`). Needs accelerate.
+            the CPU) when their module runs (:mod:`fastload.core.offload`). Needs accelerate.
         state_dict: tensors to load instead of files (with ``config``).
         **model_kwargs: transformers' ``from_pretrained`` options (``revision``, ``torch_dtype``,
             ``subfolder``...: each honoured with transformers' meaning or refused with
@@ -296,7 +297,7 @@ def from_pretrained(
             ``no_split_module_classes`` a list, tuple or set of str; ``offload_folder`` a str or
             ``os.PathLike``.
         RequestError: an option value that cannot be used, naming it (a device that does not
-            exist, a size past :data:`fastload.units.MAX_BYTES` or a ``staging_bytes`` past the
+            exist, a size past :data:`fastload.core.units.MAX_BYTES` or a ``staging_bytes`` past the
             machine's memory, an ``offload_folder`` that is empty or an existing file, ...).
     """
     where = "from_pretrained"
@@ -321,7 +322,7 @@ def from_pretrained(
 
 def _public_signature() -> inspect.Signature:
     """``from_pretrained``'s parameters as ``help()``, ``inspect`` and editors show them, with
-    their defaults (:data:`fastload.load_options.DEFAULTS`). The implementation takes the load
+    their defaults (:data:`fastload.core.load_options.DEFAULTS`). The implementation takes the load
     options as ``**kwargs`` so that it knows which ones the caller gave."""
     p = inspect.Parameter
     params = [

@@ -1,7 +1,8 @@
 //! Planning a copy: every request checked against the header before a byte is written, and the
-//! work cut into tasks of about [`CHUNK`] source bytes.
+//! work cut into tasks of about [`CHUNK`] source bytes (smaller for a small copy on many threads,
+//! [`task_bytes`]).
 
-use super::{Request, Selection, CHUNK};
+use super::{Request, Selection, CHUNK, MIN_TASK};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::file::SafetensorsFile;
@@ -108,8 +109,32 @@ fn runs(t: &TensorInfo, sel: Selection) -> Result<Vec<(u64, u64)>> {
     }
 }
 
-/// Validates `requests` against the file and cuts them into tasks.
+/// The task size for a copy of `total` bytes on `threads` threads: [`CHUNK`], or less when that
+/// would leave threads idle (a GPU load fills one 64 MiB staging buffer per call: 8 tasks of
+/// [`CHUNK`] kept 8 of 16 cores busy), but never under [`MIN_TASK`].
+pub fn task_bytes(total: u64, threads: usize) -> u64 {
+    let threads = threads.max(1) as u64;
+    (total / threads).clamp(MIN_TASK, CHUNK)
+}
+
+/// Validates `requests` against the file and cuts them into tasks of [`CHUNK`] source bytes.
 pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
+    plan_tasks(file, requests, CHUNK)
+}
+
+/// As [`plan`], with tasks sized for `threads` workers ([`task_bytes`] of the bytes requested).
+pub fn plan_for_threads(
+    file: &SafetensorsFile,
+    requests: &[Request],
+    threads: usize,
+) -> Result<Plan> {
+    let total = requests.iter().map(|r| r.len as u64).sum();
+    plan_tasks(file, requests, task_bytes(total, threads))
+}
+
+/// Validates `requests` against the file and cuts them into tasks of about `chunk` source bytes.
+fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Result<Plan> {
+    let chunk = chunk.max(1);
     let header = file.header();
     let base = header.data_start();
     let mut plan = Plan::default();
@@ -159,7 +184,7 @@ pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
         } else {
             runs
         };
-        let per_task = (CHUNK / src_unit.max(dst_unit)).max(1);
+        let per_task = (chunk / src_unit.max(dst_unit)).max(1);
         let mut dst_off = 0u64;
         for (first, count) in runs {
             let mut done = 0;
@@ -180,7 +205,7 @@ pub fn plan(file: &SafetensorsFile, requests: &[Request]) -> Result<Plan> {
                 plan.dst_bytes += piece.dst_len as u64;
                 current_bytes += piece.src_len.max(1);
                 current.push(piece);
-                if current_bytes >= CHUNK {
+                if current_bytes >= chunk {
                     plan.tasks.push(std::mem::take(&mut current));
                     current_bytes = 0;
                 }

@@ -229,3 +229,31 @@ fn rejects_bad_requests_before_writing_anything() {
     assert_eq!(packed, [0x12, 0x34]);
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn a_small_copy_on_many_threads_is_cut_so_that_every_thread_gets_work() {
+    // A 64 MiB staging buffer on 16 threads: 16 tasks of 4 MiB, not 8 of CHUNK.
+    assert_eq!(task_bytes(64 << 20, 16), 4 << 20);
+    // Large copies keep CHUNK; tiny ones stop at MIN_TASK.
+    assert_eq!(task_bytes(1 << 30, 16), CHUNK);
+    assert_eq!(task_bytes(4 << 20, 64), MIN_TASK);
+    assert_eq!(task_bytes(0, 0), MIN_TASK);
+}
+
+#[test]
+fn planning_for_threads_cuts_the_same_bytes_into_more_tasks() {
+    let data = vec![7u8; 4 * MIN_TASK as usize];
+    let path = write(&[("w", Dtype::U8, vec![data.len() as u64], data.clone())]);
+    let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+    let mut out = vec![0u8; data.len()];
+    let reqs = [req("w", &mut out, Dtype::U8, Selection::All)];
+    assert_eq!(plan(&f, &reqs).unwrap().tasks(), 1);
+    let p = plan_for_threads(&f, &reqs, 4).unwrap();
+    assert_eq!(p.tasks(), 4);
+    assert_eq!(
+        unsafe { execute(&f, &p, Some(4), None, None) }.unwrap(),
+        data.len() as u64
+    );
+    assert!(out == data);
+    std::fs::remove_file(path).unwrap();
+}

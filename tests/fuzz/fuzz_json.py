@@ -25,16 +25,16 @@ if __name__ == "__main__":
 
     # coverage feedback from fastload's own code (instrumenting torch too is slow and useless)
     with atheris.instrument_imports(include=["fastload"]):
-        import fastload.checkpoint  # noqa: F401 - imported here to be instrumented
-        import fastload.keys  # noqa: F401
-        import fastload.saving  # noqa: F401
+        import fastload.core.checkpoint  # noqa: F401 - imported here to be instrumented
+        import fastload.core.keys  # noqa: F401
+        import fastload.safetensors.saving  # noqa: F401
 
 import torch  # noqa: E402
 
-from fastload.checkpoint import INDEX_FILE, open_checkpoint, resolve  # noqa: E402
-from fastload.errors import FastloadError  # noqa: E402
-from fastload.keys import recorded_aliases  # noqa: E402
-from fastload.saving import save_file  # noqa: E402
+from fastload.core.checkpoint import INDEX_FILE, open_checkpoint, resolve  # noqa: E402
+from fastload.core.errors import FastloadError  # noqa: E402
+from fastload.core.keys import recorded_aliases  # noqa: E402
+from fastload.safetensors.saving import save_file  # noqa: E402
 
 _SHARDS: Path | None = None
 

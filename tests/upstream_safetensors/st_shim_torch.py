@@ -7,7 +7,7 @@ safetensors' shared-tensor rules, which ``fastload.save_model``/``load_model`` u
 from __future__ import annotations
 
 from fastload import load, load_file, load_model, save, save_file, save_model
-from fastload.serialize import (
+from fastload.safetensors.serialize import (
     _end_ptr,
     _find_shared_tensors,
     _is_complete,

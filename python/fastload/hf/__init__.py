@@ -1,6 +1,6 @@
 """The Hugging Face layer of fastload: model ids, transformers classes, options and conventions.
 
-The core loader (:mod:`fastload.loading`) knows any ``nn.Module``; this subpackage adds what is
+The core loader (:mod:`fastload.core.loading`) knows any ``nn.Module``; this subpackage adds what is
 specific to the Hugging Face ecosystem, and calls the core:
 
 * :mod:`~fastload.hf.hub`: model ids resolved through ``huggingface_hub`` (its cache, revisions,

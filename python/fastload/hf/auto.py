@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastload import json_text
-from fastload.errors import CheckpointError, UnsupportedError
-from fastload.skeleton import is_transformers_model
+from fastload.core import json_text
+from fastload.core.errors import CheckpointError, UnsupportedError
+from fastload.core.skeleton import is_transformers_model
 
 logger = logging.getLogger("fastload")
 

@@ -25,10 +25,10 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fastload import keys as keymod
-from fastload.errors import ModelMismatchError, UnsupportedError
+from fastload.core import keys as keymod
+from fastload.core.errors import ModelMismatchError, UnsupportedError
+from fastload.core.hooks import Merge, Narrow, Piece, Select, View
 from fastload.hf.renames import transformers_renames
-from fastload.hooks import Merge, Narrow, Piece, Select, View
 
 
 def converters_of(model: Any) -> list[Any]:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from fastload.checkpoint import OpenCheckpoint
-from fastload.dtypes import CONVERTIBLE, parse_dtype, to_st
+from fastload.core.checkpoint import OpenCheckpoint
+from fastload.core.dtypes import CONVERTIBLE, parse_dtype, to_st
 
 
 def _floating(value: Any) -> torch.dtype | None:

@@ -2,7 +2,9 @@
 
 Tensors flagged as initialized (so a later ``initialize_weights`` keeps them), the generation
 config of the checkpoint directory (or the one the caller passed), and ``hf_device_map`` when a
-device map placed the model (pipelines, ``generate`` and PEFT read it).
+device map spread the model over more than one place or offloaded part of it to disk, as
+transformers 5 sets it (only then does it dispatch the model with accelerate; pipelines read the
+attribute's absence as "this model may be moved", ``generate`` and PEFT read its places).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from fastload.device_map import DeviceMap
+from fastload.core.device_map import DeviceMap
 from fastload.hf.initialize import mark_initialized
 
 logger = logging.getLogger("fastload")
@@ -29,7 +31,9 @@ def finish_transformers(
 ) -> None:
     mark_initialized(model)
     if device_map is not None:
-        model.hf_device_map = device_map.accelerate_map()
+        places = device_map.accelerate_map()
+        if len(set(places.values())) > 1 or "disk" in places.values():
+            model.hf_device_map = places
     if generation_config is not None:
         model.generation_config = generation_config
         return

@@ -6,7 +6,7 @@
 2. the name (a model id or a path) is resolved to local files (:mod:`fastload.hf.hub`);
 3. the class and config are decided (:mod:`fastload.hf.auto`) and the skeleton is built the way
    transformers builds it;
-4. the core loader (:func:`fastload.loading.load`) does the rest, with transformers' hooks.
+4. the core loader (:func:`fastload.core.loading.load`) does the rest, with transformers' hooks.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.errors import CheckpointError, FastloadError, RequestError
-from fastload.gradient_checkpointing import drop_legacy_config_key
+from fastload.core.errors import CheckpointError, FastloadError, RequestError
+from fastload.core.load_options import LoadOptions
+from fastload.core.loading import Target, load, plain_target
+from fastload.core.report import LoadReport
+from fastload.core.skeleton import build_skeleton, is_transformers_model
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.context import check_not_quantized
 from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
-from fastload.load_options import LoadOptions
-from fastload.loading import Target, load, plain_target
-from fastload.report import LoadReport
-from fastload.skeleton import build_skeleton, is_transformers_model
+from fastload.training.gradient_checkpointing import drop_legacy_config_key
 
 logger = logging.getLogger("fastload")
 
@@ -49,7 +49,7 @@ def load_hf(
     contract: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads a model named the Hugging Face way; ``given`` are the core loader's options the
-    caller passed (:class:`~fastload.load_options.LoadOptions`), and ``kwargs`` transformers'
+    caller passed (:class:`~fastload.core.load_options.LoadOptions`), and ``kwargs`` transformers'
     options and config / ``__init__`` arguments. ``contract``: under the patch, what loads at all
     is transformers' rule (:class:`TransformersHooks`)."""
     start = time.perf_counter()

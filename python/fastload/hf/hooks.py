@@ -1,4 +1,5 @@
-"""The answers of a transformers model to the core pipeline's questions (:mod:`fastload.hooks`)."""
+"""The answers of a transformers model to the core pipeline's questions
+(:mod:`fastload.core.hooks`)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from fastload.core.hooks import FamilyShards, ModelHooks
+from fastload.core.skeleton import is_transformers_model
 from fastload.hf.conversions import transformers_merges
 from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
 from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
 from fastload.hf.renames import transformers_renames
-from fastload.hooks import FamilyShards, ModelHooks
-from fastload.skeleton import is_transformers_model
 
 if TYPE_CHECKING:
-    from fastload.checkpoint import OpenCheckpoint
-    from fastload.device_map import DeviceMap
-    from fastload.hooks import Merge
-    from fastload.keys import KeyRules
-    from fastload.report import LoadReport
-    from fastload.tying import Slot
+    from fastload.core.checkpoint import OpenCheckpoint
+    from fastload.core.device_map import DeviceMap
+    from fastload.core.hooks import Merge
+    from fastload.core.keys import KeyRules
+    from fastload.core.report import LoadReport
+    from fastload.core.tying import Slot
 
 
 class TransformersHooks(ModelHooks):

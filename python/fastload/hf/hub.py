@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from fastload.checkpoint import INDEX_FILE, SINGLE_FILE
-from fastload.errors import (
+from fastload.core.checkpoint import INDEX_FILE, SINGLE_FILE
+from fastload.core.errors import (
     CheckpointError,
     FastloadIOError,
     UnsupportedError,

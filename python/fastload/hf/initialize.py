@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.keys import within
-from fastload.skeleton import is_transformers_model
+from fastload.core.keys import within
+from fastload.core.skeleton import is_transformers_model
 
 _HF_FLAG = "_is_hf_initialized"
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastload.arguments import check_bool
-from fastload.errors import UnsupportedError
+from fastload.core.arguments import check_bool
+from fastload.core.errors import UnsupportedError
 
 #: option -> ("honoured" | "refused", what fastload does)
 OPTIONS: dict[str, tuple[str, str]] = {

@@ -10,7 +10,7 @@ own implementation, with one log line saying why. The patch is undone by
 What the caller gets is what transformers returns: the model, or ``(model, loading_info)`` with
 ``output_loading_info=True`` where ``loading_info`` is the dict transformers returns (sets, as
 transformers has them), and the load is reported on transformers' logger in its words
-(:mod:`fastload.hf.contract`). The full :class:`~fastload.report.LoadReport` of the latest
+(:mod:`fastload.hf.contract`). The full :class:`~fastload.core.report.LoadReport` of the latest
 patched load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger.
 """
 
@@ -21,8 +21,8 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from fastload.errors import PickleRefusedError, UnsupportedError
-from fastload.report import LoadReport
+from fastload.core.errors import PickleRefusedError, UnsupportedError
+from fastload.core.report import LoadReport
 
 logger = logging.getLogger("fastload")
 

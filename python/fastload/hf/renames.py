@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fastload.keys import Rename
+from fastload.core.keys import Rename
 
 
 def transformers_renames(model: nn.Module, source: str) -> list[Rename]:

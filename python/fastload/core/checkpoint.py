@@ -1,0 +1,409 @@
+"""Resolving a checkpoint path into its safetensors files, and the table of tensors they hold.
+
+A checkpoint is one ``.safetensors`` file, a directory holding ``model.safetensors``, or a sharded
+checkpoint whose ``model.safetensors.index.json`` maps every tensor name to a shard file. The index
+is checked strictly: shard names must stay inside the checkpoint directory, no tensor may be listed
+twice, every listed shard must exist, and the index must agree with the shards' headers.
+
+Pickle checkpoints (``pytorch_model.bin``, its sharded ``pytorch_model.bin.index.json``, ``.pt``
+files) are refused with ``PickleRefusedError`` unless the caller allows them; then each is opened
+as a :class:`~fastload.core.pickle_file.PickleFile` (``torch.load(weights_only=True)``) and its
+index is checked by the same rules.
+
+A load sees one checkpoint even while a save replaces it (``save_pretrained`` in this or another
+process): the directory is opened once (:class:`DirHandle`) and the index and every shard are read
+relative to that handle, so they all come from the same directory, whichever path names it now.
+If the old directory is deleted under the load (the saver removes the tree it replaced), the
+resolution starts over from the path, which then names the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import posixpath
+import stat
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
+
+import torch
+
+from fastload import _core
+from fastload.core import json_text
+from fastload.core.dtypes import to_torch
+from fastload.core.engine import READ_MODES, TensorFile
+from fastload.core.errors import (
+    CheckpointError,
+    FastloadIOError,
+    PickleRefusedError,
+    RequestError,
+    from_os_error,
+)
+from fastload.core.pickle_file import PickleFile, is_pickle
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# In the order transformers prefers them.
+_PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
+_PICKLE_ADVICE = (
+    "pass allow_pickle=True to load it with torch.load(weights_only=True), or convert it to "
+    "safetensors once with `fastload convert`"
+)
+
+
+#: how many times a resolution starts over when the directory was replaced under it
+_ATTEMPTS = 10
+
+
+class DirHandle:
+    """An open checkpoint directory; files are looked up relative to it (``openat``).
+
+    ``save_pretrained`` replaces a checkpoint directory by exchanging it with a new one
+    (``renameat2(RENAME_EXCHANGE)``): the handle keeps naming the directory that was opened.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            self.fd = os.open(path, flags)
+        except OSError as e:
+            raise from_os_error(e, path) from e
+        self._close = weakref.finalize(self, os.close, self.fd)
+
+    def stat(self, name: str) -> os.stat_result | None:
+        """``stat`` of ``name`` in the directory (symlinks followed), ``None`` if absent."""
+        try:
+            return os.stat(name, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG, errno.ELOOP):
+                return None
+            raise from_os_error(e, self.path / name) from e
+
+    def is_file(self, name: str) -> bool:
+        st = self.stat(name)
+        return st is not None and stat.S_ISREG(st.st_mode)
+
+    def read_bytes(self, name: str) -> bytes:
+        """The contents of regular file ``name``; anything else is refused without blocking."""
+        where = self.path / name
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            raise from_os_error(e, where) from e
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CheckpointError(f"{where}: [not-regular-file] not a regular file")
+            try:
+                return f.read()
+            except OSError as e:
+                raise from_os_error(e, where) from e
+
+    def replaced(self) -> bool:
+        """Whether the directory's path now names another directory (or nothing)."""
+        try:
+            now = os.stat(self.path)
+        except OSError:
+            return True
+        mine = os.fstat(self.fd)
+        return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
+
+class _Replaced(Exception):
+    """The directory was replaced while it was being read: start over (carries the error)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """Where a checkpoint's files are, before any of them is opened.
+
+    ``directory`` is where ``config.json`` and tokenizer files are looked for; ``files`` are the
+    safetensors files in load order; ``index`` is the sharded index (``None`` for one file) and
+    ``weight_map`` its tensor name -> file name table.
+    """
+
+    directory: Path
+    files: tuple[Path, ...]
+    index: Path | None = None
+    weight_map: dict[str, str] | None = None
+    index_metadata: dict[str, Any] | None = None
+    #: the open directory the files are resolved in (``None``: a single file given by path)
+    handle: DirHandle | None = field(default=None, compare=False, repr=False)
+    #: what :func:`resolve` was given, to start over if the directory is replaced while opening
+    requested: tuple[Path, bool] | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor of the checkpoint: the file that holds it and its stored dtype and shape."""
+
+    name: str
+    file: int  # index into OpenCheckpoint.files
+    st_dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    #: where its bytes begin in the file's data section (a safetensors header's offset)
+    begin: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored torch dtype (``UnsupportedError`` if torch has none)."""
+        return to_torch(self.st_dtype, where=f"tensor {self.name!r}")
+
+
+@dataclass
+class OpenCheckpoint:
+    """A resolved checkpoint with every file opened (headers validated by the Rust core)."""
+
+    location: CheckpointFiles
+    files: list[TensorFile]
+    tensors: dict[str, StoredTensor] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def file_path(self, tensor: StoredTensor) -> str:
+        return self.files[tensor.file].path
+
+
+def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> CheckpointFiles:
+    """Finds the checkpoint file(s) at ``path`` without opening them.
+
+    Safetensors files are preferred; pickle files (``.bin``/``.pt``..., a directory holding
+    ``pytorch_model.bin`` or ``pytorch_model.bin.index.json``) are taken only with
+    ``allow_pickle``. Raises ``FileNotFoundError`` (a ``FastloadIOError``) if ``path`` does not
+    exist, ``PickleRefusedError`` for a pickle checkpoint that is not allowed, and
+    ``CheckpointError`` for a directory with no checkpoint, a broken index, or a path that is not
+    a regular file or a directory (a FIFO, a device).
+    """
+    p = Path(os.fspath(path))
+    for attempt in range(_ATTEMPTS):
+        try:
+            return _resolve_once(p, allow_pickle)
+        except _Replaced as e:
+            if attempt + 1 == _ATTEMPTS:
+                raise e.error from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _resolve_once(p: Path, allow_pickle: bool) -> CheckpointFiles:
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise from_os_error(e, p) from None
+    requested = (p, allow_pickle)
+    if stat.S_ISREG(st.st_mode):
+        if p.name.endswith(".index.json"):
+            handle = DirHandle(p.parent)
+            name = p.name
+            return _in_handle(handle, lambda: _resolve_index(handle, name, allow_pickle, requested))
+        if is_pickle(p) and not allow_pickle:
+            raise PickleRefusedError(
+                f"{p}: a pickle checkpoint, which could run code when loaded; {_PICKLE_ADVICE}"
+            )
+        return CheckpointFiles(directory=p.parent, files=(p,), requested=requested)
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(
+            f"{p}: [not-regular-file] neither a regular file nor a directory (a FIFO, socket or "
+            "device); a checkpoint is a .safetensors file or a directory"
+        )
+    handle = DirHandle(p)
+    return _in_handle(handle, lambda: _resolve_dir(handle, allow_pickle, requested))
+
+
+def _in_handle(handle: DirHandle, resolve_in: Any) -> CheckpointFiles:
+    """``resolve_in()``, with an error turned into :class:`_Replaced` if the directory was
+    replaced meanwhile (its files may have been deleted under us: start over)."""
+    try:
+        return resolve_in()
+    except (CheckpointError, FastloadIOError) as e:
+        if handle.replaced():
+            raise _Replaced(e) from e
+        raise
+
+
+def _resolve_dir(
+    handle: DirHandle, allow_pickle: bool, requested: tuple[Path, bool]
+) -> CheckpointFiles:
+    p = handle.path
+    if handle.is_file(SINGLE_FILE):
+        return CheckpointFiles(
+            directory=p, files=(p / SINGLE_FILE,), handle=handle, requested=requested
+        )
+    if handle.is_file(INDEX_FILE):
+        return _resolve_index(handle, INDEX_FILE, allow_pickle, requested)
+    for name in _PICKLE_FILES:
+        if handle.is_file(name):
+            if not allow_pickle:
+                raise PickleRefusedError(
+                    f"{p}: holds a pickle checkpoint ({name}) and no {SINGLE_FILE} or "
+                    f"{INDEX_FILE}; {_PICKLE_ADVICE}"
+                )
+            if name.endswith(".index.json"):
+                return _resolve_index(handle, name, allow_pickle, requested)
+            return CheckpointFiles(
+                directory=p, files=(p / name,), handle=handle, requested=requested
+            )
+    raise CheckpointError(f"{p}: neither {SINGLE_FILE} nor {INDEX_FILE} found in the directory")
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key, out[key], value)
+        out[key] = value
+    return out
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, first: Any, second: Any) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+def _check_shard_name(index: Path, shard: object) -> str:
+    """``shard`` normalized, or ``CheckpointError`` if it is not a name inside the directory."""
+    if not isinstance(shard, str) or not shard:
+        raise CheckpointError(f"{index}: shard name {shard!r} is not a file name")
+    # Lexical check (no symlink resolution: hub caches link shards to blobs elsewhere).
+    normal = posixpath.normpath(shard.replace("\\", "/"))
+    escapes = (
+        PurePosixPath(shard).is_absolute()
+        or PureWindowsPath(shard).is_absolute()
+        or bool(PureWindowsPath(shard).drive)
+        or normal == ".."
+        or normal.startswith("../")
+        or normal.startswith("/")
+        or "\x00" in shard
+    )
+    if escapes:
+        raise CheckpointError(
+            f"{index}: shard name {shard!r} escapes the checkpoint directory "
+            "[shard-outside-directory]"
+        )
+    return posixpath.normpath(shard.replace("\\", "/"))
+
+
+def _resolve_index(
+    handle: DirHandle, name: str, allow_pickle: bool, requested: tuple[Path, bool]
+) -> CheckpointFiles:
+    index = handle.path / name
+    try:
+        text = handle.read_bytes(name).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{index}: not UTF-8 text ({e.reason})") from e
+    try:
+        data = json_text.loads(text, index, object_pairs_hook=_reject_duplicates)
+    except _DuplicateKey as e:
+        raise CheckpointError(
+            f"{index}: tensor {e.key!r} is listed twice, in shards {e.first!r} and {e.second!r} "
+            "[duplicate-tensor]"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from e
+    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
+        raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to shards")
+    weight_map: dict[str, str] = data["weight_map"]
+    directory = handle.path
+    # Shard names normalized ("sub/../x" is "x"), so one file is one shard however it is spelled.
+    weight_map = {k: _check_shard_name(index, v) for k, v in weight_map.items()}
+    shards = list(dict.fromkeys(weight_map.values()))
+    pickled = [name for name in shards if is_pickle(name)]
+    if pickled and not allow_pickle:
+        raise PickleRefusedError(
+            f"{index}: lists pickle shards ({pickled[0]!r}...), which could run code when "
+            f"loaded; {_PICKLE_ADVICE}"
+        )
+    files = []
+    for shard in shards:
+        f = directory / shard
+        if not handle.is_file(shard):
+            raise CheckpointError(
+                f"{index}: shard {shard!r} is missing (looked for {f}) [missing-shard]"
+            )
+        files.append(f)
+    metadata = data.get("metadata")
+    return CheckpointFiles(
+        directory=directory,
+        files=tuple(files),
+        index=index,
+        weight_map=dict(weight_map),
+        index_metadata=metadata if isinstance(metadata, dict) else None,
+        handle=handle,
+        requested=requested,
+    )
+
+
+def open_checkpoint(location: CheckpointFiles, read_mode: str = "pread") -> OpenCheckpoint:
+    """Opens every file of ``location`` and builds the table of stored tensors.
+
+    Safetensors files are opened with ``read_mode``, relative to the directory handle of
+    ``location`` when it has one; pickle files, which :func:`resolve` returns only when allowed,
+    with ``torch.load(weights_only=True)``. A tensor held by two files, or an index that disagrees
+    with the shards' contents, is a ``CheckpointError``. If the directory was replaced and its
+    files deleted meanwhile (a concurrent save), the checkpoint is resolved again and reopened.
+    """
+    if read_mode not in READ_MODES:  # checked even when only pickle files are opened
+        raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    for attempt in range(_ATTEMPTS):
+        try:
+            return _open_once(location, read_mode)
+        except (CheckpointError, FastloadIOError):
+            handle, requested = location.handle, location.requested
+            if (
+                attempt + 1 == _ATTEMPTS
+                or handle is None
+                or requested is None
+                or not handle.replaced()
+            ):
+                raise
+            location = resolve(requested[0], allow_pickle=requested[1])
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _open_file(location: CheckpointFiles, path: Path, read_mode: str) -> Any:
+    if is_pickle(path):
+        return PickleFile(path)
+    if location.handle is None:
+        return _core.SafetensorsFile(os.fspath(path), read_mode)
+    name = path.relative_to(location.directory).as_posix()
+    return _core.SafetensorsFile(os.fspath(path), read_mode, location.handle.fd, name)
+
+
+def _open_once(location: CheckpointFiles, read_mode: str) -> OpenCheckpoint:
+    opened = [_open_file(location, f, read_mode) for f in location.files]
+    tensors: dict[str, StoredTensor] = {}
+    for i, file in enumerate(opened):
+        shard_name = location.files[i].relative_to(location.directory).as_posix()
+        for name, st_dtype, shape, begin, end in file.tensors():
+            if name in tensors:
+                other = opened[tensors[name].file].path
+                raise CheckpointError(
+                    f"{file.path}: tensor {name!r} is also stored in {other} [duplicate-tensor]"
+                )
+            if location.weight_map is not None:
+                listed = location.weight_map.get(name)
+                if listed != shard_name:
+                    where = f"in shard {listed!r}" if listed is not None else "nowhere"
+                    raise CheckpointError(
+                        f"{location.index}: shard {shard_name!r} holds tensor {name!r} but the "
+                        f"index lists it {where} [index-mismatch]"
+                    )
+            tensors[name] = StoredTensor(name, i, st_dtype, tuple(shape), end - begin, begin)
+    if location.weight_map is not None:
+        for name, shard in location.weight_map.items():
+            if name not in tensors:
+                raise CheckpointError(
+                    f"{location.index}: tensor {name!r} is listed in shard {shard!r}, whose header "
+                    "does not contain it [index-mismatch]"
+                )
+    return OpenCheckpoint(location=location, files=opened, tensors=tensors)

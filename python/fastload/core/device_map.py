@@ -1,0 +1,388 @@
+"""``device_map``: which device each model tensor is loaded onto.
+
+A device map is a dict of module-name prefix -> device. A tensor goes to the device of the longest
+prefix that contains it (``"model.layers.1"`` contains ``model.layers.1.mlp.up_proj.weight`` but not
+``model.layers.10...``; the prefix ``""`` contains everything). :func:`resolve_device_map` turns
+what a user passes to ``from_pretrained(device_map=...)`` into a checked :class:`DeviceMap`:
+
+* ``"cpu"``, ``"cuda:1"``, an int or a ``torch.device``: everything on that device;
+* a dict ``{prefix: device}``: every prefix must name a module or tensor of the model, and every
+  tensor must be covered by one;
+* ``"auto"``: :func:`plan_auto` fills the devices in order, GPUs first (most free memory first),
+  then the CPU, keeping each no-split block (transformers' ``_no_split_modules``, e.g. a decoder
+  layer) whole on one device.
+
+The planner is a pure function of module sizes, block boundaries and per-device budgets, so it is
+tested without any GPU. :func:`fastload.core.dispatch.dispatch` lets a model split over devices run:
+it moves each module's inputs to the device its weights are on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastload.core.devices import parse_device
+from fastload.core.errors import RequestError, UnsupportedError
+from fastload.core.keys import within
+from fastload.core.memory import memory_budget
+from fastload.core.tying import group_slots, tensor_slots
+from fastload.core.units import format_bytes, parse_bytes
+
+logger = logging.getLogger("fastload")
+
+#: the share of a GPU's free memory "auto" plans to use by default; the rest is left for the CUDA
+#: context, allocator fragmentation and activations
+GPU_HEADROOM = 0.9
+
+DeviceLike = str | int | torch.device
+
+
+class Disk:
+    """The place of tensors a device map offloads to disk: they are not allocated, stay on
+    ``meta`` in the model, and are read from the checkpoint file when their module runs
+    (accelerate's offload hooks, :mod:`fastload.core.offload`). Not a ``torch.device``: nothing can
+    be allocated there by mistake."""
+
+    type = "disk"
+    index = None
+
+    def __repr__(self) -> str:
+        return "DISK"
+
+    def __str__(self) -> str:
+        return "disk"
+
+
+#: the one :class:`Disk`
+DISK = Disk()
+#: where a device map puts a tensor
+Place = torch.device | Disk
+DeviceMapArg = DeviceLike | Mapping[str, DeviceLike]
+
+
+def map_device(device: DeviceLike, *, where: str = "device_map", disk: bool = False) -> Place:
+    """A device of a device map (or a ``max_memory`` key): ``"disk"`` is :data:`DISK` when
+    ``disk`` allows it, anything else is parsed by :func:`fastload.core.devices.parse_device`, the
+    one parser of devices (a device that does not exist fails before anything is allocated)."""
+    if isinstance(device, str) and device.strip().lower() == "disk":
+        if disk:
+            return DISK
+        raise UnsupportedError(
+            f"{where}: offloading to disk needs offload_folder= (and accelerate installed)"
+        )
+    return parse_device(device, where=where)
+
+
+# --------------------------------------------------------------------------------------------
+# The "auto" planner: a pure function.
+# --------------------------------------------------------------------------------------------
+
+
+def plan_auto(
+    sizes: Mapping[str, int],
+    no_split: Iterable[str],
+    budgets: Sequence[tuple[str, int | None]],
+) -> dict[str, str]:
+    """Assigns every unit of a model to a device, filling the devices in the order given.
+
+    Args:
+        sizes: byte size of each tensor, by dotted name (``"layers.0.mlp.up_proj.weight"``), in
+            model order.
+        no_split: names of modules that must stay whole on one device (a transformer block).
+            A tensor inside one of them belongs to the outermost such module; any other tensor
+            forms a unit with the other tensors of its module (a Linear's weight and bias).
+        budgets: ``(device, bytes)`` in fill order; ``None`` bytes means no limit.
+
+    Returns:
+        ``{unit name: device}`` in model order, a device map for :func:`resolve_device_map`.
+
+    Units are placed in model order and the planner never goes back to an earlier device: once a
+    unit does not fit in what is left of a device, that device is closed and the next one is
+    tried. The layers on a device are thus consecutive, and activations cross each device
+    boundary once. A unit larger than every remaining budget is a ``RequestError``.
+    """
+    blocks = sorted(set(no_split), key=len)
+    units: dict[str, int] = {}
+    for name, nbytes in sizes.items():
+        if nbytes < 0:
+            raise RequestError(f"plan_auto: size of {name!r} is negative ({nbytes})")
+        block = next((b for b in blocks if within(b, name) and b != name), None)
+        if block is None:
+            block = name if name in blocks else name.rpartition(".")[0]
+        units[block] = units.get(block, 0) + nbytes
+
+    left = [(str(device), None if b is None else int(b)) for device, b in budgets]
+    if not left and units:
+        raise RequestError("plan_auto: no device to place the model on")
+    out: dict[str, str] = {}
+    current = 0
+    for unit, nbytes in units.items():
+        while current < len(left):
+            device, room = left[current]
+            if room is None or nbytes <= room:
+                out[unit] = device
+                if room is not None:
+                    left[current] = (device, room - nbytes)
+                break
+            current += 1
+        else:
+            budget = ", ".join(
+                f"{d} {'unlimited' if b is None else format_bytes(int(b))}" for d, b in budgets
+            )
+            what = repr(unit) if unit else "the model's own tensors"
+            raise RequestError(
+                f"device_map='auto': {what} needs {format_bytes(nbytes)} "
+                "and no device has that much "
+                f"left (budgets: {budget}); give more memory with max_memory or map it yourself"
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving a user's device_map against a model.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceMap:
+    """A checked device map: ``device_of(name)`` is the device of the longest containing prefix."""
+
+    prefixes: dict[str, Place]
+
+    def device_of(self, name: str) -> Place:
+        best: str | None = None
+        for prefix in self.prefixes:
+            if within(prefix, name) and (best is None or len(prefix) > len(best)):
+                best = prefix
+        if best is None:
+            raise RequestError(f"device_map: no entry covers tensor {name!r}")
+        return self.prefixes[best]
+
+    @property
+    def devices(self) -> list[Place]:
+        """The distinct devices used, in map order."""
+        out: list[Place] = []
+        for dev in self.prefixes.values():
+            if dev not in out:
+                out.append(dev)
+        return out
+
+    def as_strings(self) -> dict[str, str]:
+        """``{prefix: "cuda:0"}``, e.g. for a report or ``json.dumps``."""
+        return {k: str(v) for k, v in self.prefixes.items()}
+
+    def accelerate_map(self) -> dict[str, int | str]:
+        """The map as accelerate and transformers write it (``hf_device_map``): CUDA devices by
+        index, others by type, ``"disk"``."""
+        out: dict[str, int | str] = {}
+        for prefix, device in self.prefixes.items():
+            if device == DISK:
+                out[prefix] = "disk"
+            else:
+                out[prefix] = (device.index or 0) if device.type == "cuda" else str(device)
+        return out
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether some tensors are offloaded to disk."""
+        return DISK in self.prefixes.values()
+
+
+def no_split_names(model: nn.Module, classes: Iterable[str] | None = None) -> list[str]:
+    """Names of the modules of ``model`` whose class is in ``classes`` (default: the union of
+    ``_no_split_modules`` of the model and its submodules, as transformers declares them)."""
+    wanted = set(no_split_classes(model) if classes is None else classes)
+    return [name for name, m in model.named_modules() if type(m).__name__ in wanted and name]
+
+
+def tensor_sizes(model: nn.Module, itemsize: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Bytes of every tensor of ``model`` (meta tensors included), by name, in model order.
+
+    A tensor held under several names (tied weights) is counted once, under its first name.
+    ``itemsize`` overrides the element size of some tensors (the dtype they will be loaded in).
+    """
+    out: dict[str, int] = {}
+    for group in group_slots(tensor_slots(model)):
+        name, tensor = group[0].name, group[0].tensor
+        size = (itemsize or {}).get(name, tensor.element_size())
+        out[name] = tensor.numel() * size
+    return out
+
+
+def default_budgets(
+    max_memory: Mapping[DeviceLike, int | str] | None = None,
+) -> list[tuple[str, int | None]]:
+    """``(device, bytes)`` in the order "auto" fills them.
+
+    With ``max_memory``: those devices and budgets, GPUs first (in the given order), then the
+    CPU if listed. Without: every CUDA device, most free memory first, with
+    ``GPU_HEADROOM`` of its free memory, then the CPU with the memory this process may use: its
+    cgroup's limit less what the cgroup holds, else ``MemAvailable``
+    (:func:`fastload.core.memory.memory_budget`; no limit where it cannot tell).
+    """
+    if max_memory is not None:
+        if not isinstance(max_memory, Mapping):
+            raise RequestError(f"max_memory must be a dict of device -> size, got {max_memory!r}")
+        parsed = [
+            (map_device(d, where="max_memory"), parse_bytes(b, where=f"max_memory[{d!r}]"))
+            for d, b in max_memory.items()
+        ]
+        parsed.sort(key=lambda p: p[0].type == "cpu")  # stable: GPUs keep the user's order
+        return [(str(d), b) for d, b in parsed]
+    budgets: list[tuple[str, int | None]] = []
+    if torch.cuda.is_available():
+        free = [(torch.cuda.mem_get_info(i)[0], i) for i in range(torch.cuda.device_count())]
+        free.sort(key=lambda f: -f[0])
+        budgets += [(f"cuda:{i}", int(b * GPU_HEADROOM)) for b, i in free]
+    budgets.append(("cpu", memory_budget().available))
+    return budgets
+
+
+#: device_map modes planned by accelerate's planner (when accelerate is installed)
+ACCELERATE_MODES = ("balanced", "balanced_low_0", "sequential")
+
+
+def resolve_device_map(
+    device_map: DeviceMapArg,
+    model: nn.Module,
+    *,
+    max_memory: Mapping[DeviceLike, int | str] | None = None,
+    itemsize: Mapping[str, int] | None = None,
+    no_split: Iterable[str] | None = None,
+    disk: bool = False,
+) -> DeviceMap:
+    """Checks ``device_map`` against ``model`` (whose tensors may be on meta).
+
+    ``"auto"`` is planned by :func:`plan_auto`; ``"balanced"``, ``"balanced_low_0"`` and
+    ``"sequential"`` by accelerate's planner (``infer_auto_device_map``, with
+    ``get_balanced_memory`` for the balanced modes), as transformers does. ``no_split`` names the
+    module classes kept whole on one device (default: the model's ``_no_split_modules``).
+    Raises ``RequestError`` for an unknown device, a prefix that names nothing in the model, a
+    tensor no prefix covers, or an "auto" plan that does not fit; ``UnsupportedError`` for
+    ``"disk"`` unless ``disk`` allows it (then the planners also spill to disk what does not fit
+    elsewhere), or an accelerate mode without accelerate installed.
+    """
+    planned = isinstance(device_map, str) and device_map in ("auto", *ACCELERATE_MODES)
+    if max_memory is not None and not planned:
+        raise RequestError(
+            f"max_memory only applies to device_map='auto' or one of {ACCELERATE_MODES}"
+        )
+    if isinstance(device_map, str) and device_map in ACCELERATE_MODES:
+        return _accelerate_plan(device_map, model, max_memory, no_split, disk)
+    if isinstance(device_map, str) and device_map == "auto":
+        sizes = tensor_sizes(model, itemsize)
+        blocks = no_split_names(model, None if no_split is None else list(no_split))
+        budgets = default_budgets(max_memory) + ([("disk", None)] if disk else [])
+        plan = plan_auto(sizes, blocks, budgets)
+        resolved = DeviceMap({k: map_device(v, disk=disk) for k, v in plan.items()})
+        logger.info("device_map='auto': %s", resolved.as_strings())
+        return resolved
+    if isinstance(device_map, Mapping):
+        if not device_map:
+            raise RequestError("device_map is an empty dict")
+        prefixes: dict[str, torch.device] = {}
+        for prefix, device in device_map.items():
+            if not isinstance(prefix, str):
+                raise RequestError(f"device_map keys must be module names, got {prefix!r}")
+            prefixes[prefix] = map_device(device, where=f"device_map[{prefix!r}]", disk=disk)
+        resolved = DeviceMap(prefixes)
+        _check_covers(resolved, model)
+        return resolved
+    if isinstance(device_map, (str, int, torch.device)):
+        return DeviceMap({"": map_device(device_map)})
+    raise RequestError(
+        f"device_map must be 'auto', a device or a dict of module name -> device; "
+        f"got {device_map!r}"
+    )
+
+
+def _accelerate_plan(
+    mode: str,
+    model: nn.Module,
+    max_memory: Mapping[DeviceLike, int | str] | None,
+    no_split: Iterable[str] | None,
+    disk: bool,
+) -> DeviceMap:
+    try:
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+    except ImportError:
+        raise UnsupportedError(
+            f"device_map={mode!r} is planned by accelerate, which is not installed "
+            "(pip install accelerate); device_map='auto' uses fastload's own planner"
+        ) from None
+    classes = list(no_split) if no_split is not None else no_split_classes(model)
+    budgets: dict[int | str, int | str] | None = None
+    if max_memory is not None:
+        # accelerate names CUDA devices by index
+        budgets = {}
+        for device, size in max_memory.items():
+            dev = map_device(device, where="max_memory")
+            key: int | str = (dev.index or 0) if dev.type == "cuda" else dev.type
+            budgets[key] = size
+    else:
+        # accelerate sizes "cpu" from the host's free memory; in a container the limit is the
+        # cgroup's (fastload.core.memory)
+        from accelerate.utils import get_max_memory
+
+        budgets = dict(get_max_memory())
+        cpu = memory_budget().available
+        if cpu is not None:
+            budgets["cpu"] = cpu
+    if mode != "sequential":
+        budgets = get_balanced_memory(
+            model,
+            max_memory=budgets,
+            no_split_module_classes=classes,
+            low_zero=mode == "balanced_low_0",
+        )
+    plan = infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=classes)
+    if not disk and any(str(d) == "disk" for d in plan.values()):
+        raise UnsupportedError(
+            f"device_map={mode!r}: the model does not fit in the GPUs and the CPU memory, and "
+            "offloading to disk needs offload_folder=; or give more memory with max_memory"
+        )
+    resolved = DeviceMap({k: map_device(v, disk=disk) for k, v in plan.items()})
+    logger.info("device_map=%r (accelerate): %s", mode, resolved.as_strings())
+    return resolved
+
+
+def no_split_classes(model: nn.Module) -> list[str]:
+    """The union of ``_no_split_modules`` of ``model`` and its submodules."""
+    found: set[str] = set()
+    for module in model.modules():
+        found.update(getattr(module, "_no_split_modules", None) or ())
+    return sorted(found)
+
+
+def _check_covers(device_map: DeviceMap, model: nn.Module) -> None:
+    names = [s.name for s in tensor_slots(model)]
+    known = set(names) | {name for name, _ in model.named_modules(remove_duplicate=False)}
+    unknown = [p for p in device_map.prefixes if p not in known]
+    if unknown:
+        raise RequestError(
+            f"device_map names {unknown!r}, which are neither modules nor tensors of "
+            f"{type(model).__name__}"
+        )
+    uncovered = [n for n in names if not any(within(p, n) for p in device_map.prefixes)]
+    if uncovered:
+        shown = ", ".join(uncovered[:5]) + (" ..." if len(uncovered) > 5 else "")
+        raise RequestError(
+            f"device_map covers no device for {len(uncovered)} tensors of "
+            f"{type(model).__name__}: {shown}; add them or a '' entry for the rest"
+        )
+
+
+__all__ = [
+    "DeviceMap",
+    "default_budgets",
+    "map_device",
+    "no_split_names",
+    "plan_auto",
+    "resolve_device_map",
+    "tensor_sizes",
+]

@@ -1,0 +1,121 @@
+"""Putting the loaded tensors into the model: all at once, or not at all.
+
+Every member of a tie group gets the same Parameter (a tie stored twice with different values is
+untied, as transformers does); missing tensors are initialized the model's own way; nothing may be
+left on ``meta``. A failure while swapping or initializing puts every original tensor back, so a
+module passed in is never left half-loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.core import keys as keymod
+from fastload.core.actions import Action
+from fastload.core.errors import FastloadError
+from fastload.core.planning import Group
+from fastload.core.report import LoadReport
+from fastload.core.skeleton import FamilyInit, initialize
+from fastload.core.tying import Slot, group_slots, tensor_slots
+
+logger = logging.getLogger("fastload")
+
+
+class _Swap:
+    """Replaces tensors in module slots, and can put every original back."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[dict[str, Any], str, Any]] = []
+
+    def set(self, slot: Slot, value: torch.Tensor) -> None:
+        store = slot.module._buffers if slot.is_buffer else slot.module._parameters
+        self._undo.append((store, slot.attr, store[slot.attr]))
+        store[slot.attr] = value
+
+    def rollback(self) -> None:
+        for store, attr, old in reversed(self._undo):
+            store[attr] = old
+        self._undo.clear()
+
+
+def resolve_duplicates(groups: list[Group]) -> None:
+    """A tie group stored more than once: equal copies stay tied; different ones are untied, as
+    transformers does (the checkpoint, not the config, is the truth about the values)."""
+    for group in groups:
+        if not group.extra or group.new is None:
+            continue
+        canonical = group.sources[0].slot
+        for slot, tensor in group.extra:
+            if slot.key == canonical.key:
+                continue  # the same storage place under two names: nothing to untie
+            same = tensor.shape == group.new.shape and torch.equal(
+                tensor.to(group.new.device, group.new.dtype), group.new
+            )
+            if not same:
+                logger.warning(
+                    "%s and %s are tied in the model but stored with different values; "
+                    "they are loaded untied",
+                    canonical.name,
+                    slot.name,
+                )
+                group.untied.append(slot)
+
+
+def _as_parameter(tensor: torch.Tensor, template: torch.Tensor) -> nn.Parameter:
+    param = nn.Parameter(tensor, requires_grad=template.requires_grad)
+    extra = {k: v for k, v in template.__dict__.items() if k != "_is_hf_initialized"}
+    param.__dict__.update(extra)
+    return param
+
+
+def _wrap(group: Group, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if group.is_buffer else _as_parameter(tensor, group.template)
+
+
+def swap_in(
+    model: nn.Module,
+    groups: list[Group],
+    report: LoadReport,
+    offloaded: set[str] | None = None,
+    family: FamilyInit | None = None,
+) -> None:
+    """Swaps the new tensors in (all together), initializes (the model family's way first,
+    ``family``), and checks nothing is on meta; on any failure the model's original tensors are
+    put back."""
+    swap = _Swap()
+    try:
+        targets: dict[str, torch.Tensor] = {}
+        for group in groups:
+            if group.new is None:
+                continue
+            value = _wrap(group, group.new)
+            # An untied member gets its own loaded tensor; names sharing its storage place follow.
+            extras = dict((s.name, t) for s, t in group.extra)
+            own = {s.key: _wrap(group, extras[s.name]) for s in group.untied}
+            for slot in group.slots:
+                swap.set(slot, own.get(slot.key, value))
+            if group.action == Action.INIT:
+                targets[group.slots[0].name] = value
+        initialize(model, targets, family)
+        slots = tensor_slots(model)  # one walk for the check and the report
+        _check_no_meta(model, slots, offloaded or set())
+    except BaseException:
+        swap.rollback()
+        raise
+    report.initialized = [n for g in groups if g.action == Action.INIT for n in g.names]
+    report.tied = [[s.name for s in g] for g in group_slots(slots) if len(g) > 1]
+
+
+def _check_no_meta(model: nn.Module, slots: list[Slot], offloaded: set[str]) -> None:
+    """Nothing but the tensors offloaded to disk may be left on ``meta``."""
+    left = [s.name for s in slots if s.tensor.device.type == "meta" and s.name not in offloaded]
+    if left:
+        raise FastloadError(
+            f"{type(model).__name__}: {len(left)} tensors are still on the meta device after "
+            f"loading: {keymod.format_names(left)}; they are neither in the checkpoint nor "
+            "computed by the model's __init__"
+        )

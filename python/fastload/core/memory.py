@@ -1,0 +1,303 @@
+"""How much memory a load may use: the one owner of that figure (:func:`memory_budget`).
+
+A process in a container is bounded by its memory cgroup, not by the host's free memory:
+cgroup v2 ``memory.max`` or v1 ``memory.limit_in_bytes`` of the process's own cgroup (found
+through ``/proc/self/cgroup``) and of its ancestors. Page cache counts against that limit (v1
+charges a page to the cgroup of the process that first reads it, v2 likewise), so a model's pages
+read ahead, and the mapped pages its views use, take the same room as anonymous memory; what the
+cgroup holds in clean page cache can be reclaimed and is counted as room. The budget is
+
+    limit - (usage - reclaimable file cache)
+
+for the tightest level of the cgroup hierarchy, at most the host's ``MemAvailable``; without a
+cgroup limit, ``MemAvailable`` (free memory plus reclaimable page cache).
+
+Users of the figure:
+
+* read-ahead (:class:`fastload.core.sharing.WarmUp`,
+  :meth:`fastload.core.sharing.SharedMapping.prefetch`)
+  reads ahead only what can stay resident (:meth:`MemoryBudget.read_ahead_room`);
+* loads that must own their memory (``mmap="copy"``, dtype conversion, pinned staging) are
+  refused before anything is allocated when it is short (:func:`check_owned`);
+* ``device_map="auto"`` and accelerate's planners size ``"cpu"`` with it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastload.core.actions import Action, Mode
+from fastload.core.errors import MemoryBudgetError
+from fastload.core.units import format_bytes
+
+#: a cgroup limit at or above this is "no limit" (v1 writes 2**63 rounded down to a page)
+_UNLIMITED = 1 << 60
+#: share of the budget that read-ahead may fill: the rest is left to what the load and the first
+#: forward allocate (the skeleton's buffers, activations, the allocator's caches)
+READ_AHEAD_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The memory a load may still make resident, and where the figure came from."""
+
+    #: bytes that may still become resident (``None``: unknown, no bound)
+    available: int | None
+    #: where ``available`` came from: "cgroup v2 memory.max", "cgroup v1 memory.limit_in_bytes"
+    #: or "MemAvailable" (or "unknown")
+    source: str
+    #: the cgroup's limit (``None``: no cgroup limit applies)
+    limit: int | None = None
+    #: swap the process may still use besides (counts for memory a load owns, not for pages it
+    #: wants resident)
+    swap: int = 0
+
+    @property
+    def bounded(self) -> bool:
+        return self.available is not None
+
+    def read_ahead_room(self) -> int | None:
+        """Bytes that may be read ahead and still be resident on first use (``None``: any)."""
+        if self.available is None:
+            return None
+        return int(self.available * READ_AHEAD_SHARE)
+
+    def fits_read_ahead(self, nbytes: int) -> bool:
+        room = self.read_ahead_room()
+        return room is None or nbytes <= room
+
+    def describe(self) -> str:
+        """In words: ``"1.02 GiB (cgroup v1 memory.limit_in_bytes 1.34 GiB)"``."""
+        if self.available is None:
+            return f"unbounded ({self.source})"
+        where = self.source
+        if self.limit is not None:
+            where += f" {format_bytes(self.limit)}, less what the cgroup holds"
+        return f"{format_bytes(self.available)} ({where})"
+
+
+def memory_budget() -> MemoryBudget:
+    """The budget of this process now: its cgroup's limit less what the cgroup holds
+    (reclaimable page cache excepted), at most ``MemAvailable``; ``MemAvailable`` without a
+    cgroup limit. Cheap (a few small reads of /proc and /sys): call it per load."""
+    host = _meminfo()
+    mem_available = host.get("MemAvailable")
+    swap_free = host.get("SwapFree", 0)
+    group = _cgroup_budget()
+    if group is not None:
+        available, source, limit, swap = group
+        if mem_available is not None:
+            available = min(available, mem_available)
+        return MemoryBudget(max(0, available), source, limit, min(swap, swap_free))
+    if mem_available is not None:
+        return MemoryBudget(mem_available, "MemAvailable", None, swap_free)
+    return MemoryBudget(None, "unknown")
+
+
+def check_owned(nbytes: int, budget: MemoryBudget, what: str) -> None:
+    """Raises :class:`~fastload.core.errors.MemoryBudgetError` before a load allocates ``nbytes`` of
+    memory it must own (``what``: why it must) when the budget cannot hold them."""
+    if budget.available is None or nbytes <= budget.available + budget.swap:
+        return
+    swap = f" plus {format_bytes(budget.swap)} of swap" if budget.swap else ""
+    raise MemoryBudgetError(
+        f"this load needs {format_bytes(nbytes)} ({nbytes} bytes) of memory of its own ({what}), "
+        f"but only {format_bytes(budget.available)} ({budget.available} bytes){swap} is "
+        f"available: {budget.describe()}. Refused before allocating anything. What would work: "
+        "load the stored dtype as views of the files (mmap='auto', the default, on a local "
+        "filesystem: pages are read on use and can be reclaimed, so a model larger than memory "
+        "loads), or device_map='auto' with offload_folder=... (what does not fit stays on disk)",
+        nbytes,
+        budget,
+    )
+
+
+def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudget) -> None:
+    """Refuses (:func:`check_owned`) a planned load whose memory of its own does not fit
+    ``budget``: CPU tensors that are not views of the file mapping (``mmap="copy"``, a dtype
+    conversion, a slice, a tensor merged from pieces, a file that cannot be mapped, a shard of
+    the model family's), plus the pinned staging pool ``pool`` when tensors go to an
+    accelerator. Run after planning, before anything is allocated (``load_plan``:
+    :class:`fastload.core.planning.LoadPlan`, whose modes say which tensors are views)."""
+    if budget.available is None:
+        return
+    owned, reasons, accelerator = 0, set(), False
+    for group in load_plan.groups:
+        if group.action != Action.LOAD:
+            continue
+        if group.pieces is not None:
+            dest = group.sources[0].dest
+            if dest.device.type == "cpu":
+                owned += math.prod(group.template.shape) * dest.dtype.itemsize
+                reasons.add("tensors merged from pieces")
+            accelerator |= dest.device.type not in ("cpu", "disk")
+            continue
+        for src in group.sources:
+            dest, stored = src.dest, src.stored
+            if src.mode in (Mode.VIEW, Mode.OFFLOAD):  # page cache (reclaimable), or left on disk
+                continue
+            if dest.device.type != "cpu":
+                accelerator = True
+                continue
+            if dest.tensor is not None:
+                owned += dest.tensor.numel() * dest.dtype.itemsize
+                reasons.add("tensor-parallel shards")
+                continue
+            # the elements of its part of the stored tensor, in the destination's dtype
+            elements = math.prod(stored.shape) * src.nbytes // max(stored.nbytes, 1)
+            owned += elements * dest.dtype.itemsize
+            if src.mode == Mode.CONVERT:
+                reasons.add(f"conversion to {str(dest.dtype).removeprefix('torch.')}")
+            elif src.mode == Mode.SLICE:
+                reasons.add("slices")
+            elif mmap == "copy":
+                reasons.add("mmap='copy'")
+            else:
+                reasons.add(load_plan.sharing[stored.file][1])
+    if accelerator:
+        owned += pool.buffer_bytes * pool.num_buffers
+        reasons.add("pinned staging buffers")
+    if owned:
+        check_owned(owned, budget, ", ".join(sorted(reasons)))
+
+
+# ---------------------------------------------------------------------------------------------
+# cgroups
+# ---------------------------------------------------------------------------------------------
+
+
+def cgroup_dir(version: int) -> Path | None:
+    """This process's own cgroup directory: the v1 memory controller's (``version=1``) or the v2
+    unified hierarchy's (``version=2``); ``None`` where there is none mounted."""
+    own = _own_cgroups()
+    for mountpoint, root, options, fstype in _cgroup_mounts():
+        if version == 1 and fstype == "cgroup" and "memory" in options:
+            path = own.get("memory")
+        elif version == 2 and fstype == "cgroup2":
+            path = own.get("")
+        else:
+            continue
+        if path is None:
+            continue
+        rel = os.path.relpath(path, root) if path.startswith(root) else path.lstrip("/")
+        where = Path(mountpoint) / ("" if rel == "." else rel)
+        if where.is_dir():
+            return where
+    return None
+
+
+def _cgroup_budget() -> tuple[int, str, int, int] | None:
+    """``(available, source, limit, swap)`` from the tightest limited cgroup level, or ``None``."""
+    v1 = cgroup_dir(1)
+    if v1 is not None:
+        stat = _stat(v1 / "memory.stat")
+        limit = stat.get("hierarchical_memory_limit") or _int(v1 / "memory.limit_in_bytes")
+        if limit is not None and limit < _UNLIMITED:
+            usage = _int(v1 / "memory.usage_in_bytes") or 0
+            cache = stat.get("total_inactive_file", 0) + stat.get("total_active_file", 0)
+            memsw = stat.get("hierarchical_memsw_limit")
+            swap = max(0, memsw - limit) if memsw is not None and memsw < _UNLIMITED else 0
+            return limit - (usage - cache), "cgroup v1 memory.limit_in_bytes", limit, swap
+    v2 = cgroup_dir(2)
+    if v2 is None:
+        return None
+    best: tuple[int, str, int, int] | None = None
+    level = v2
+    while (level / "memory.max").exists():  # up to the root, which has no memory.max
+        limit = _int(level / "memory.max")
+        if limit is not None and limit < _UNLIMITED:
+            usage = _int(level / "memory.current") or 0
+            stat = _stat(level / "memory.stat")
+            cache = stat.get("inactive_file", 0) + stat.get("active_file", 0)
+            swap_max = _int(level / "memory.swap.max")
+            swap = 0
+            if swap_max is None or swap_max >= _UNLIMITED:
+                swap = 1 << 62 if (level / "memory.swap.max").exists() else 0
+            else:
+                swap = max(0, swap_max - (_int(level / "memory.swap.current") or 0))
+            room = limit - (usage - cache)
+            if best is None or room < best[0]:
+                best = (room, "cgroup v2 memory.max", limit, swap)
+        level = level.parent
+    return best
+
+
+def _own_cgroups() -> dict[str, str]:
+    """controller -> path from /proc/self/cgroup ("" for the v2 unified hierarchy)."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) != 3:
+                    continue
+                for controller in parts[1].split(",") if parts[1] else [""]:
+                    out[controller] = parts[2]
+    except OSError:
+        pass
+    return out
+
+
+def _cgroup_mounts() -> list[tuple[str, str, set[str], str]]:
+    """``(mount point, root within the hierarchy, super options, fstype)`` of the cgroup mounts."""
+    mounts = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields, tail = left.split(), right.split()
+                if len(fields) < 5 or len(tail) < 3 or tail[0] not in ("cgroup", "cgroup2"):
+                    continue
+                options = set(tail[2].split(","))
+                mounts.append((fields[4], fields[3], options, tail[0]))
+    except OSError:
+        pass
+    return mounts
+
+
+def _int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return _UNLIMITED
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _stat(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if value.strip().isdigit():
+                out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * 1024
+    except (OSError, ValueError):
+        pass
+    if "MemAvailable" not in out:
+        try:
+            out["MemAvailable"] = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    return out

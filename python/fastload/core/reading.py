@@ -1,0 +1,214 @@
+"""Reading a checkpoint file's tensors into destination tensors: the read step of every load.
+
+Opening and validating a file (:func:`open_file`, the read path :func:`resolve_read_mode`),
+filling caller-allocated destinations (:func:`fill`), reading one tensor or a selection of it
+(:func:`read_tensor`) and every tensor of a file (:func:`read_all`). The safetensors-compatible
+API (``safe_open``, ``load_file``) is built on these in :mod:`fastload.safetensors.files`.
+
+Every read goes through the Rust copy engine (:mod:`fastload._core`): the destination tensor is
+allocated once, on its final dtype, and filled in parallel with the GIL released. Destinations on
+an accelerator are filled through the bounded staging pipeline of :mod:`fastload.core.streaming`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+import torch
+
+from fastload import _core
+from fastload.core.arguments import check_bool
+from fastload.core.dtypes import (
+    CONVERTIBLE,
+    to_st,
+    to_torch,
+    torch_shape,
+)
+from fastload.core.engine import READ_MODES, CopyItem, TensorFile, copy_into
+from fastload.core.errors import RequestError, UnsupportedError
+from fastload.core.streaming import StagingPool
+from fastload.core.threads import check_threads
+
+# (tensor name, destination tensor, selection): selection as the engine takes it (engine.copy_into)
+FillItem = tuple[str, torch.Tensor, "list[int] | None"]
+
+
+def resolve_read_mode(read_mode: str | None, backend: str | None) -> str:
+    """The read path from fastload's ``read_mode`` or safetensors' name for it, ``backend``
+    (``"mmap"`` or ``"pread"`` in both); fastload's default is ``"pread"``."""
+    for option, value in (("read_mode", read_mode), ("backend", backend)):
+        if value is not None and value not in READ_MODES:
+            raise RequestError(f"{option} must be one of {READ_MODES}, got {value!r}")
+    if read_mode is not None and backend is not None and read_mode != backend:
+        raise RequestError(f"read_mode={read_mode!r} and backend={backend!r} disagree; pass one")
+    return read_mode or backend or "pread"
+
+
+def open_file(
+    path: str | os.PathLike[str], read_mode: str = "pread", *, strict: bool = False
+) -> _core.SafetensorsFile:
+    """Opens and validates one file; ``read_mode`` is ``"pread"`` (default) or ``"mmap"``.
+
+    ``strict`` also refuses what the safetensors crate accepts and fastload reads by default
+    (an unknown field in a tensor entry, ``"__metadata__": null``).
+    """
+    if read_mode not in READ_MODES:
+        raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
+    check_bool(strict, "strict", where=os.fspath(path))
+    return _core.SafetensorsFile(os.fspath(path), read_mode, strict=strict)
+
+
+def _check_destination(where: str, name: str, dest: object) -> torch.Tensor:
+    """A destination the engine can fill: a dense tensor whose elements do not share memory."""
+    if not isinstance(dest, torch.Tensor):
+        raise UnsupportedError(
+            f"{where}: tensor {name!r}: the destination is a {type(dest).__name__}, not a tensor"
+        )
+    if dest.layout != torch.strided or dest.is_nested:
+        raise UnsupportedError(
+            f"{where}: tensor {name!r}: the destination has layout {dest.layout}; only dense "
+            "tensors can be filled"
+        )
+    if dest.numel() > 1 and dest.device.type != "meta":
+        reach = sum((n - 1) * abs(s) for n, s in zip(dest.shape, dest.stride(), strict=True))
+        if reach + 1 < dest.numel():
+            raise RequestError(
+                f"{where}: tensor {name!r}: the destination's elements share memory (an "
+                ".expand()ed tensor?); fill a tensor of its own, e.g. .clone() it"
+            )
+    return dest
+
+
+def fill(
+    file: TensorFile,
+    items: Iterable[FillItem],
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+    progress: _core.Progress | None = None,
+) -> int:
+    """Fills destination tensors from ``file``; returns bytes written.
+
+    ``progress`` counts the bytes written as the copy goes and can cancel it
+    (``LoadCancelledError``).
+    CPU destinations are written in place (a non-contiguous one through a contiguous temporary),
+    all in one Rust call that validates every one of them before writing a byte; destinations on
+    other devices then go through :func:`fastload.core.streaming.stream_into`, one call per device,
+    all staged through ``pool`` (default: one default-sized pool for this call).
+    The caller must not free or resize a destination until this returns.
+    """
+    check_threads(threads, file.path)
+    jobs: list[CopyItem] = []  # hold the contiguous temporaries until the copy is done
+    after: list[tuple[torch.Tensor, torch.Tensor]] = []
+    remote: dict[torch.device, list[FillItem]] = {}
+    for name, dest, selection in items:
+        _check_destination(file.path, name, dest)
+        if dest.device.type == "meta":
+            raise RequestError(f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill")
+        if dest.device.type != "cpu":
+            remote.setdefault(dest.device, []).append((name, dest, selection))
+            continue
+        target = (
+            dest
+            if dest.is_contiguous()
+            else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+        )
+        if target is not dest:
+            after.append((dest, target))
+        jobs.append((name, target, to_st(target.dtype), selection))
+    written = copy_into(file, jobs, threads, progress) if jobs else 0
+    with torch.no_grad():  # destinations may be parameters that require grad
+        for dest, target in after:
+            dest.copy_(target)
+    if remote:
+        from fastload.core.streaming import stream_into
+
+        pool = pool if pool is not None else StagingPool()
+        for device_items in remote.values():
+            written += stream_into(
+                file, device_items, pool=pool, threads=threads, progress=progress
+            )
+    return written
+
+
+def read_tensor(
+    file: _core.SafetensorsFile,
+    name: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+) -> torch.Tensor:
+    """Tensor ``name`` of the open ``file`` as a new tensor on ``device``, converted to ``dtype``
+    (default: the stored one) during the copy where the engine can, after it otherwise."""
+    st_dtype, shape, _, _ = file.info(name)
+    where = f"{file.path}: tensor {name!r}"
+    stored = to_torch(st_dtype, where=where)
+    want = dtype if dtype is not None else stored
+    direct = want == stored or (st_dtype in CONVERTIBLE and to_st(want) in CONVERTIBLE)
+    out = torch.empty(
+        torch_shape(st_dtype, shape, where=where), dtype=want if direct else stored, device=device
+    )
+    fill(file, [(name, out, None)], threads, pool)
+    return out if direct else out.to(want)
+
+
+def read_all(
+    file: _core.SafetensorsFile,
+    device: torch.device,
+    want: torch.dtype | None,
+    threads: int | None,
+    pool: StagingPool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of ``file`` in data order (as safetensors returns them), floating-point
+    ones converted to ``want`` during the copy when it is given."""
+    out = allocate_all(file, device, want)
+    fill(file, [(k, t, None) for k, t in out.items()], threads, pool)
+    return out
+
+
+def allocate_all(
+    file: _core.SafetensorsFile, device: torch.device, want: torch.dtype | None
+) -> dict[str, torch.Tensor]:
+    """An empty destination for every tensor of ``file``, in data order."""
+    out: dict[str, torch.Tensor] = {}
+    for name, st_dtype, shape, _, _ in sorted(file.tensors(), key=lambda t: (t[3], t[4])):
+        where = f"{file.path}: tensor {name!r}"
+        stored = to_torch(st_dtype, where=where)
+        target = want if want is not None and st_dtype in CONVERTIBLE else stored
+        out[name] = torch.empty(
+            torch_shape(st_dtype, shape, where=where), dtype=target, device=device
+        )
+    return out
+
+
+def validate(path: str | os.PathLike[str], *, strict: bool = False) -> int:
+    """Checks one file's header by every rule of the format without reading tensor data;
+    returns the number of tensors (``CheckpointError`` naming the file and the rule)."""
+    return _core.validate(path, strict=strict)
+
+
+def read_every_byte(file: TensorFile, chunk_bytes: int = 16 << 20) -> int:
+    """Reads every byte of every tensor of ``file`` through the copy engine, ``chunk_bytes`` at a
+    time into one scratch buffer; returns the bytes read. Catches what header checks cannot: I/O
+    errors and a file that shrank after it was opened."""
+    bits = _core.dtype_bits()
+    scratch = torch.empty(chunk_bytes, dtype=torch.uint8)
+    total = 0
+    for name, st_dtype, shape, begin, end in file.tensors():
+        nbytes = end - begin
+        if bits[st_dtype] % 8:  # a packed sub-byte type: only whole tensors can be read
+            copy_into(file, [(name, torch.empty(nbytes, dtype=torch.uint8), st_dtype, None)])
+            total += nbytes
+            continue
+        itemsize = bits[st_dtype] // 8
+        numel = math.prod(shape)
+        step = max(1, chunk_bytes // itemsize)
+        for start in range(0, numel, step):
+            stop = min(numel, start + step)
+            length = (stop - start) * itemsize
+            copy_into(file, [(name, scratch[:length], st_dtype, [start, stop])])
+            total += length
+    return total
