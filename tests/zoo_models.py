@@ -52,8 +52,9 @@ __all__ = [
 MAX_PARAMETERS = 6_000_000
 
 #: run on every test run: decoder, encoder, T5 (keep-fp32 ``wo``), GPT-J (computed rotary
-#: buffer), Bart (tied embeddings with a padding row), and two MoE families
-FAST_TYPES = ("llama", "bert", "t5", "gptj", "bart", "mixtral", "qwen2_moe")
+#: buffer), Bart (tied embeddings with a padding row), two MoE families, and CLIP (a composite
+#: of a text and a vision model, each with classes of its own)
+FAST_TYPES = ("llama", "bert", "t5", "gptj", "bart", "mixtral", "qwen2_moe", "clip")
 
 #: the head mappings preferred for a type's main class, in order (the text zoo's choice)
 _HEAD_MAPPINGS = (
