@@ -4,6 +4,7 @@ write, and which errors are raised. Each test compares with transformers' own lo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +125,35 @@ def test_under_the_patch_the_padding_row_of_a_funnel_checkpoint_is_zeroed_as_tra
         ours = cls.from_pretrained(funnel)
     for name in ("funnel.embeddings.word_embeddings.weight", "lm_head.weight"):
         assert torch.equal(ours.get_parameter(name), theirs.get_parameter(name)), name
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def unbuildable(tmp_path: Path) -> Path:
+    """A BertModel checkpoint whose config names an activation transformers does not have: the
+    model's own code raises KeyError while it is built."""
+    directory = saved("BertModel", "bert", tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["hidden_act"] = "no_such_activation"
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(KeyError):
+        model_class("BertModel").from_pretrained(directory)
+    return directory
+
+
+def test_a_model_its_config_cannot_build_raises_a_checkpoint_error_that_is_also_its_own_error(
+    unbuildable,
+):
+    with pytest.raises(fastload.CheckpointError, match="cannot be built") as raised:
+        fastload.from_pretrained(model_class("BertModel"), unbuildable, progress=False)
+    assert isinstance(raised.value, KeyError)
+    assert "no_such_activation" in str(raised.value)
+
+
+def test_under_the_patch_a_model_its_config_cannot_build_raises_what_transformers_raises(
+    unbuildable,
+):
+    with fastload.patch_transformers(), pytest.raises(KeyError, match="no_such_activation"):
+        model_class("BertModel").from_pretrained(unbuildable)
