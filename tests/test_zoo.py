@@ -226,8 +226,14 @@ def test_sub_model_checkpoint_loads_into_the_composite_class_like_transformers(
 
 
 @pytest.mark.usefixtures("unpatched")
-def test_checkpoint_loads_under_the_patch_exactly_like_transformers(zoo: str, cell: Any) -> None:
-    ours, theirs = load_pair(resolved(zoo).head, checkpoint(zoo), patched=True)
+@pytest.mark.parametrize(
+    "variant, kwargs",
+    [pytest.param("head", {}, id="fp32"), pytest.param("bf16", {"dtype": "auto"}, id="bf16-auto")],
+)
+def test_checkpoint_loads_under_the_patch_exactly_like_transformers(
+    zoo: str, variant: str, kwargs: dict[str, Any], cell: Any
+) -> None:
+    ours, theirs = load_pair(resolved(zoo).head, checkpoint(zoo, variant), patched=True, **kwargs)
     if not ours.served:
         pytest.skip(f"{zoo}: the patch leaves this load to transformers")
     cell(assert_loads_alike(ours, theirs, patched=True))
