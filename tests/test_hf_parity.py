@@ -157,3 +157,33 @@ def test_under_the_patch_a_model_its_config_cannot_build_raises_what_transformer
 ):
     with fastload.patch_transformers(), pytest.raises(KeyError, match="no_such_activation"):
         model_class("BertModel").from_pretrained(unbuildable)
+
+
+# --- conversions -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fused_rope(tmp_path: Path) -> Path:
+    """A Gradium Phonon TTS checkpoint: its fused `in_proj` is split (Chunk) and its query and
+    key parts permuted for rotary embeddings (PermuteForRope) by transformers on load."""
+    # as many key/value heads as query heads: transformers' Chunk splits in equal parts
+    config = tiny_config("gradium_phonon_tts", num_key_value_heads=4)
+    build("GradiumPhononTTSForConditionalGeneration", config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_a_conversion_fastload_does_not_plan_is_refused_naming_the_operation_it_lacks(fused_rope):
+    cls = model_class("GradiumPhononTTSForConditionalGeneration")
+    with pytest.raises(fastload.UnsupportedError, match="needs transformers' PermuteForRope"):
+        fastload.from_pretrained(cls, fused_rope, progress=False)
+
+
+def test_under_the_patch_a_conversion_fastload_does_not_plan_loads_as_transformers_loads(
+    fused_rope,
+):
+    cls = model_class("GradiumPhononTTSForConditionalGeneration")
+    theirs = cls.from_pretrained(fused_rope)
+    with fastload.patch_transformers():
+        ours = cls.from_pretrained(fused_rope)
+    expected = theirs.state_dict()
+    assert all(torch.equal(t, expected[n]) for n, t in ours.state_dict().items())
