@@ -159,6 +159,48 @@ def test_under_the_patch_a_model_its_config_cannot_build_raises_what_transformer
         model_class("BertModel").from_pretrained(unbuildable)
 
 
+# --- dtypes ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def granite_bf16(tmp_path: Path) -> Path:
+    """A bfloat16 Granite Speech CTC checkpoint: its `conv.norm` BatchNorms are kept in float32
+    (`_keep_in_fp32_modules_strict`) and hold the integer `num_batches_tracked`."""
+    model = build("GraniteSpeech5ForCTC", tiny_config("granite_speech5_ctc"))
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    return tmp_path
+
+
+COUNTER = "encoder.layers.0.conv.norm.num_batches_tracked"
+
+
+def test_transformers_makes_an_integer_buffer_of_a_module_kept_in_float32_float32(granite_bf16):
+    theirs = model_class("GraniteSpeech5ForCTC").from_pretrained(granite_bf16, dtype="auto")
+    assert theirs.get_buffer(COUNTER).dtype == torch.float32
+
+
+def test_the_direct_api_keeps_the_integer_dtype_of_a_counter_in_a_module_kept_in_float32(
+    granite_bf16,
+):
+    cls = model_class("GraniteSpeech5ForCTC")
+    ours = fastload.from_pretrained(cls, granite_bf16, dtype="auto", progress=False)
+    assert ours.get_buffer(COUNTER).dtype == torch.int64
+    assert (
+        ours.get_parameter(COUNTER.replace("num_batches_tracked", "weight")).dtype == torch.float32
+    )
+
+
+def test_under_the_patch_an_integer_buffer_of_a_module_kept_in_float32_is_float32_too(
+    granite_bf16,
+):
+    cls = model_class("GraniteSpeech5ForCTC")
+    theirs = cls.from_pretrained(granite_bf16, dtype="auto")
+    with fastload.patch_transformers():
+        ours = cls.from_pretrained(granite_bf16, dtype="auto")
+    assert ours.get_buffer(COUNTER).dtype == torch.float32
+    assert torch.equal(ours.get_buffer(COUNTER), theirs.get_buffer(COUNTER))
+
+
 # --- conversions -----------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from fastload.core.hooks import FamilyShards, ModelHooks
 from fastload.core.skeleton import is_transformers_model
 from fastload.hf.conversions import transformers_merges
-from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
+from fastload.hf.dtype_rules import auto_dtype, cast_kept_integers, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
 from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
 from fastload.hf.renames import transformers_renames
@@ -45,6 +45,8 @@ class TransformersHooks(ModelHooks):
         self.generation_config = generation_config
         self.config = config
         self.contract = contract
+        #: the names kept in float32 in this load (fastload.hf.dtype_rules)
+        self.keep_fp32_names: re.Pattern[str] | None = None
         #: transformers' tensor parallelism (fastload.hf.dtensor_tp), when asked for
         self.tp: Any = None
 
@@ -100,7 +102,8 @@ class TransformersHooks(ModelHooks):
         return patterns
 
     def keep_fp32(self, model: nn.Module, dtype: torch.dtype | None) -> re.Pattern[str] | None:
-        return keep_fp32_pattern(model, dtype)
+        self.keep_fp32_names = keep_fp32_pattern(model, dtype)
+        return self.keep_fp32_names
 
     def prepare(self, model: nn.Module) -> None:
         prepare(model)
@@ -139,6 +142,8 @@ class TransformersHooks(ModelHooks):
             finish_like_transformers(model, self.tp, missing=missing)
         elif built_here:  # non-persistent buffers as transformers computes them
             recompute_buffers(model, every_module=self.contract)
+        if self.contract and self.keep_fp32_names is not None:
+            cast_kept_integers(model, self.keep_fp32_names, report)
         finish_transformers(
             model,
             directory=directory,
