@@ -132,6 +132,13 @@ def model_class(name: str) -> type[nn.Module]:
         raise NotTiny(f"{name} fails to import: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(cls, type):
         raise NotTiny(f"transformers exports no class {name!r}")
+    try:  # a placeholder of a class whose backend is missing raises on any attribute
+        cls.config_class  # noqa: B018
+    except ImportError as e:
+        text = str(e).strip()[:200]
+        raise NotTiny(f"{name} needs a library that is not installed: {text}") from None
+    except AttributeError:
+        pass
     return cls
 
 
