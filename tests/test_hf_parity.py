@@ -229,3 +229,17 @@ def test_under_the_patch_a_conversion_fastload_does_not_plan_loads_as_transforme
         ours = cls.from_pretrained(fused_rope)
     expected = theirs.state_dict()
     assert all(torch.equal(t, expected[n]) for n, t in ours.state_dict().items())
+
+
+# --- what from_pretrained sets besides tensors -----------------------------------------------
+
+
+def test_a_decision_model_gets_the_decision_config_saved_beside_its_weights(tmp_path):
+    cls = model_class("JevForDecision")
+    model = build("JevForDecision", tiny_config("jev"))
+    model.decision_config.temperature = {"noul": 0.5}
+    model.save_pretrained(tmp_path)
+    theirs = cls.from_pretrained(tmp_path)
+    ours = fastload.from_pretrained(cls, tmp_path, progress=False)
+    assert theirs.decision_config.temperature == {"noul": 0.5}
+    assert ours.decision_config == theirs.decision_config
