@@ -149,9 +149,21 @@ def checkpoint(model_type: str, variant: str = "head", sub: str | None = None) -
     return found
 
 
-def check(cell: Any, class_name: str, directory: Path, **kwargs: Any) -> None:
+def check(cell: Any, class_name: str, directory: Path, saved: Any = None, **kwargs: Any) -> None:
     ours, theirs = load_pair(class_name, directory, **kwargs)
-    cell(assert_loads_alike(ours, theirs))
+    cell(assert_loads_alike(ours, theirs, saved=saved))
+
+
+def rebuilt(model_type: str, variant: str) -> Any:
+    """A builder of the model the type's ``variant`` checkpoint was saved from (it is seeded)."""
+
+    def build_again() -> torch.nn.Module:
+        model = build(zoo_type(model_type).head, tiny_config(model_type))
+        if variant in ("bf16", "fp16"):
+            model = model.to(torch.bfloat16 if variant == "bf16" else torch.float16)
+        return model
+
+    return build_again
 
 
 @pytest.mark.parametrize(
@@ -168,7 +180,7 @@ def check(cell: Any, class_name: str, directory: Path, **kwargs: Any) -> None:
 def test_checkpoint_of_the_main_class_loads_like_transformers(
     zoo: str, variant: str, kwargs: dict[str, Any], cell: Any
 ) -> None:
-    check(cell, resolved(zoo).head, checkpoint(zoo, variant), **kwargs)
+    check(cell, resolved(zoo).head, checkpoint(zoo, variant), rebuilt(zoo, variant), **kwargs)
 
 
 def test_base_checkpoint_loads_into_the_head_class_like_transformers(zoo: str, cell: Any) -> None:

@@ -16,6 +16,11 @@ sweep counts it apart from equal cells:
   conversion fastload does not plan; fastload raises ``UnsupportedError`` naming it;
 * ``"keeps the stored padding row"`` (direct API): transformers' initialization zeroes a row of a
   loaded tensor (Funnel's ``word_embeddings`` at ``pad_token_id``); fastload keeps what is stored;
+* ``"refuses two checkpoint tensors for one model tensor"`` (direct API): transformers loads the
+  first in its order; fastload raises ``CheckpointError`` naming both;
+* ``"loads each tensor back where it was saved from"`` (direct API): transformers adds the
+  base-model prefix to a name the model also has without it, and so swaps two tensors of its own
+  save (Pixio's ``layernorm`` and ``pixio.layernorm``); checked against the saved model;
 * ``"keeps an integer tensor's dtype"`` (direct API): transformers casts every tensor of a
   module kept in float32 under a float16/bfloat16 ``dtype`` to float32, an integer one too
   (BatchNorm's ``num_batches_tracked`` in Granite Speech's ``conv.norm``);
@@ -169,7 +174,22 @@ def assert_info_alike(ours: Loaded, theirs: Loaded, *, whole: bool = False) -> N
         )
 
 
-def _compare_tensors(ours: nn.Module, theirs: nn.Module, missing: set[str]) -> list[str]:
+def _saved_here(name: str, got: torch.Tensor, expected: torch.Tensor, saved: Any) -> bool:
+    """Whether fastload's tensor is the one the saved model held there and transformers' is
+    not (``saved``: a builder of the model that wrote the checkpoint, or ``None``)."""
+    if saved is None:
+        return False
+    held = model_tensors(saved()).get(name)
+    if held is None or held.shape != got.shape:
+        return False
+    return torch.equal(got, held.to(got.dtype)) and not torch.equal(
+        expected, held.to(expected.dtype)
+    )
+
+
+def _compare_tensors(
+    ours: nn.Module, theirs: nn.Module, missing: set[str], saved: Any = None
+) -> list[str]:
     """Names, roles, dtypes, values (bitwise, except tensors both initialize), ties; returns
     the documented differences found."""
     a, e = model_tensors(ours), model_tensors(theirs)
@@ -202,6 +222,9 @@ def _compare_tensors(ours: nn.Module, theirs: nn.Module, missing: set[str]) -> l
         elif not torch.equal(got, expected):
             if _zeroed_rows_only(got, expected):
                 differences.append("keeps the stored padding row")
+                continue
+            if _saved_here(name, got, expected, saved):
+                differences.append("loads each tensor back where it was saved from")
                 continue
             raise AssertionError(
                 f"{name}: values differ (max {(got.double() - expected.double()).abs().max()})"
@@ -261,12 +284,18 @@ def _documented_refusal(ours: Loaded, theirs: Loaded) -> str | None:
         }
         assert not loaded, f"fastload refuses, but transformers loads {sorted(loaded)[:8]}"
         return "refuses a checkpoint none of whose names matches"
+    if isinstance(ours.error, fastload.CheckpointError) and "both map to model tensor" in text:
+        return "refuses two checkpoint tensors for one model tensor"
     return None
 
 
-def assert_loads_alike(ours: Loaded, theirs: Loaded, *, patched: bool = False) -> list[str]:
+def assert_loads_alike(
+    ours: Loaded, theirs: Loaded, *, patched: bool = False, saved: Any = None
+) -> list[str]:
     """Both raise the same error, or both load the same model; returns the documented
-    differences (none under the patch)."""
+    differences (none under the patch). ``saved`` builds the model that wrote the checkpoint,
+    where it is of the loaded class: a tensor transformers does not load back where it was saved
+    from is checked against it."""
     if theirs.error is not None:
         assert ours.error is not None, (
             f"transformers raises {type(theirs.error).__name__}: {str(theirs.error)[:300]}; "
@@ -287,7 +316,8 @@ def assert_loads_alike(ours: Loaded, theirs: Loaded, *, patched: bool = False) -
         return [documented]
     assert ours.model is not None and theirs.model is not None
     known = theirs if theirs.info_known else ours  # what both initialized
-    differences = _compare_tensors(ours.model, theirs.model, _names(known.info, "missing_keys"))
+    missing = _names(known.info, "missing_keys")
+    differences = _compare_tensors(ours.model, theirs.model, missing, None if patched else saved)
     if theirs.info_known:
         assert_info_alike(ours, theirs, whole=patched)
     if patched:
