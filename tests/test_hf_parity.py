@@ -243,3 +243,64 @@ def test_a_decision_model_gets_the_decision_config_saved_beside_its_weights(tmp_
     ours = fastload.from_pretrained(cls, tmp_path, progress=False)
     assert theirs.decision_config.temperature == {"noul": 0.5}
     assert ours.decision_config == theirs.decision_config
+
+
+# --- which model tensor a stored name fills ---------------------------------------------------
+
+
+@pytest.fixture
+def pixio_head(tmp_path: Path) -> tuple[Any, Path]:
+    """A Pixio backbone saved by transformers: the base model's final norm is stored as
+    `encoder.layernorm` (transformers renames `encoder.` to `pixio.` on load), the backbone's
+    own output norm as `layernorm`."""
+    model = build("PixioBackbone", tiny_config("pixio"))
+    model.save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert {"encoder.layernorm.weight", "layernorm.weight"} <= set(stored)
+    return model, tmp_path
+
+
+NORMS = ("pixio.layernorm.weight", "layernorm.weight")
+
+
+def test_transformers_swaps_the_two_norms_of_its_own_pixio_backbone_checkpoint(pixio_head):
+    # it adds the `pixio.` prefix to `layernorm` because the model also has that name, and takes
+    # it off `pixio.layernorm` (renamed from `encoder.layernorm`) for the same reason
+    saved, directory = pixio_head
+    theirs = model_class("PixioBackbone").from_pretrained(directory)
+    assert torch.equal(theirs.get_parameter(NORMS[0]), saved.get_parameter(NORMS[1]))
+    assert torch.equal(theirs.get_parameter(NORMS[1]), saved.get_parameter(NORMS[0]))
+
+
+def test_the_direct_api_loads_each_norm_of_a_pixio_backbone_back_where_it_was_saved_from(
+    pixio_head,
+):
+    saved, directory = pixio_head
+    cls = model_class("PixioBackbone")
+    ours = fastload.from_pretrained(cls, directory, progress=False)
+    for name in NORMS:
+        assert torch.equal(ours.get_parameter(name), saved.get_parameter(name)), name
+
+
+def test_under_the_patch_the_norms_of_a_pixio_backbone_load_where_transformers_puts_them(
+    pixio_head,
+):
+    _, directory = pixio_head
+    cls = model_class("PixioBackbone")
+    theirs = cls.from_pretrained(directory)
+    with fastload.patch_transformers():
+        ours = cls.from_pretrained(directory)
+    for name in NORMS:
+        assert torch.equal(ours.get_parameter(name), theirs.get_parameter(name)), name
+
+
+def test_a_base_model_checkpoint_fills_the_base_model_even_where_the_head_has_a_same_named_layer(
+    tmp_path,
+):
+    build("PixioModel", tiny_config("pixio")).save_pretrained(tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    ours, report, theirs, info = both("PixioBackbone", tmp_path)
+    assert torch.equal(ours.get_parameter("pixio.layernorm.weight"), stored["layernorm.weight"])
+    assert "layernorm.weight" in report.missing
+    assert report.to_dict()["missing_keys"] == info["missing_keys"]
+    assert torch.equal(theirs.get_parameter("pixio.layernorm.weight"), stored["layernorm.weight"])

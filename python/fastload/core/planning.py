@@ -168,6 +168,7 @@ def plan(
         source=source,
         computed=computed,
         collision_order=hooks.collision_order(),
+        resolve=hooks.resolve_names(model),
     )
     merges = hooks.merges(model, ckpt, model_keys, rules)
     merged = {p.stored for m in merges.values() for p in m.pieces}

@@ -18,7 +18,7 @@ from fastload.hf.conversions import transformers_merges
 from fastload.hf.dtype_rules import auto_dtype, cast_kept_integers, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
 from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
-from fastload.hf.renames import transformers_renames
+from fastload.hf.renames import transformers_prefix_rule, transformers_renames
 
 if TYPE_CHECKING:
     from fastload.core.checkpoint import OpenCheckpoint
@@ -61,6 +61,11 @@ class TransformersHooks(ModelHooks):
 
     def refuse_no_match(self) -> bool:
         return not self.contract
+
+    def resolve_names(self, model: nn.Module) -> Callable[[str, str, set[str]], str] | None:
+        if not self.contract:
+            return None  # fastload's: a name that is a model name stays (README)
+        return transformers_prefix_rule(getattr(model, "base_model_prefix", None))
 
     def tie_source_order(self, model: nn.Module) -> Callable[[str], Any] | None:
         # transformers ties after loading, pair by pair in `all_tied_weights_keys` order
