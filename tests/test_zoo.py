@@ -110,28 +110,33 @@ def resolved(model_type: str) -> ZooType:
         pytest.skip(f"{model_type}: {e}")
 
 
+def _saved_model(model_type: str, variant: str, sub: str | None = None) -> torch.nn.Module:
+    """The model a checkpoint of the type is saved from (seeded: the same on every call)."""
+    zoo = zoo_type(model_type)
+    config = tiny_config(model_type)
+    if sub is not None:
+        return build(sub_model(model_type, sub), getattr(config, sub))
+    if variant == "base":
+        if zoo.base is None:
+            raise NotTiny(f"no base model class takes the {model_type} config")
+        return build(zoo.base, config, seed=1)
+    model = build(zoo.head, config)
+    if variant in ("bf16", "fp16"):
+        model = model.to(torch.bfloat16 if variant == "bf16" else torch.float16)
+    return model
+
+
 @functools.cache
 def _saved(model_type: str, variant: str, sub: str | None = None) -> Path | NotTiny:
     """A checkpoint of the type: ``head``/``base`` (fp32), ``bf16``/``fp16`` (the main class
     converted before saving), ``sharded`` (fp32 in small shards); with ``sub``, the checkpoint
     of that sub-config's model class."""
     try:
-        zoo = zoo_type(model_type)
-        config = tiny_config(model_type)
-        if sub is not None:
-            model = build(sub_model(model_type, sub), getattr(config, sub))
-        elif variant == "base":
-            if zoo.base is None:
-                raise NotTiny(f"no base model class takes the {model_type} config")
-            model = build(zoo.base, config, seed=1)
-        else:
-            model = build(zoo.head, config)
+        model = _saved_model(model_type, variant, sub)
     except NotTiny as e:
         e.__context__ = e.__cause__ = None  # their frames hold models
         return e.with_traceback(None)
     kwargs: dict[str, Any] = {}
-    if variant in ("bf16", "fp16"):
-        model = model.to(torch.bfloat16 if variant == "bf16" else torch.float16)
     if variant == "sharded":
         kwargs["max_shard_size"] = "20KB"
     directory = _ROOT / model_type / (variant if sub is None else f"sub-{sub}")
@@ -140,6 +145,11 @@ def _saved(model_type: str, variant: str, sub: str | None = None) -> Path | NotT
     except Exception as e:  # noqa: BLE001 - transformers cannot save its own model
         return NotTiny(f"save_pretrained fails: {type(e).__name__}: {str(e)[:200]}")
     return directory
+
+
+def saved_model(model_type: str, variant: str = "head", sub: str | None = None) -> Any:
+    """A builder of the model the checkpoint was saved from, to check a tensor against."""
+    return functools.partial(_saved_model, model_type, variant, sub)
 
 
 def checkpoint(model_type: str, variant: str = "head", sub: str | None = None) -> Path:
@@ -152,18 +162,6 @@ def checkpoint(model_type: str, variant: str = "head", sub: str | None = None) -
 def check(cell: Any, class_name: str, directory: Path, saved: Any = None, **kwargs: Any) -> None:
     ours, theirs = load_pair(class_name, directory, **kwargs)
     cell(assert_loads_alike(ours, theirs, saved=saved))
-
-
-def rebuilt(model_type: str, variant: str) -> Any:
-    """A builder of the model the type's ``variant`` checkpoint was saved from (it is seeded)."""
-
-    def build_again() -> torch.nn.Module:
-        model = build(zoo_type(model_type).head, tiny_config(model_type))
-        if variant in ("bf16", "fp16"):
-            model = model.to(torch.bfloat16 if variant == "bf16" else torch.float16)
-        return model
-
-    return build_again
 
 
 @pytest.mark.parametrize(
@@ -180,18 +178,18 @@ def rebuilt(model_type: str, variant: str) -> Any:
 def test_checkpoint_of_the_main_class_loads_like_transformers(
     zoo: str, variant: str, kwargs: dict[str, Any], cell: Any
 ) -> None:
-    check(cell, resolved(zoo).head, checkpoint(zoo, variant), rebuilt(zoo, variant), **kwargs)
+    check(cell, resolved(zoo).head, checkpoint(zoo, variant), saved_model(zoo, variant), **kwargs)
 
 
 def test_base_checkpoint_loads_into_the_head_class_like_transformers(zoo: str, cell: Any) -> None:
-    check(cell, resolved(zoo).head, checkpoint(zoo, "base"))
+    check(cell, resolved(zoo).head, checkpoint(zoo, "base"), saved_model(zoo, "base"))
 
 
 def test_head_checkpoint_loads_into_the_base_class_like_transformers(zoo: str, cell: Any) -> None:
     base = resolved(zoo).base
     if base is None:
         pytest.skip(f"{zoo}: no base model class takes the {zoo} config")
-    check(cell, base, checkpoint(zoo))
+    check(cell, base, checkpoint(zoo), saved_model(zoo))
 
 
 def test_head_checkpoint_loads_into_every_class_of_the_type_like_transformers(
@@ -206,7 +204,7 @@ def test_head_checkpoint_loads_into_every_class_of_the_type_like_transformers(
         build(class_name, tiny_config(model_type))
     except NotTiny as e:
         pytest.skip(f"{model_type}: {e}")
-    check(cell, class_name, directory)
+    check(cell, class_name, directory, saved_model(model_type))
 
 
 def test_composite_checkpoint_loads_into_its_sub_model_class_like_transformers(
@@ -220,7 +218,7 @@ def test_composite_checkpoint_loads_into_its_sub_model_class_like_transformers(
         build(sub_class, getattr(tiny_config(model_type), key))
     except NotTiny as e:
         pytest.skip(f"{model_type}: {e}")
-    check(cell, sub_class, directory)
+    check(cell, sub_class, directory, saved_model(model_type))
 
 
 @pytest.mark.parametrize("target", ["head", "base"])
@@ -234,7 +232,8 @@ def test_sub_model_checkpoint_loads_into_the_composite_class_like_transformers(
         pytest.skip(f"{model_type}: no base class apart from {zoo.head}")
     directory = checkpoint(model_type, sub=key)
     # the sub-model's config.json does not say the composite's sizes: the caller gives them
-    check(cell, class_name, directory, config=tiny_config(model_type))
+    saved = saved_model(model_type, "", key)
+    check(cell, class_name, directory, saved, config=tiny_config(model_type))
 
 
 @pytest.mark.usefixtures("unpatched")

@@ -14,8 +14,13 @@ sweep counts it apart from equal cells:
   and initializes the whole model; fastload raises ``CheckpointError``;
 * ``"unplanned conversion <Op>"`` (direct API): transformers reorders stored values with a
   conversion fastload does not plan; fastload raises ``UnsupportedError`` naming it;
-* ``"keeps the stored padding row"`` (direct API): transformers' initialization zeroes a row of a
-  loaded tensor (Funnel's ``word_embeddings`` at ``pad_token_id``); fastload keeps what is stored;
+* ``"keeps stored values transformers' init overwrites"`` (direct API): transformers' init
+  functions write into loaded tensors where its loaded-flag does not reach (Funnel zeroes
+  ``word_embeddings`` at ``pad_token_id`` through a view; Zaya sets ``balancing_biases[-1]``);
+  fastload keeps what is stored (checked against the saved model, or zeroed rows);
+* ``"refuses a tensor nothing initializes"`` (direct API): a tensor the checkpoint lacks and
+  nothing initializes (a weight norm's ``original0`` computed on ``meta``) is an
+  ``UninitializedTensorError``; transformers returns it uninitialized (NaN here);
 * ``"refuses two checkpoint tensors for one model tensor"`` (direct API): transformers loads the
   first in its order; fastload raises ``CheckpointError`` naming both;
 * ``"loads each tensor back where it was saved from"`` (direct API): transformers adds the
@@ -134,7 +139,7 @@ def _initialized_alike(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> N
         return
     assert not torch.isnan(ours).any(), f"{name}: left uninitialized"
     flat = theirs.float().flatten()
-    if bool((flat == flat[0]).all()):
+    if flat.numel() > 1 and bool((flat == flat[0]).all()):
         assert torch.equal(ours, theirs), f"{name}: transformers gives the constant {flat[0]}"
         return
     if theirs.dim() == 2:
@@ -174,17 +179,34 @@ def assert_info_alike(ours: Loaded, theirs: Loaded, *, whole: bool = False) -> N
         )
 
 
-def _saved_here(name: str, got: torch.Tensor, expected: torch.Tensor, saved: Any) -> bool:
-    """Whether fastload's tensor is the one the saved model held there and transformers' is
-    not (``saved``: a builder of the model that wrote the checkpoint, or ``None``)."""
+def _held(tensors: dict[str, torch.Tensor], name: str, prefix: str) -> torch.Tensor | None:
+    """The saved model's tensor loaded into model tensor ``name``: the same name, or the name
+    with the base-model prefix taken off or put on."""
+    dotted = f"{prefix}." if prefix else ""
+    for candidate in (name, name.removeprefix(dotted) if dotted else name, dotted + name):
+        if candidate in tensors:
+            return tensors[candidate]
+    return None
+
+
+def _kept_saved(
+    name: str, got: torch.Tensor, expected: torch.Tensor, saved: Any, prefix: str
+) -> str | None:
+    """The documented difference, if fastload's tensor is the one the saved model held there
+    and transformers' is not (``saved``: a builder of the model that wrote the checkpoint): a
+    tensor of the saved model transformers put there instead, or values its init overwrote."""
     if saved is None:
-        return False
-    held = model_tensors(saved()).get(name)
-    if held is None or held.shape != got.shape:
-        return False
-    return torch.equal(got, held.to(got.dtype)) and not torch.equal(
-        expected, held.to(expected.dtype)
-    )
+        return None
+    tensors = model_tensors(saved())
+    held = _held(tensors, name, prefix)
+    if held is None or held.shape != got.shape or held.dtype.is_floating_point is False:
+        return None
+    if not torch.equal(got, held.to(got.dtype)) or torch.equal(expected, held.to(expected.dtype)):
+        return None
+    others = (t for n, t in tensors.items() if t.shape == expected.shape and n != name)
+    if any(torch.equal(expected, t.to(expected.dtype)) for t in others):
+        return "loads each tensor back where it was saved from"
+    return "keeps stored values transformers' init overwrites"
 
 
 def _compare_tensors(
@@ -196,11 +218,14 @@ def _compare_tensors(
     assert sorted(a) == sorted(e), f"names differ: {sorted(set(a) ^ set(e))[:10]}"
     params = {n for n, _ in ours.named_parameters(remove_duplicate=False)}
     assert params == {n for n, _ in theirs.named_parameters(remove_duplicate=False)}
-    initialized = set(missing)
+    # missing, or declared missing by the class (transformers lists neither): both initialize them
+    declared = getattr(theirs, "_keys_to_ignore_on_load_missing", None) or ()
+    initialized = set(missing) | {n for n in e if any(re.search(p, n) for p in declared)}
     for group in find_tie_groups(theirs):
         if initialized & set(group):
             initialized |= set(group)
     differences = []
+    prefix = getattr(theirs, "base_model_prefix", "") or ""
     for name, expected in e.items():
         got = a[name]
         assert got.shape == expected.shape, f"{name}: shape {got.shape} != {expected.shape}"
@@ -220,11 +245,11 @@ def _compare_tensors(
         elif name in initialized:
             _initialized_alike(name, got, expected)
         elif not torch.equal(got, expected):
-            if _zeroed_rows_only(got, expected):
-                differences.append("keeps the stored padding row")
-                continue
-            if _saved_here(name, got, expected, saved):
-                differences.append("loads each tensor back where it was saved from")
+            kept = _kept_saved(name, got, expected, saved, prefix)
+            if kept is None and _zeroed_rows_only(got, expected):
+                kept = "keeps stored values transformers' init overwrites"
+            if kept is not None:
+                differences.append(kept)
                 continue
             raise AssertionError(
                 f"{name}: values differ (max {(got.double() - expected.double()).abs().max()})"
@@ -284,6 +309,11 @@ def _documented_refusal(ours: Loaded, theirs: Loaded) -> str | None:
         }
         assert not loaded, f"fastload refuses, but transformers loads {sorted(loaded)[:8]}"
         return "refuses a checkpoint none of whose names matches"
+    if isinstance(ours.error, fastload.UninitializedTensorError):
+        assert theirs.model is not None
+        name = text.split(":", 1)[0]
+        assert _uninitialized(model_tensors(theirs.model)[name]), f"transformers initializes {name}"
+        return "refuses a tensor nothing initializes"
     if isinstance(ours.error, fastload.CheckpointError) and "both map to model tensor" in text:
         return "refuses two checkpoint tensors for one model tensor"
     return None
