@@ -304,3 +304,15 @@ def test_a_base_model_checkpoint_fills_the_base_model_even_where_the_head_has_a_
     assert "layernorm.weight" in report.missing
     assert report.to_dict()["missing_keys"] == info["missing_keys"]
     assert torch.equal(theirs.get_parameter("pixio.layernorm.weight"), stored["layernorm.weight"])
+
+
+def test_a_class_declared_unexpected_pattern_is_searched_in_the_renamed_name_as_transformers_does(
+    tmp_path,
+):
+    # Sam3Model declares `^tracker_model.` unexpected; transformers' renames turn a Sam3 tracker
+    # checkpoint's `tracker_model.mask_decoder.*` into `mask_decoder.*`, which it then lists
+    build("Sam3TrackerModel", tiny_config("sam3_video")).save_pretrained(tmp_path)
+    assert any(n.startswith("tracker_model.") for n in load_file(tmp_path / "model.safetensors"))
+    _, report, _, info = both("Sam3Model", tmp_path)
+    assert "mask_decoder.conv_s0.weight" in info["unexpected_keys"]
+    assert report.to_dict()["unexpected_keys"] == info["unexpected_keys"]

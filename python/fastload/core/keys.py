@@ -311,10 +311,10 @@ class Authorization:
 
     def unexpected_declared(self, name: str, mapped: str) -> bool:
         """Whether the model class declares checkpoint tensor ``name`` (model-side ``mapped``)
-        as expected to be unused."""
-        return self.unexpected is not None and (
-            self.unexpected.search(name) is not None or self.unexpected.search(mapped) is not None
-        )
+        as expected to be unused. The patterns are searched in the model-side name, as
+        transformers searches them (Sam3Model's ``^tracker_model.`` does not cover
+        ``tracker_model.mask_decoder.*``, which its renames turn into ``mask_decoder.*``)."""
+        return self.unexpected is not None and self.unexpected.search(mapped) is not None
 
     def unexpected_ok(self, model: nn.Module, name: str, mapped: str, prefix: str | None) -> bool:
         """Whether checkpoint tensor ``name`` (model-side ``mapped``) is expected to be unused:
