@@ -316,3 +316,33 @@ def test_a_class_declared_unexpected_pattern_is_searched_in_the_renamed_name_as_
     _, report, _, info = both("Sam3Model", tmp_path)
     assert "mask_decoder.conv_s0.weight" in info["unexpected_keys"]
     assert report.to_dict()["unexpected_keys"] == info["unexpected_keys"]
+
+
+# --- tensors nothing initializes -------------------------------------------------------------
+
+
+@pytest.fixture
+def speecht5_base(tmp_path: Path) -> Path:
+    """A SpeechT5 base model checkpoint: its speech-to-text head's speech encoder prenet has a
+    weight-normed convolution whose `original0` nothing initializes when it is missing."""
+    build("SpeechT5Model", tiny_config("speecht5"), seed=1).save_pretrained(tmp_path)
+    return tmp_path
+
+
+ORIGINAL0 = "speecht5.encoder.prenet.pos_conv_embed.conv.parametrizations.weight.original0"
+
+
+def test_the_direct_api_refuses_a_missing_tensor_nothing_initializes(speecht5_base):
+    cls = model_class("SpeechT5ForSpeechToText")
+    with pytest.raises(fastload.UninitializedTensorError, match=ORIGINAL0.replace(".", r"\.")):
+        fastload.from_pretrained(cls, speecht5_base, progress=False)
+
+
+def test_under_the_patch_a_missing_tensor_nothing_initializes_goes_to_transformers_loader(
+    speecht5_base, transformers_loads
+):
+    cls = model_class("SpeechT5ForSpeechToText")
+    with fastload.patch_transformers():
+        model = cls.from_pretrained(speecht5_base)
+    assert transformers_loads == ["SpeechT5ForSpeechToText"]
+    assert model.get_parameter(ORIGINAL0).device.type == "cpu"

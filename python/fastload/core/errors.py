@@ -75,6 +75,13 @@ class MemoryBudgetError(FastloadError, MemoryError):
         return str(self.args[0]) if self.args else ""
 
 
+class UninitializedTensorError(CheckpointError):
+    """A tensor the checkpoint lacks that nothing initializes: no init function of its model,
+    no ``reset_parameters()``, and no constructor value fastload could keep (too large, or
+    computed from a parameter on ``meta``, as a weight norm's ``original0``). transformers
+    leaves such a tensor as ``torch.empty`` left it; fastload refuses to."""
+
+
 class PickleRefusedError(CheckpointError):
     """A pickle-based checkpoint (``.bin``/``.pt``) was given without ``allow_pickle=True``."""
 
