@@ -15,6 +15,7 @@ use crate::file::{ReadMode, SafetensorsFile};
 use crate::pool;
 
 mod errors;
+mod store;
 mod watch;
 mod writing;
 
@@ -109,6 +110,12 @@ impl PySafetensorsFile {
     #[getter]
     fn mode(&self) -> &'static str {
         self.inner.mode().name()
+    }
+
+    /// Whether the bytes come from object storage (read with ranged GETs).
+    #[getter]
+    fn remote(&self) -> bool {
+        self.inner.is_remote()
     }
 
     /// File size in bytes.
@@ -258,44 +265,14 @@ impl PySafetensorsFile {
         threads: Option<usize>,
         progress: Option<Bound<'_, PyProgress>>,
     ) -> PyResult<u64> {
-        let mut requests = Vec::with_capacity(jobs.len());
-        for (name, ptr, len, dtype, sel) in jobs {
-            let selection = parse_selection(&name, sel)?;
-            let dtype = parse_dtype(&dtype)?;
-            requests.push(Request {
-                name,
-                ptr: ptr as *mut u8,
-                len,
-                dtype,
-                selection,
-            });
-        }
         let file = &*self.inner;
         let err = |e| to_py(py, file.path(), e);
-        let workers = pool::check_threads(threads).map_err(err)?;
-        let plan = copy::plan_for_threads(file, &requests, workers).map_err(err)?;
-        // Raw pointers are not Send; the plan only holds them as addresses.
-        let plan = SendPlan(plan);
-        let progress = match progress {
-            Some(p) => Some(p),
-            None if plan.0.dst_bytes() >= WATCH_BYTES => {
-                Some(Bound::new(py, PyProgress::create(None))?)
-            }
-            None => None,
-        };
-        let Some(progress) = progress else {
-            // SAFETY: the Python caller owns the destinations (torch tensors it keeps referenced
-            // for the duration of the call) and `plan` checked each one's length.
-            let done = py.detach(move || {
-                let p = plan;
-                unsafe { copy::execute(file, &p.0, threads, None, None) }
-            });
-            return done.map_err(err);
-        };
-        let state = progress.get().inner.clone();
-        let callback = progress.get().callback.as_ref().map(|c| c.clone_ref(py));
-        // SAFETY: as above; `watched` returns only once the copy has stopped.
-        watched(py, file, plan, threads, &state, callback)
+        let workers = planning_workers(file, threads).map_err(err)?;
+        let plan = plan_jobs(file, jobs, workers).map_err(|e| match e {
+            Planned::Py(e) => e,
+            Planned::Core(e) => err(e),
+        })?;
+        run_copy(py, vec![(file, plan)], threads, progress)
     }
 
     fn __repr__(&self) -> String {
@@ -306,6 +283,101 @@ impl PySafetensorsFile {
             self.inner.header().tensors().len()
         )
     }
+}
+
+/// Why jobs could not be planned: a Python-side argument, or the engine's refusal.
+enum Planned {
+    Py(PyErr),
+    Core(Error),
+}
+
+/// The engine's plan for `jobs` on `file` (every job validated before any byte is written).
+/// The threads a copy from `file` plans its tasks for: `threads`, or by default the CPUs, and at
+/// least [`pool::REMOTE_THREADS`] for an object in object storage (as `copy::execute_many` runs
+/// it).
+fn planning_workers(file: &SafetensorsFile, threads: Option<usize>) -> Result<usize, Error> {
+    let workers = pool::check_threads(threads)?;
+    Ok(match threads {
+        None if file.is_remote() => workers.max(pool::REMOTE_THREADS),
+        _ => workers,
+    })
+}
+
+/// The engine's plan for `jobs` on `file`, its tasks sized for `workers` threads
+/// (`copy::plan_for_threads`); every job validated before any byte is written.
+fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>, workers: usize) -> Result<SendPlan, Planned> {
+    let mut requests = Vec::with_capacity(jobs.len());
+    for (name, ptr, len, dtype, sel) in jobs {
+        let selection = parse_selection(&name, sel).map_err(Planned::Py)?;
+        let dtype = parse_dtype(&dtype).map_err(Planned::Py)?;
+        requests.push(Request {
+            name,
+            ptr: ptr as *mut u8,
+            len,
+            dtype,
+            selection,
+        });
+    }
+    // Raw pointers are not Send; the plan only holds them as addresses.
+    copy::plan_for_threads(file, &requests, workers)
+        .map(SendPlan)
+        .map_err(Planned::Core)
+}
+
+/// Runs planned copies of one or more files as one copy, GIL released; watched (Ctrl-C,
+/// `progress`'s callback) when given `progress` or when large.
+fn run_copy(
+    py: Python<'_>,
+    work: Vec<(&SafetensorsFile, SendPlan)>,
+    threads: Option<usize>,
+    progress: Option<Bound<'_, PyProgress>>,
+) -> PyResult<u64> {
+    let bytes: u64 = work.iter().map(|(_, p)| p.0.dst_bytes()).sum();
+    let progress = match progress {
+        Some(p) => Some(p),
+        None if bytes >= WATCH_BYTES => Some(Bound::new(py, PyProgress::create(None))?),
+        None => None,
+    };
+    let Some(progress) = progress else {
+        // SAFETY: the Python caller owns the destinations (torch tensors it keeps referenced
+        // for the duration of the call) and `plan` checked each one's length.
+        let done = py.detach(|| {
+            let plans: Vec<_> = work.iter().map(|(f, p)| (*f, &p.0)).collect();
+            unsafe { copy::execute_many(&plans, threads, None, None) }
+        });
+        return done.map_err(|(index, e)| to_py(py, work[index].0.path(), e));
+    };
+    let state = progress.get().inner.clone();
+    let callback = progress.get().callback.as_ref().map(|c| c.clone_ref(py));
+    // SAFETY: as above; `watched` returns only once the copy has stopped.
+    watched(py, &work, threads, &state, callback)
+}
+
+/// Fills the destinations of several files in one copy (`[(file, jobs)]`, jobs as
+/// `SafetensorsFile._copy_into` takes them): the tasks of every file run on one pool, so the
+/// shards of a checkpoint are read in parallel with each other. Private, as `_copy_into`:
+/// Python reaches it through `fastload.core.engine.copy_files`.
+#[pyfunction]
+#[pyo3(name = "_copy_files", signature = (items, threads = None, progress = None))]
+fn copy_files(
+    py: Python<'_>,
+    items: Vec<(Bound<'_, PySafetensorsFile>, Vec<Job>)>,
+    threads: Option<usize>,
+    progress: Option<Bound<'_, PyProgress>>,
+) -> PyResult<u64> {
+    let files: Vec<Arc<SafetensorsFile>> =
+        items.iter().map(|(f, _)| f.get().inner.clone()).collect();
+    let mut work = Vec::with_capacity(items.len());
+    for (file, (_, jobs)) in files.iter().zip(items) {
+        let err = |e| to_py(py, file.path(), e);
+        let workers = planning_workers(file, threads).map_err(err)?;
+        let plan = plan_jobs(file, jobs, workers).map_err(|e| match e {
+            Planned::Py(e) => e,
+            Planned::Core(e) => err(e),
+        })?;
+        work.push((&**file, plan));
+    }
+    run_copy(py, work, threads, progress)
 }
 
 /// `file`, unless `strict` and its header has something only strict reading refuses.
@@ -349,6 +421,8 @@ fn default_threads() -> usize {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
     m.add_class::<PyProgress>()?;
+    m.add_class::<store::PyObjectStore>()?;
+    m.add_function(wrap_pyfunction!(copy_files, m)?)?;
     m.add_function(wrap_pyfunction!(writing::write_file, m)?)?;
     m.add_function(wrap_pyfunction!(writing::serialize, m)?)?;
     m.add_function(wrap_pyfunction!(validate, m)?)?;

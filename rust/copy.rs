@@ -17,7 +17,11 @@ mod planner;
 mod runner;
 
 pub use planner::{plan, plan_for_threads, task_bytes, Plan};
-pub use runner::{copy, execute};
+#[cfg(test)]
+use planner::{DstPtr, Piece};
+#[cfg(test)]
+use runner::Scatter;
+pub use runner::{copy, execute, execute_many};
 
 /// Source bytes per task: big enough to amortize scheduling, small enough to balance threads.
 pub const CHUNK: u64 = 8 << 20;

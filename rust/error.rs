@@ -107,6 +107,32 @@ pub enum Error {
     Os { errno: i32, source: IoError },
     /// The file is not in the safetensors format; `looks_like` says what its first bytes suggest.
     NotSafetensors { looks_like: String },
+    /// A request to object storage failed: refused for good (a missing object, denied access, a
+    /// configuration the store cannot use, an object replaced meanwhile), or still failing after
+    /// the retries configured for transient failures. `tensor` names the tensor being read, if
+    /// any; `detail` is the store's answer, with any URL query (a signature) left out.
+    Store {
+        failure: StoreFailure,
+        tensor: Option<String>,
+        detail: String,
+    },
+}
+
+/// How a request to object storage failed (see [`Error::Store`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFailure {
+    /// No such object, or no such bucket (HTTP 404).
+    NotFound,
+    /// Credentials refused or missing (HTTP 401/403).
+    Denied,
+    /// The store could not be reached or kept failing (connection refused or cut, timeouts,
+    /// 5xx/429 answers) after the configured retries.
+    Unavailable,
+    /// The URL or the options cannot make a client (an unknown option, no region, a bad URL).
+    Config,
+    /// The object is no longer the version that was opened (HTTP 412 to `If-Match`), or it
+    /// answered other bytes than asked for.
+    Changed,
 }
 
 impl Error {
@@ -143,6 +169,13 @@ impl Error {
             Error::Cancelled => "cancelled",
             Error::Io { .. } | Error::Os { .. } => "io",
             Error::NotSafetensors { .. } => "not-safetensors",
+            Error::Store { failure, .. } => match failure {
+                StoreFailure::NotFound => "store-not-found",
+                StoreFailure::Denied => "store-denied",
+                StoreFailure::Unavailable => "store-unavailable",
+                StoreFailure::Config => "store-config",
+                StoreFailure::Changed => "object-changed",
+            },
         }
     }
 
@@ -170,17 +203,53 @@ impl Error {
             | Error::FileShrunk { .. }
             | Error::FileChanged { .. }
             | Error::NotRegularFile { .. }
-            | Error::NotSafetensors { .. } => ErrorKind::File,
+            | Error::NotSafetensors { .. }
+            | Error::Store {
+                failure: StoreFailure::Changed,
+                ..
+            } => ErrorKind::File,
             Error::UnknownTensor { .. } => ErrorKind::MissingTensor,
             Error::UnsupportedConversion { .. } => ErrorKind::Unsupported,
             Error::DestinationSize { .. }
             | Error::NullDestination { .. }
             | Error::InvalidSource { .. }
             | Error::InvalidSelection { .. }
-            | Error::InvalidThreads { .. } => ErrorKind::Request,
+            | Error::InvalidThreads { .. }
+            | Error::Store {
+                failure: StoreFailure::Config,
+                ..
+            } => ErrorKind::Request,
             Error::Cancelled => ErrorKind::Cancelled,
             Error::Io { .. } => ErrorKind::Io,
             Error::Os { errno, .. } => ErrorKind::Os { errno: *errno },
+            Error::Store { failure, .. } => match failure {
+                StoreFailure::NotFound => ErrorKind::Store {
+                    errno: Some(libc::ENOENT),
+                },
+                StoreFailure::Denied => ErrorKind::Store {
+                    errno: Some(libc::EACCES),
+                },
+                StoreFailure::Unavailable => ErrorKind::Store { errno: None },
+                StoreFailure::Config => ErrorKind::Request,
+                StoreFailure::Changed => ErrorKind::File,
+            },
+        }
+    }
+
+    /// This error, naming `tensor` if it is an [`Error::Store`] that names none yet: a failed
+    /// ranged read is reported with the tensor it was for.
+    pub fn for_tensor(self, tensor: &str) -> Self {
+        match self {
+            Error::Store {
+                failure,
+                tensor: None,
+                detail,
+            } => Error::Store {
+                failure,
+                tensor: Some(tensor.to_string()),
+                detail,
+            },
+            other => other,
         }
     }
 
@@ -212,6 +281,9 @@ pub enum ErrorKind {
     Io,
     /// An operating-system error with its `errno` (the `FastloadIOError` subclass of the errno).
     Os { errno: i32 },
+    /// Object storage failed: `errno` says which `FastloadIOError` subclass fits (`ENOENT`: a
+    /// missing object or bucket, `EACCES`: denied), none for an unreachable or failing store.
+    Store { errno: Option<i32> },
 }
 
 impl fmt::Display for Error {
@@ -305,6 +377,23 @@ impl fmt::Display for Error {
             Error::Os { source, .. } => write!(f, "I/O error: {source}"),
             Error::NotSafetensors { looks_like } => {
                 write!(f, "not a safetensors file: it looks like {looks_like}")
+            }
+            Error::Store {
+                failure,
+                tensor,
+                detail,
+            } => {
+                if let Some(tensor) = tensor {
+                    write!(f, "tensor '{tensor}': ")?;
+                }
+                let what = match failure {
+                    StoreFailure::NotFound => "no such object or bucket",
+                    StoreFailure::Denied => "access denied",
+                    StoreFailure::Unavailable => "request failed",
+                    StoreFailure::Config => "cannot use this store configuration",
+                    StoreFailure::Changed => "the object changed while loading",
+                };
+                write!(f, "{what}: {detail}")
             }
         }
     }

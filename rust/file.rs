@@ -6,6 +6,8 @@
 //!   SIGBUS; large reads are also faster than faulting a mapping page by page on NFS/Lustre.
 //! * [`ReadMode::Mmap`]: copies out of a read-only memory map, which lets conversions read the source
 //!   in place.
+//! * [`ReadMode::RangedGet`] (feature `store`): an object in object storage, read with ranged GETs
+//!   ([`crate::store`]); the header first, then exactly the byte ranges a copy asks for.
 
 use std::ffi::CString;
 use std::fs::{File, Metadata};
@@ -26,6 +28,8 @@ use crate::sniff;
 pub enum ReadMode {
     Pread,
     Mmap,
+    /// Ranged GETs from object storage (never asked for: an object URL opens this way).
+    RangedGet,
 }
 
 impl ReadMode {
@@ -43,6 +47,7 @@ impl ReadMode {
         match self {
             ReadMode::Pread => "pread",
             ReadMode::Mmap => "mmap",
+            ReadMode::RangedGet => "ranged-get",
         }
     }
 }
@@ -56,7 +61,14 @@ enum Backing {
     Mapped(File, Mmap),
     /// Bytes owned in memory (tests, fuzzing, callers that already hold the file).
     Memory(Box<[u8]>),
+    /// An object in object storage, read with ranged GETs.
+    #[cfg(feature = "store")]
+    Remote(crate::store::Object),
 }
+
+/// Bytes after the header length that the first request for an object's header also asks for:
+/// one round trip reads the whole header of nearly every checkpoint.
+pub const REMOTE_PREFIX: u64 = 256 << 10;
 
 /// An open, validated safetensors file.
 #[derive(Debug)]
@@ -163,7 +175,8 @@ impl SafetensorsFile {
         read_exact_at(&file, &mut json, LEN_PREFIX, len)?;
         let header = parse_header(&json, len)?;
         let backing = match mode {
-            ReadMode::Pread => Backing::Pread(file),
+            // a local file has no ranged GETs: read it with pread
+            ReadMode::Pread | ReadMode::RangedGet => Backing::Pread(file),
             ReadMode::Mmap => {
                 // SAFETY: the map is read-only; a concurrent truncation is checked for before each
                 // copy (see `check_unchanged`), which narrows but cannot close the SIGBUS window:
@@ -209,6 +222,53 @@ impl SafetensorsFile {
         })
     }
 
+    /// Opens an object in object storage: its first bytes are read (the 8-byte header length
+    /// and, in the same request, up to [`REMOTE_PREFIX`] bytes after it), the length checked
+    /// against the cap and the object's size before the header's buffer is allocated, the rest of
+    /// a longer header read, then the header validated as a file's. Nothing else is read until a
+    /// copy asks for its byte ranges.
+    #[cfg(feature = "store")]
+    pub fn open_object(object: crate::store::Object) -> Result<Self> {
+        let len = object.size();
+        let first = len.min(LEN_PREFIX + REMOTE_PREFIX) as usize;
+        let mut prefix = vec![0u8; first];
+        object.read_into(&mut prefix, 0)?;
+        let head = first.min(LEN_PREFIX as usize);
+        let n = read_header_len(&prefix, len).map_err(|e| sniff::explain(e, &prefix[..head]))?;
+        let end = (LEN_PREFIX + n) as usize;
+        let header = if end <= prefix.len() {
+            parse_header(&prefix[LEN_PREFIX as usize..end], len)?
+        } else {
+            let mut json = vec![0u8; n as usize];
+            let have = prefix.len() - LEN_PREFIX as usize;
+            json[..have].copy_from_slice(&prefix[LEN_PREFIX as usize..]);
+            object.read_into(&mut json[have..], prefix.len() as u64)?;
+            parse_header(&json, len)?
+        };
+        Ok(SafetensorsFile {
+            path: PathBuf::from(object.url()),
+            len,
+            stamp: None,
+            header,
+            backing: Backing::Remote(object),
+            fs: OnceLock::new(),
+        })
+    }
+
+    /// The object behind this file when it comes from object storage.
+    #[cfg(feature = "store")]
+    pub fn object(&self) -> Option<&crate::store::Object> {
+        match &self.backing {
+            Backing::Remote(o) => Some(o),
+            _ => None,
+        }
+    }
+
+    /// Whether the bytes come from object storage (each read a request over the network).
+    pub fn is_remote(&self) -> bool {
+        self.mode() == ReadMode::RangedGet
+    }
+
     /// The path the file was opened with.
     pub fn path(&self) -> &Path {
         &self.path
@@ -234,6 +294,8 @@ impl SafetensorsFile {
         match self.backing {
             Backing::Pread(_) => ReadMode::Pread,
             Backing::Mapped(..) | Backing::Memory(_) => ReadMode::Mmap,
+            #[cfg(feature = "store")]
+            Backing::Remote(_) => ReadMode::RangedGet,
         }
     }
 
@@ -244,7 +306,8 @@ impl SafetensorsFile {
     pub fn check_unchanged(&self) -> Result<()> {
         let file = match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => f,
-            Backing::Memory(_) => return Ok(()),
+            // an object is read at the version opened (If-Match), or not at all
+            _ => return Ok(()),
         };
         let meta = file.metadata()?;
         let now = meta.len();
@@ -272,7 +335,7 @@ impl SafetensorsFile {
     pub fn raw_fd(&self) -> Option<RawFd> {
         match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => Some(f.as_raw_fd()),
-            Backing::Memory(_) => None,
+            _ => None,
         }
     }
 
@@ -282,7 +345,7 @@ impl SafetensorsFile {
         let bytes: &[u8] = match &self.backing {
             Backing::Mapped(_, m) => m,
             Backing::Memory(b) => b,
-            Backing::Pread(_) => return None,
+            _ => return None,
         };
         let start = usize::try_from(offset).ok()?;
         bytes.get(start..start.checked_add(len)?)
@@ -296,11 +359,34 @@ impl SafetensorsFile {
                 Ok(())
             }
             (Backing::Pread(file), None) => read_exact_at(file, dst, offset, self.len),
+            #[cfg(feature = "store")]
+            (Backing::Remote(object), None) => object.read_into(dst, offset),
             (_, None) => Err(Error::FileShrunk {
                 expected: offset.saturating_add(dst.len() as u64),
                 actual: self.len,
             }),
         }
+    }
+
+    /// Reads `[offset, offset + len)` and hands the bytes to `sink` as they come: from object
+    /// storage, the chunks of one ranged GET as they arrive; otherwise in one piece.
+    pub fn read_chunks(
+        &self,
+        offset: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        #[cfg(feature = "store")]
+        if let Backing::Remote(object) = &self.backing {
+            return object.read_chunks(offset, len, sink);
+        }
+        let len = usize::try_from(len).map_err(|_| Error::FileShrunk {
+            expected: offset.saturating_add(len),
+            actual: self.len,
+        })?;
+        let mut buf = vec![0u8; len];
+        self.read_at(&mut buf, offset)?;
+        sink(&buf)
     }
 
     /// `(device, inode)` of the open file, to tell whether a path still names it (`None` for
@@ -311,7 +397,7 @@ impl SafetensorsFile {
                 let m = f.metadata()?;
                 Ok(Some((m.dev(), m.ino())))
             }
-            Backing::Memory(_) => Ok(None),
+            _ => Ok(None),
         }
     }
 }
@@ -330,7 +416,7 @@ impl SafetensorsFile {
     ) -> Result<u64> {
         let file = match &self.backing {
             Backing::Pread(f) | Backing::Mapped(f, _) => Some(f),
-            Backing::Memory(_) => None,
+            _ => None,
         };
         crate::readahead::populate(file, addr, offset, len, threads, cached, cold)
     }
@@ -343,7 +429,7 @@ impl SafetensorsFile {
             Backing::Pread(f) | Backing::Mapped(f, _) => {
                 len > 0 && crate::readahead::mostly_uncached(f, offset, len)
             }
-            Backing::Memory(_) => false,
+            _ => false,
         }
     }
 
@@ -358,7 +444,7 @@ impl SafetensorsFile {
                 let fs = crate::readahead::filesystem_of(f)?;
                 Ok(Some(self.fs.get_or_init(|| fs).clone()))
             }
-            Backing::Memory(_) => Ok(None),
+            _ => Ok(None),
         }
     }
 }

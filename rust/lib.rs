@@ -12,6 +12,7 @@
 //! * [`pool`]: thread counts and the shared worker pools.
 //! * [`readahead`]: filesystem detection and parallel read-ahead of mappings (zero-copy loads).
 //! * [`write`]: writing safetensors files.
+//! * [`store`] (feature `store`): object storage (S3, GCS, Azure, HTTP) as a source of bytes.
 //! * `bindings` (feature `python`): the `fastload._core` extension module.
 
 pub mod convert;
@@ -23,6 +24,8 @@ pub mod header;
 pub mod pool;
 pub mod readahead;
 pub mod sniff;
+#[cfg(feature = "store")]
+pub mod store;
 pub mod write;
 
 #[cfg(feature = "python")]

@@ -20,6 +20,11 @@ pub const MAX_THREADS: usize = 256;
 /// page cache use at least this many too (see `copy::execute`).
 pub const READAHEAD_THREADS: usize = 8;
 
+/// Threads that copy from object storage by default: each waits on one ranged GET at a time, so
+/// the count is the number of requests in flight (object stores serve many parallel requests;
+/// each is at most [`crate::copy::CHUNK`] bytes).
+pub const REMOTE_THREADS: usize = 16;
+
 /// Thread pools kept alive for reuse, least recently used dropped first: a process that asks for
 /// many different counts keeps a bounded number of threads.
 const CACHED_POOLS: usize = 4;

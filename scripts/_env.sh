@@ -17,10 +17,11 @@ fi
 command -v cargo >/dev/null || { echo "fastload: cargo (Rust) is required: https://rustup.rs" >&2; exit 1; }
 
 # build_ext [dev|release]: builds the extension and installs the package (editable) with its test
-# dependencies. pip only downloads what the venv lacks. A lock keeps parallel builds apart.
+# and documentation dependencies. pip only downloads what the venv lacks. A lock keeps parallel
+# builds apart.
 build_ext() {
     local profile="${1:-release}"
     local flags=()
     [ "$profile" = release ] && flags+=(--release)
-    (cd "$ROOT" && flock /tmp/fastload-build.lock maturin develop -q "${flags[@]}" --extras test) >&2
+    (cd "$ROOT" && flock /tmp/fastload-build.lock maturin develop -q "${flags[@]}" --extras test,docs) >&2
 }

@@ -9,6 +9,7 @@ in the page cache (``fincore``, i.e. ``mincore``)."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -100,6 +101,18 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
     )
     import transformers
 
+    # What a load imports lazily is read before any window opens: with the page cache under
+    # pressure, a module file read from disk would count as checkpoint bytes.
+    llama = transformers.LlamaForCausalLM
+    for module in (
+        "fastload.api",
+        "fastload.hf.front",
+        "fastload.hf.dtensor_tp",
+        "fastload.distributed.collective",
+        "fastload.distributed.tensor_parallel",
+        "transformers.integrations.tensor_parallel",
+    ):
+        importlib.import_module(module)
     own = Path(root) / f"rank{rank}"
     out: dict[str, Any] = {}
     try:
@@ -129,7 +142,7 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
                 continue
             try:
                 model, report = fastload.from_pretrained(
-                    transformers.LlamaForCausalLM,
+                    llama,
                     own,
                     output_loading_info=True,
                     progress=False,

@@ -36,9 +36,14 @@ class SafetensorsFile:
     def from_bytes(label: str, data: bytes, *, strict: bool = False) -> SafetensorsFile:
         """A whole file held in memory; ``label`` stands for the path in messages."""
     @property
-    def path(self) -> str: ...
+    def path(self) -> str:
+        """The path it was opened with (the URL of an object in object storage)."""
     @property
-    def mode(self) -> str: ...
+    def mode(self) -> str:
+        """The read path: "pread", "mmap", or "ranged-get" (an object in object storage)."""
+    @property
+    def remote(self) -> bool:
+        """Whether the bytes come from object storage (read with ranged GETs)."""
     @property
     def file_size(self) -> int: ...
     @property
@@ -103,6 +108,55 @@ class Progress:
     def cancel(self) -> None: ...
     def add(self, nbytes: int) -> None:
         """Count bytes copied outside the engine (pickle files)."""
+
+class ObjectStore:
+    """One bucket (container, host) in object storage and the client that reads it (the
+    ``object_store`` crate), from ``url`` (``s3://bucket/prefix``, ``gs://...``, ``az://...``,
+    ``https://host/path``), the environment (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), ``defaults``
+    read from configuration files (used where the environment is silent) and ``options`` (which
+    win; ``max_retries``, ``retry_timeout``, ``retry_init_backoff``, ``retry_max_backoff``,
+    ``retry_backoff_base`` set the retry policy). An ``http://`` endpoint allows plain HTTP.
+
+    Failures raise ``FileNotFoundError`` (no such object or bucket), ``PermissionError``
+    (denied), ``FastloadIOError`` (unreachable or failing after the retries),
+    ``CheckpointError`` (an object that changed since it was opened, a malformed header) or
+    ``RequestError`` (a URL or option the client cannot use), all naming the URL.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, str] | None = None,
+        defaults: dict[str, str] | None = None,
+    ) -> None: ...
+    @property
+    def url(self) -> str:
+        """The URL of the store's root (``s3://bucket``)."""
+    @property
+    def key(self) -> str:
+        """The key inside the store that the URL it was made from addresses."""
+    def url_of(self, key: str) -> str: ...
+    def head(self, key: str) -> tuple[int, str | None] | None:
+        """``(size, etag)`` of object ``key``, or None if there is no such object."""
+    def get(self, key: str, max_bytes: int) -> bytes:
+        """The whole of object ``key``; refused unread when larger than ``max_bytes``."""
+    def _read_into(self, key: str, offset: int, address: int, length: int) -> int:
+        """Fill ``length`` bytes at ``address`` with those of ``key`` at ``offset`` (one ranged
+        GET, GIL released: the raw transport). Private: call
+        ``fastload.core.object_store.read_into``, which takes the address from a tensor."""
+    def list(self, prefix: str) -> list[tuple[str, int]]:
+        """``(key, size)`` of the objects directly under ``prefix``."""
+    def open(self, keys: list[str], *, strict: bool = False) -> list[SafetensorsFile]:
+        """Objects ``keys`` as safetensors files (mode "ranged-get"), opened in parallel: each
+        one's header is read (8 bytes, then the header) and validated before anything else."""
+
+def _copy_files(
+    items: list[tuple[SafetensorsFile, list[_Job]]],
+    threads: int | None = None,
+    progress: Progress | None = None,
+) -> int:
+    """``SafetensorsFile._copy_into`` for several files in one copy (their tasks on one pool).
+    Private: call ``fastload.core.engine.copy_files``."""
 
 def write_file(
     path: str | PathLike[str],

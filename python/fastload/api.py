@@ -23,6 +23,7 @@ from fastload.core.hooks import ModelHooks
 from fastload.core.keys import KeyMap
 from fastload.core.load_options import DEFAULTS, LoadOptions, split_load_options
 from fastload.core.loading import load, plain_target
+from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
 from fastload.core.skeleton import is_transformers_model
 from fastload.hf.auto import is_auto_class
@@ -68,6 +69,7 @@ def from_pretrained(
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
     read_ahead: bool = ...,
+    storage_options: Mapping[str, str | int | float | bool] | None = ...,
     **model_kwargs: Any,
 ) -> M: ...
 
@@ -101,6 +103,7 @@ def from_pretrained(
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
     read_ahead: bool = ...,
+    storage_options: Mapping[str, str | int | float | bool] | None = ...,
     **model_kwargs: Any,
 ) -> tuple[M, LoadReport]: ...
 
@@ -134,6 +137,7 @@ def from_pretrained(
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
     read_ahead: bool = ...,
+    storage_options: Mapping[str, str | int | float | bool] | None = ...,
     **model_kwargs: Any,
 ) -> nn.Module: ...
 
@@ -167,6 +171,7 @@ def from_pretrained(
     staging_bytes: int | str | None = ...,
     offload_folder: PathArg | None = ...,
     read_ahead: bool = ...,
+    storage_options: Mapping[str, str | int | float | bool] | None = ...,
     **model_kwargs: Any,
 ) -> tuple[nn.Module, LoadReport]: ...
 
@@ -198,7 +203,11 @@ def from_pretrained(
         path: a ``.safetensors`` file, a directory with ``model.safetensors``, a sharded
             checkpoint (its directory or its ``model.safetensors.index.json``), or a Hugging Face
             model id resolved through ``huggingface_hub`` (its cache first; see
-            :mod:`fastload.hf.hub`); with ``allow_pickle``, also a pickle checkpoint.
+            :mod:`fastload.hf.hub`); with ``allow_pickle``, also a pickle checkpoint. Or the
+            same in object storage: ``"s3://bucket/prefix/"`` (``gs://``, ``az://``,
+            ``http(s)://``), read with parallel ranged GETs straight into the model's tensors
+            (:mod:`fastload.core.object_store`; a transformers model's ``config.json`` is
+            fetched from the same prefix).
         device: where every tensor is allocated.
         dtype: ``"auto"``: for a transformers model fastload builds, transformers' rule (the
             config's dtype, else the checkpoint's; ``_keep_in_fp32_modules`` honoured; see
@@ -281,6 +290,11 @@ def from_pretrained(
             disk): those parameters stay in the safetensors file, on ``meta`` in the model, and
             accelerate's hooks read them onto the execution device (the map's first GPU, else
             the CPU) when their module runs (:mod:`fastload.core.offload`). Needs accelerate.
+        storage_options: the object store's configuration for a URL ``path``: endpoint,
+            region, credentials, timeouts and the retry policy (``max_retries``,
+            ``retry_timeout`` ...), as ``{"aws_endpoint": "http://127.0.0.1:9000"}``; the
+            environment (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``) and the AWS profile files fill in
+            the rest (:mod:`fastload.core.store_config`).
         state_dict: tensors to load instead of files (with ``config``).
         **model_kwargs: transformers' ``from_pretrained`` options (``revision``, ``torch_dtype``,
             ``subfolder``...: each honoured with transformers' meaning or refused with
@@ -363,6 +377,8 @@ def _hugging_face_call(
         return True
     if any(name in TRANSFORMERS_OPTIONS for name in model_kwargs):
         return True
+    if is_url(path):  # a plain module's checkpoint in object storage: the core reads it
+        return False
     if isinstance(path, (str, os.PathLike)) and not os.path.exists(os.fspath(path)):
         return "/" in os.fspath(path) and not os.path.isabs(os.fspath(path))
     return False

@@ -20,6 +20,7 @@ use crate::error::{Error, ErrorKind};
 /// | `Request` | `RequestError` |
 /// | `Cancelled` | `LoadCancelledError` |
 /// | `Io` | `FastloadIOError` |
+/// | `Store { errno }` | `fastload.core.errors.store_error(url, errno, message)`: `FileNotFoundError` (`ENOENT`: no such object or bucket), `PermissionError` (`EACCES`: denied) or `FastloadIOError` (no errno: the store failed), the message kept |
 /// | `Os { errno }` | `fastload.core.errors.os_error(path, errno, message)`: the `FastloadIOError` subclass of the errno (`FileNotFoundError` for `ENOENT` ...) with `errno`, `strerror` and `filename` set |
 pub(super) fn to_py(py: Python<'_>, path: &Path, err: Error) -> PyErr {
     let class = match err.kind() {
@@ -30,6 +31,7 @@ pub(super) fn to_py(py: Python<'_>, path: &Path, err: Error) -> PyErr {
         ErrorKind::Cancelled => "LoadCancelledError",
         ErrorKind::Io => "FastloadIOError",
         ErrorKind::Os { errno } => return os_error(py, path, errno, &err),
+        ErrorKind::Store { errno } => return store_error(py, path, errno, &err),
     };
     let msg = format!("{}: {err}", path.display());
     let made = py
@@ -50,6 +52,18 @@ fn os_error(py: Python<'_>, path: &Path, errno: i32, err: &Error) -> PyErr {
         .import("fastload.core.errors")
         .and_then(|m| m.getattr("os_error"))
         .and_then(|f| f.call1((path.display().to_string(), errno, detail)))
+        .map(PyErr::from_value);
+    made.unwrap_or_else(|e| e)
+}
+
+/// An object storage failure as the `FastloadIOError` subclass its `errno` names, with the
+/// message (the URL, the rule, the tensor, the store's answer) kept whole.
+fn store_error(py: Python<'_>, path: &Path, errno: Option<i32>, err: &Error) -> PyErr {
+    let url = path.display().to_string();
+    let made = py
+        .import("fastload.core.errors")
+        .and_then(|m| m.getattr("store_error"))
+        .and_then(|f| f.call1((url.clone(), errno, format!("{url}: {err}"))))
         .map(PyErr::from_value);
     made.unwrap_or_else(|e| e)
 }

@@ -24,19 +24,19 @@ const WATCH_EVERY: Duration = Duration::from_millis(50);
 enum Event {
     /// A task finished; the progress counter then read this many bytes.
     Task(u64),
-    /// The copy stopped with this result.
-    Finished(crate::error::Result<u64>),
+    /// The copy stopped with this result (an error with the index of its file).
+    Finished(std::result::Result<u64, (usize, Error)>),
 }
 
-/// Runs `plan` on a scoped thread while the calling thread, GIL released, waits for it. After
+/// Runs the plans of `work` (one copy, [`copy::execute_many`]) on a scoped thread while the
+/// calling thread, GIL released, waits for it. After
 /// each task (about `CHUNK` bytes) and every [`WATCH_EVERY`] at least, the calling thread re-takes
 /// the GIL to run signal handlers and `callback(bytes done)`. An exception from either cancels
 /// the copy; it is raised once the copy has stopped (destinations are never written after this
 /// returns).
 pub(super) fn watched(
     py: Python<'_>,
-    file: &SafetensorsFile,
-    plan: SendPlan,
+    work: &[(&SafetensorsFile, SendPlan)],
     threads: Option<usize>,
     progress: &Progress,
     callback: Option<Py<PyAny>>,
@@ -44,15 +44,14 @@ pub(super) fn watched(
     let (result, raised) = py.detach(|| {
         let (tx, rx) = mpsc::channel();
         std::thread::scope(|s| {
-            let plan = &plan;
             let done_tx = tx.clone();
             s.spawn(move || {
                 let tick = move |done: u64| {
                     let _ = tx.send(Event::Task(done));
                 };
+                let plans: Vec<_> = work.iter().map(|(f, p)| (*f, &p.0)).collect();
                 // SAFETY: forwarded from `copy_into`; the scope outlives the copy.
-                let r =
-                    unsafe { copy::execute(file, &plan.0, threads, Some(progress), Some(&tick)) };
+                let r = unsafe { copy::execute_many(&plans, threads, Some(progress), Some(&tick)) };
                 let _ = done_tx.send(Event::Finished(r));
             });
             let mut raised: Option<PyErr> = None;
@@ -67,7 +66,7 @@ pub(super) fn watched(
                             detail: "the copy thread stopped without a result".into(),
                             source: None,
                         };
-                        return (Err(lost), raised);
+                        return (Err((0, lost)), raised);
                     }
                 };
                 // Tasks finish out of order on several threads: report the largest count seen.
@@ -92,7 +91,7 @@ pub(super) fn watched(
     if let Some(e) = raised {
         return Err(e);
     }
-    result.map_err(|e| to_py(py, file.path(), e))
+    result.map_err(|(index, e)| to_py(py, work[index].0.path(), e))
 }
 
 /// Progress of copies, shared with Python: `done` bytes so far, `cancel()` to stop them between

@@ -25,12 +25,16 @@ pub(super) struct Piece {
     pub(super) dst_len: usize,
     pub(super) from: Dtype,
     pub(super) to: Dtype,
+    /// Index of the request (in [`Plan::names`]) the piece belongs to.
+    pub(super) request: usize,
 }
 
 /// The validated work of one `execute` call.
 #[derive(Debug, Default)]
 pub struct Plan {
     pub(super) tasks: Vec<Vec<Piece>>,
+    /// The tensor name of each request, for messages.
+    pub(super) names: Vec<String>,
     src_bytes: u64,
     pub(super) dst_bytes: u64,
 }
@@ -140,7 +144,20 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
     let mut plan = Plan::default();
     let mut current: Vec<Piece> = Vec::new();
     let mut current_bytes = 0u64;
-    for r in requests {
+    // From object storage each piece is a request over the network: in file order, so that the
+    // pieces of a task that follow each other in the file are read with one ranged GET.
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    if file.is_remote() {
+        order.sort_by_key(|&i| {
+            let start = match requests[i].selection {
+                Selection::All | Selection::Slice { .. } => 0,
+                Selection::Elements { start, .. } => start,
+            };
+            (header.get(&requests[i].name).map(|t| t.begin), start)
+        });
+    }
+    for &index in &order {
+        let r = &requests[index];
         let t = header.get(&r.name).ok_or_else(|| Error::UnknownTensor {
             tensor: r.name.clone(),
         })?;
@@ -198,6 +215,7 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
                     dst_len: (k * dst_unit) as usize,
                     from,
                     to,
+                    request: index,
                 };
                 dst_off += k * dst_unit;
                 done += k;
@@ -215,5 +233,6 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
     if !current.is_empty() {
         plan.tasks.push(current);
     }
+    plan.names = requests.iter().map(|r| r.name.clone()).collect();
     Ok(plan)
 }

@@ -231,6 +231,57 @@ fn rejects_bad_requests_before_writing_anything() {
 }
 
 #[test]
+fn a_read_in_chunks_of_any_size_lands_in_its_pieces_converted_as_it_arrives() {
+    // two pieces that follow each other in the file: 3 bf16 to f32, then 5 u8 as they are;
+    // the bytes come in chunks that split elements and pieces anywhere
+    let vals = [1.5f32, -2.25, 1024.0];
+    let mut src: Vec<u8> = vals
+        .iter()
+        .flat_map(|v| bf16::from_f32(*v).to_bits().to_le_bytes())
+        .collect();
+    src.extend([7u8, 8, 9, 10, 11]);
+    for cuts in [vec![1usize], vec![3], vec![1, 2, 4, 1, 3], vec![11]] {
+        let (mut a, mut b) = (vec![0u8; 12], vec![0u8; 5]);
+        let pieces = [
+            Piece {
+                src: 100,
+                src_len: 6,
+                dst: DstPtr(a.as_mut_ptr()),
+                dst_len: 12,
+                from: Dtype::BF16,
+                to: Dtype::F32,
+                request: 0,
+            },
+            Piece {
+                src: 106,
+                src_len: 5,
+                dst: DstPtr(b.as_mut_ptr()),
+                dst_len: 5,
+                from: Dtype::U8,
+                to: Dtype::U8,
+                request: 1,
+            },
+        ];
+        let mut scatter = Scatter::new(&pieces);
+        let mut at = 0;
+        for n in cuts.iter().cycle() {
+            if at == src.len() {
+                break;
+            }
+            let end = (at + n).min(src.len());
+            scatter.feed(&src[at..end]);
+            at = end;
+        }
+        let got: Vec<f32> = a
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, vals, "chunks of {cuts:?}");
+        assert_eq!(b, [7, 8, 9, 10, 11], "chunks of {cuts:?}");
+    }
+}
+
+#[test]
 fn a_small_copy_on_many_threads_is_cut_so_that_every_thread_gets_work() {
     // A 64 MiB staging buffer on 16 threads: 16 tasks of 4 MiB, not 8 of CHUNK.
     assert_eq!(task_bytes(64 << 20, 16), 4 << 20);

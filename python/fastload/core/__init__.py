@@ -1,7 +1,9 @@
 """The core loader: checkpoint files into any ``nn.Module``, in the order of a load.
 
 options (``load_options``, ``arguments``, ``devices``, ``dtypes``, ``units``, ``threads``) ->
-the checkpoint (``checkpoint``, ``source``, ``pickle_file``, ``json_text``) -> the plan
+the checkpoint (``checkpoint``, ``source``, ``pickle_file``, ``json_text``; ``object_store``:
+checkpoints at ``s3://``, ``gs://``, ``az://``, ``http(s)://`` URLs, configured by
+``store_config``) -> the plan
 (``planning``, ``keys``, ``placement``, ``device_map``, ``hooks``: what a model family may add)
 -> allocation (``allocation``, ``memory``: the budget) -> reading (``reading``, ``engine``: the one
 door to the Rust copy, ``streaming``: pinned staging for accelerators, ``sharing``: views of the

@@ -270,7 +270,7 @@ class _DuplicateKey(Exception):
         self.key, self.first, self.second = key, first, second
 
 
-def _check_shard_name(index: Path, shard: object) -> str:
+def _check_shard_name(index: Path | str, shard: object) -> str:
     """``shard`` normalized, or ``CheckpointError`` if it is not a name inside the directory."""
     if not isinstance(shard, str) or not shard:
         raise CheckpointError(f"{index}: shard name {shard!r} is not a file name")
@@ -293,16 +293,19 @@ def _check_shard_name(index: Path, shard: object) -> str:
     return posixpath.normpath(shard.replace("\\", "/"))
 
 
-def _resolve_index(
-    handle: DirHandle, name: str, allow_pickle: bool, requested: tuple[Path, bool]
-) -> CheckpointFiles:
-    index = handle.path / name
+def parse_index(
+    data: bytes, index: Path | str, allow_pickle: bool
+) -> tuple[dict[str, str], list[str], dict[str, Any] | None]:
+    """A sharded index's ``(weight_map, shard names in first-listed order, metadata)``, checked
+    strictly: UTF-8 JSON, a ``weight_map`` object, no tensor listed twice, every shard name
+    inside the checkpoint directory (normalized), no pickle shard unless allowed. ``index``
+    names the index in messages (a path, or a URL in object storage)."""
     try:
-        text = handle.read_bytes(name).decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{index}: not UTF-8 text ({e.reason})") from e
     try:
-        data = json_text.loads(text, index, object_pairs_hook=_reject_duplicates)
+        parsed = json_text.loads(text, index, object_pairs_hook=_reject_duplicates)
     except _DuplicateKey as e:
         raise CheckpointError(
             f"{index}: tensor {e.key!r} is listed twice, in shards {e.first!r} and {e.second!r} "
@@ -310,10 +313,9 @@ def _resolve_index(
         ) from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{index}: not valid JSON ({e})") from e
-    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("weight_map"), dict):
         raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to shards")
-    weight_map: dict[str, str] = data["weight_map"]
-    directory = handle.path
+    weight_map: dict[str, str] = parsed["weight_map"]
     # Shard names normalized ("sub/../x" is "x"), so one file is one shard however it is spelled.
     weight_map = {k: _check_shard_name(index, v) for k, v in weight_map.items()}
     shards = list(dict.fromkeys(weight_map.values()))
@@ -323,6 +325,16 @@ def _resolve_index(
             f"{index}: lists pickle shards ({pickled[0]!r}...), which could run code when "
             f"loaded; {_PICKLE_ADVICE}"
         )
+    metadata = parsed.get("metadata")
+    return weight_map, shards, metadata if isinstance(metadata, dict) else None
+
+
+def _resolve_index(
+    handle: DirHandle, name: str, allow_pickle: bool, requested: tuple[Path, bool]
+) -> CheckpointFiles:
+    index = handle.path / name
+    weight_map, shards, metadata = parse_index(handle.read_bytes(name), index, allow_pickle)
+    directory = handle.path
     files = []
     for shard in shards:
         f = directory / shard
@@ -331,13 +343,12 @@ def _resolve_index(
                 f"{index}: shard {shard!r} is missing (looked for {f}) [missing-shard]"
             )
         files.append(f)
-    metadata = data.get("metadata")
     return CheckpointFiles(
         directory=directory,
         files=tuple(files),
         index=index,
         weight_map=dict(weight_map),
-        index_metadata=metadata if isinstance(metadata, dict) else None,
+        index_metadata=metadata,
         handle=handle,
         requested=requested,
     )
@@ -381,9 +392,19 @@ def _open_file(location: CheckpointFiles, path: Path, read_mode: str) -> Any:
 
 def _open_once(location: CheckpointFiles, read_mode: str) -> OpenCheckpoint:
     opened = [_open_file(location, f, read_mode) for f in location.files]
+    names = [f.relative_to(location.directory).as_posix() for f in location.files]
+    return build_table(location, opened, names)
+
+
+def build_table(
+    location: CheckpointFiles, opened: list[TensorFile], shard_names: list[str]
+) -> OpenCheckpoint:
+    """The checkpoint of the ``opened`` files of ``location`` (``shard_names``: each one's name
+    in the index): every tensor held by exactly one file, and the index, if any, agreeing with
+    the files' headers (``CheckpointError`` otherwise)."""
     tensors: dict[str, StoredTensor] = {}
     for i, file in enumerate(opened):
-        shard_name = location.files[i].relative_to(location.directory).as_posix()
+        shard_name = shard_names[i]
         for name, st_dtype, shape, begin, end in file.tensors():
             if name in tensors:
                 other = opened[tensors[name].file].path

@@ -7,7 +7,7 @@ address and byte length from the tensor itself, keeping the tensors alive for th
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -15,7 +15,8 @@ import torch
 from fastload import _core
 from fastload.core.errors import RequestError
 
-#: the engine's ways of reading a file: positioned reads (no page faults) or a mapping
+#: the engine's ways of reading a file: positioned reads (no page faults) or a mapping (an object
+#: in object storage is read with ranged GETs, its mode ``"ranged-get"``, never asked for)
 READ_MODES = ("pread", "mmap")
 
 #: (tensor name, destination, dtype wanted as a safetensors name, selection) for
@@ -47,6 +48,24 @@ class TensorFile(Protocol):
     ) -> int: ...
 
 
+def _jobs(
+    file: TensorFile, items: Iterable[CopyItem], keep: list[torch.Tensor]
+) -> list[tuple[str, int, int, str, list[int] | None]]:
+    """The engine's jobs for ``items`` (addresses and lengths taken from the tensors, which
+    ``keep`` holds until the copy is done)."""
+    jobs: list[tuple[str, int, int, str, list[int] | None]] = []
+    for name, dest, st_dtype, selection in items:
+        if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu":
+            raise RequestError(f"{file.path}: tensor {name!r}: the destination is not a CPU tensor")
+        if not dest.is_contiguous():
+            raise RequestError(f"{file.path}: tensor {name!r}: the destination is not contiguous")
+        keep.append(dest)
+        jobs.append(
+            (name, dest.data_ptr(), dest.numel() * dest.element_size(), st_dtype, selection)
+        )
+    return jobs
+
+
 def copy_into(
     file: TensorFile,
     items: Iterable[CopyItem],
@@ -60,18 +79,23 @@ def copy_into(
     ``file`` is a ``_core.SafetensorsFile`` or a :class:`~fastload.core.pickle_file.PickleFile` (the
     same interface). The engine validates every item before it writes a byte."""
     keep: list[torch.Tensor] = []
-    jobs: list[tuple[str, int, int, str, list[int] | None]] = []
-    for name, dest, st_dtype, selection in items:
-        if not isinstance(dest, torch.Tensor) or dest.device.type != "cpu":
-            raise RequestError(f"{file.path}: tensor {name!r}: the destination is not a CPU tensor")
-        if not dest.is_contiguous():
-            raise RequestError(f"{file.path}: tensor {name!r}: the destination is not contiguous")
-        keep.append(dest)
-        jobs.append(
-            (name, dest.data_ptr(), dest.numel() * dest.element_size(), st_dtype, selection)
-        )
+    jobs = _jobs(file, items, keep)
     written: int = file._copy_into(jobs, threads, progress)
     return written
 
 
-__all__ = ["CopyItem", "copy_into"]
+def copy_files(
+    work: Sequence[tuple[_core.SafetensorsFile, Iterable[CopyItem]]],
+    threads: int | None = None,
+    progress: _core.Progress | None = None,
+) -> int:
+    """:func:`copy_into` for several safetensors files at once: one engine call whose tasks, from
+    every file, share one pool (the shards of a checkpoint in object storage are read in
+    parallel with each other). Returns the bytes written."""
+    keep: list[torch.Tensor] = []
+    items = [(file, _jobs(file, file_items, keep)) for file, file_items in work]
+    written: int = _core._copy_files(items, threads, progress)
+    return written
+
+
+__all__ = ["CopyItem", "copy_files", "copy_into"]

@@ -148,6 +148,20 @@ def os_error(
     return err
 
 
+def store_error(url: str, errno: int | None, message: str) -> FastloadIOError:
+    """The :class:`FastloadIOError` for a failed request to object storage (raised by the Rust
+    core): ``FileNotFoundError`` for a missing object or bucket (``errno.ENOENT``),
+    ``PermissionError`` for denied access (``errno.EACCES``), plain ``FastloadIOError`` for a
+    store that could not be reached or kept failing. ``message`` names the URL, the rule
+    (``[store-not-found]`` ...), the tensor being read, if any, and the store's answer; it is
+    kept whole, and ``filename`` is the URL."""
+    err = _OS_ERRORS.get(errno or 0, FastloadIOError)(message)
+    err.errno = errno
+    err.strerror = os.strerror(errno) if errno else None
+    err.filename = url
+    return err
+
+
 def from_os_error(exc: OSError, path: str | os.PathLike[str], doing: str = "") -> FastloadIOError:
     """``exc`` (a plain ``OSError``) as the matching :class:`FastloadIOError`, naming ``path``."""
     if isinstance(exc, FastloadIOError):
@@ -178,6 +192,7 @@ __all__ = [
     "FastloadNotADirectoryError",
     "SafetensorError",
     "os_error",
+    "store_error",
     "from_os_error",
     "LoadCancelledError",
     "MemoryBudgetError",

@@ -24,6 +24,7 @@ from fastload.core.dtypes import conversion_dtype
 from fastload.core.engine import READ_MODES
 from fastload.core.errors import RequestError, UnsupportedError
 from fastload.core.sharing import check_mmap_mode
+from fastload.core.store_config import check_storage_options
 from fastload.core.streaming import StagingPool
 from fastload.core.threads import check_threads
 
@@ -75,6 +76,9 @@ class LoadOptions:
     offload_folder: str | None = None
     #: ``False``: no read-ahead thread beside the skeleton build
     read_ahead: bool = True
+    #: options of the object store a URL checkpoint is read from, as strings
+    #: (:mod:`fastload.core.store_config`); ``None`` for the defaults
+    storage_options: Mapping[str, str] | None = None
     #: the options the caller passed, as passed (by name)
     given: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
@@ -146,6 +150,7 @@ class LoadOptions:
             staging=StagingPool.sized(get("staging_bytes")),
             offload_folder=check_folder(get("offload_folder"), "offload_folder", where=where),
             read_ahead=get("read_ahead"),
+            storage_options=check_storage_options(get("storage_options"), where),
             given=MappingProxyType(dict(given)),
         )
 
@@ -209,6 +214,7 @@ DEFAULTS: dict[str, Any] = {
     "staging_bytes": None,
     "offload_folder": None,
     "read_ahead": True,
+    "storage_options": None,
 }
 OPTION_NAMES = tuple(DEFAULTS)
 

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -52,11 +53,12 @@ from fastload.core.device_map import DeviceMap, resolve_device_map
 from fastload.core.devices import cpu_by_default
 from fastload.core.dispatch import dispatch
 from fastload.core.dtypes import CONVERTIBLE, parse_dtype
-from fastload.core.errors import RequestError, from_os_error
+from fastload.core.errors import RequestError, UnsupportedError, from_os_error
 from fastload.core.finishing import resolve_duplicates, swap_in
 from fastload.core.hooks import ModelHooks
 from fastload.core.load_options import LoadOptions
 from fastload.core.memory import check_owned_memory, memory_budget
+from fastload.core.object_store import is_remote
 from fastload.core.offload import dispatch_offloaded, offloaded_names, require_accelerate
 from fastload.core.pickle_file import StateDictFile
 from fastload.core.placement import Destination, Placement, selected_shape
@@ -207,8 +209,19 @@ def load(
     want = options.dtype
 
     with clock.phase("resolve"):
-        ckpt = open_source(checkpoint, options.read_mode, options.mmap, options.allow_pickle)
+        ckpt = open_source(
+            checkpoint,
+            options.read_mode,
+            options.mmap,
+            options.allow_pickle,
+            options.storage_options,
+        )
         group = None
+        if options.collective and any(is_remote(f) for f in ckpt.files):
+            raise UnsupportedError(
+                f"{ckpt.location.files[0]}: a collective load (process_group, tp_plan) reads "
+                "local files; load a checkpoint in object storage without them"
+            )
         if options.collective:
             where = "tp_plan" if options.tp_plan is not None else "process_group"
             group = RankGroup(options.process_group, where=where)
@@ -300,7 +313,12 @@ def load(
             dispatch(module, dmap)
         if tp is not None:
             _finish_tensor_parallel(module, tp, options.process_group, report)
-        directory = None if isinstance(ckpt.files[0], StateDictFile) else location.directory
+        # a local checkpoint's directory (not a state dict's label, nor a prefix in object
+        # storage: the entry that resolved one gives the family its own directory, if any)
+        local = isinstance(location.directory, Path) and not isinstance(
+            ckpt.files[0], StateDictFile
+        )
+        directory = location.directory if local else None
         hooks.finish(
             module, directory=directory, built_here=built_here, device_map=dmap, report=report
         )
@@ -407,15 +425,17 @@ def _read(
     progress: bool,
     pool: StagingPool,
 ) -> int:
-    """One copy call per file (all its tensors at once, so the engine parallelises across them);
-    the progress bar advances per copied piece (:mod:`fastload.core.progress`); accelerator
-    destinations of every file share ``pool``, released at the end."""
+    """One copy call per file (all its tensors at once, so the engine parallelises across them),
+    or one for every file of a checkpoint in object storage (the shards read in parallel with
+    each other); the progress bar advances per copied piece (:mod:`fastload.core.progress`);
+    accelerator destinations of every file share ``pool``, released at the end."""
     total = sum(f.tensor.numel() * f.tensor.element_size() for fs in by_file.values() for f in fs)
-    written = 0
+    work = [(ckpt.files[index], by_file[index]) for index in sorted(by_file)]
     with byte_progress(total, progress) as counter:
         try:
-            for index in sorted(by_file):
-                written += reader.fill(ckpt.files[index], by_file[index], threads, pool, counter)
+            if any(is_remote(file) for file, _ in work):
+                # one copy for every file: the shards' requests in parallel with each other
+                return reader.fill_many(work, threads, pool, counter)
+            return sum(reader.fill(file, fills, threads, pool, counter) for file, fills in work)
         finally:
             pool.release()
-    return written

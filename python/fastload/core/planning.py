@@ -32,6 +32,7 @@ from fastload.core.engine import TensorFile
 from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
 from fastload.core.hooks import Merge, ModelHooks, View
 from fastload.core.load_options import LoadOptions
+from fastload.core.object_store import is_remote
 from fastload.core.placement import Destination, Placement, selected_shape
 from fastload.core.report import LoadReport
 from fastload.core.sharing import file_sharing
@@ -301,6 +302,13 @@ def _decide_modes(plan: LoadPlan, ckpt: OpenCheckpoint) -> None:
             if dest.tensor is not None:
                 src.mode = Mode.FILL
             elif dest.device == DISK:  # stays in the file; read when its module runs
+                if is_remote(ckpt.files[stored.file]):
+                    raise UnsupportedError(
+                        f"{ckpt.file_path(stored)}: tensor {stored.name!r} is mapped to 'disk', "
+                        "but the checkpoint is in object storage: offloaded tensors are read "
+                        "from a local file when their module runs. Map it to a device, or "
+                        "download the checkpoint first"
+                    )
                 src.mode = Mode.OFFLOAD
             elif dest.selection is not None:
                 src.mode = Mode.SLICE

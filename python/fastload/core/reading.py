@@ -8,17 +8,24 @@ API (``safe_open``, ``load_file``) is built on these in :mod:`fastload.safetenso
 Every read goes through the Rust copy engine (:mod:`fastload._core`): the destination tensor is
 allocated once, on its final dtype, and filled in parallel with the GIL released. Destinations on
 an accelerator are filled through the bounded staging pipeline of :mod:`fastload.core.streaming`.
+
+A path may also be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
+``az://``, ``http(s)://``; :mod:`fastload.core.object_store`): the header is read first, then
+the tensors with parallel ranged GETs into their destinations; ``storage_options`` configures the
+store (:mod:`fastload.core.store_config`). The files of a checkpoint in object storage are filled
+in one engine call (:func:`fill_many`), their requests in parallel with each other.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from fastload import _core
+from fastload.core import object_store
 from fastload.core.arguments import check_bool
 from fastload.core.dtypes import (
     CONVERTIBLE,
@@ -26,7 +33,7 @@ from fastload.core.dtypes import (
     to_torch,
     torch_shape,
 )
-from fastload.core.engine import READ_MODES, CopyItem, TensorFile, copy_into
+from fastload.core.engine import READ_MODES, CopyItem, TensorFile, copy_files, copy_into
 from fastload.core.errors import RequestError, UnsupportedError
 from fastload.core.streaming import StagingPool
 from fastload.core.threads import check_threads
@@ -47,16 +54,35 @@ def resolve_read_mode(read_mode: str | None, backend: str | None) -> str:
 
 
 def open_file(
-    path: str | os.PathLike[str], read_mode: str = "pread", *, strict: bool = False
+    path: str | os.PathLike[str],
+    read_mode: str = "pread",
+    *,
+    strict: bool = False,
+    storage_options: Mapping[str, object] | None = None,
 ) -> _core.SafetensorsFile:
     """Opens and validates one file; ``read_mode`` is ``"pread"`` (default) or ``"mmap"``.
 
     ``strict`` also refuses what the safetensors crate accepts and fastload reads by default
-    (an unknown field in a tensor entry, ``"__metadata__": null``).
+    (an unknown field in a tensor entry, ``"__metadata__": null``). An object storage URL is
+    read with ranged GETs (``read_mode`` does not apply; ``"mmap"`` is refused), configured by
+    ``storage_options``.
     """
     if read_mode not in READ_MODES:
         raise RequestError(f"read_mode must be one of {READ_MODES}, got {read_mode!r}")
     check_bool(strict, "strict", where=os.fspath(path))
+    if object_store.is_url(path):
+        assert isinstance(path, str)
+        if read_mode == "mmap":
+            raise RequestError(
+                f"{path}: read_mode='mmap' needs a local file; an object in object storage is "
+                "read with ranged GETs"
+            )
+        return object_store.open_file(path, storage_options, strict=strict)
+    if storage_options is not None:
+        raise RequestError(
+            f"{os.fspath(path)}: storage_options apply to object storage URLs (s3://, gs://, "
+            "az://, http(s)://), not to local files"
+        )
     return _core.SafetensorsFile(os.fspath(path), read_mode, strict=strict)
 
 
@@ -98,37 +124,67 @@ def fill(
     all staged through ``pool`` (default: one default-sized pool for this call).
     The caller must not free or resize a destination until this returns.
     """
-    check_threads(threads, file.path)
-    jobs: list[CopyItem] = []  # hold the contiguous temporaries until the copy is done
+    return fill_many([(file, items)], threads, pool, progress)
+
+
+def fill_many(
+    work: Sequence[tuple[TensorFile, Iterable[FillItem]]],
+    threads: int | None = None,
+    pool: StagingPool | None = None,
+    progress: _core.Progress | None = None,
+) -> int:
+    """:func:`fill` for the items of several files. Their CPU destinations are filled in one
+    engine call when every file is a safetensors file and one of them is in object storage
+    (:func:`fastload.core.engine.copy_files`: the shards are read in parallel with each other);
+    otherwise one call per file, in order. Destinations on other devices are staged per file."""
+    prepared: list[tuple[TensorFile, list[CopyItem]]] = []
     after: list[tuple[torch.Tensor, torch.Tensor]] = []
-    remote: dict[torch.device, list[FillItem]] = {}
-    for name, dest, selection in items:
-        _check_destination(file.path, name, dest)
-        if dest.device.type == "meta":
-            raise RequestError(f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill")
-        if dest.device.type != "cpu":
-            remote.setdefault(dest.device, []).append((name, dest, selection))
-            continue
-        target = (
-            dest
-            if dest.is_contiguous()
-            else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
-        )
-        if target is not dest:
-            after.append((dest, target))
-        jobs.append((name, target, to_st(target.dtype), selection))
-    written = copy_into(file, jobs, threads, progress) if jobs else 0
+    staged: list[tuple[TensorFile, dict[torch.device, list[FillItem]]]] = []
+    for file, items in work:
+        check_threads(threads, file.path)
+        jobs: list[CopyItem] = []  # hold the contiguous temporaries until the copy is done
+        remote: dict[torch.device, list[FillItem]] = {}
+        for name, dest, selection in items:
+            _check_destination(file.path, name, dest)
+            if dest.device.type == "meta":
+                raise RequestError(
+                    f"{file.path}: tensor {name!r}: a meta tensor has no memory to fill"
+                )
+            if dest.device.type != "cpu":
+                remote.setdefault(dest.device, []).append((name, dest, selection))
+                continue
+            target = (
+                dest
+                if dest.is_contiguous()
+                else torch.empty(dest.shape, dtype=dest.dtype, device=dest.device)
+            )
+            if target is not dest:
+                after.append((dest, target))
+            jobs.append((name, target, to_st(target.dtype), selection))
+        prepared.append((file, jobs))
+        if remote:
+            staged.append((file, remote))
+    together = len(prepared) > 1 and all(isinstance(f, _core.SafetensorsFile) for f, _ in prepared)
+    together = together and any(object_store.is_remote(f) for f, _ in prepared)
+    written = 0
+    if together:
+        files = [(f, jobs) for f, jobs in prepared if jobs]
+        written = copy_files(files, threads, progress) if files else 0  # type: ignore[arg-type]
+    else:
+        for file, jobs in prepared:
+            written += copy_into(file, jobs, threads, progress) if jobs else 0
     with torch.no_grad():  # destinations may be parameters that require grad
         for dest, target in after:
             dest.copy_(target)
-    if remote:
+    if staged:
         from fastload.core.streaming import stream_into
 
         pool = pool if pool is not None else StagingPool()
-        for device_items in remote.values():
-            written += stream_into(
-                file, device_items, pool=pool, threads=threads, progress=progress
-            )
+        for file, by_device in staged:
+            for device_items in by_device.values():
+                written += stream_into(
+                    file, device_items, pool=pool, threads=threads, progress=progress
+                )
     return written
 
 

@@ -79,6 +79,8 @@ def file_sharing(file: object, mmap: str) -> tuple[bool, str]:
         return False, "copies (mmap='copy')"
     if not isinstance(file, _core.SafetensorsFile):
         return False, "copies (not a safetensors file: no layout to map)"
+    if file.remote:
+        return False, "copies (object storage: read with ranged GETs, no file to map)"
     fs = filesystem(file)
     if fs is None:
         return False, "copies (file held in memory)"

@@ -1,7 +1,8 @@
-"""Where a load's tensors come from: checkpoint files on disk, or an in-memory state dict.
+"""Where a load's tensors come from: checkpoint files on disk, in object storage
+(:mod:`fastload.core.object_store`), or an in-memory state dict.
 
-Both end as an :class:`~fastload.core.checkpoint.OpenCheckpoint`, so the rest of the pipeline does
-not tell them apart.
+All end as an :class:`~fastload.core.checkpoint.OpenCheckpoint`, so the rest of the pipeline
+does not tell them apart.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fastload.core import json_text
+from fastload.core import json_text, object_store
 from fastload.core.checkpoint import (
     CheckpointFiles,
     OpenCheckpoint,
@@ -32,9 +33,24 @@ def open_source(
     read_mode: str,
     mmap: str,
     allow_pickle: bool,
+    storage_options: Mapping[str, object] | None = None,
 ) -> OpenCheckpoint:
-    """Opens a local checkpoint path (resolved by :func:`fastload.core.checkpoint.resolve`) or wraps
-    an in-memory state dict, as the table of tensors the planner reads."""
+    """Opens a local checkpoint path (resolved by :func:`fastload.core.checkpoint.resolve`), a
+    checkpoint in object storage (a URL, configured by ``storage_options``), or wraps an
+    in-memory state dict, as the table of tensors the planner reads."""
+    if object_store.is_url(checkpoint):
+        assert isinstance(checkpoint, str)
+        if mmap == "shared":
+            raise RequestError(
+                f"{checkpoint}: mmap='shared' needs local files; tensors from object storage "
+                "are copies the engine fills"
+            )
+        return object_store.open_checkpoint(checkpoint, storage_options)
+    if storage_options is not None:
+        raise RequestError(
+            "storage_options apply to object storage URLs (s3://, gs://, az://, http(s)://), "
+            "not to local files or a state dict"
+        )
     if isinstance(checkpoint, Mapping):
         if mmap == "shared":
             raise RequestError("mmap='shared' needs safetensors files, not a state_dict")

@@ -1,6 +1,7 @@
 """transformers' dtype rules: what ``dtype="auto"`` means, and the modules kept in float32.
 
-The rule, in one place (the README's "dtype" section says the same):
+The rule, in one place (docs/transformers.md, "dtype, MoE checkpoints, initialization", says the
+same):
 
 * ``dtype="auto"`` for a transformers model fastload builds means what it means in transformers 5:
   the dtype the config records (``config.dtype``, written by ``save_pretrained``), else the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,9 +23,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.errors import CheckpointError, FastloadError, RequestError, also_as
+from fastload.core.errors import (
+    CheckpointError,
+    FastloadError,
+    FastloadFileNotFoundError,
+    RequestError,
+    also_as,
+)
 from fastload.core.load_options import LoadOptions
 from fastload.core.loading import Target, load, plain_target
+from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
 from fastload.core.skeleton import build_skeleton, is_transformers_model
 from fastload.hf import hub as hubmod
@@ -79,7 +87,22 @@ def load_hf(
         raise RequestError("from_pretrained needs a model id or path (or config= and state_dict=)")
 
     resolved = None
-    if path is not None:
+    # a checkpoint in object storage: its config files are fetched into a directory of their
+    # own, removed once the load is over (its generation config is read at the end)
+    side_files: tempfile.TemporaryDirectory[str] | None = None
+    if path is not None and is_url(path):
+        assert isinstance(path, str)
+        side_files = tempfile.TemporaryDirectory(prefix="fastload-side-files-")
+        resolved = hubmod.resolve_remote(
+            path,
+            Path(side_files.name),
+            hub=opts.hub,
+            subfolder=opts.subfolder,
+            variant=opts.variant,
+            use_safetensors=opts.use_safetensors,
+            storage_options=options.storage_options,
+        )
+    elif path is not None:
         resolved = hubmod.resolve_checkpoint(
             path,
             hub=opts.hub,
@@ -90,6 +113,8 @@ def load_hf(
             remote_code=opts.trust_remote_code,
         )
     hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
+    if side_files is not None and resolved is not None:
+        hooks.directory = resolved.directory
     options = _tensor_parallel(options, opts.tp, hooks, contract=contract)
 
     if isinstance(model, nn.Module):
@@ -97,6 +122,11 @@ def load_hf(
         target.hooks = hooks
     elif model is None or is_auto_class(model) or is_transformers_model(model):
         source = resolved.directory if resolved is not None else config
+        if side_files is not None and config is None and not (source / "config.json").is_file():
+            raise FastloadFileNotFoundError(
+                f"{path}: no config.json beside the weights: a transformers model is built from "
+                "it (or pass config=)"
+            )
         cls, cfg, init_kwargs = resolve_class(
             model,
             config,
@@ -116,7 +146,11 @@ def load_hf(
 
     checkpoint: Any = state_dict if resolved is None else resolved.weights
     seconds = {"resolve": time.perf_counter() - start}
-    return load(target, checkpoint, options, seconds=seconds)
+    try:
+        return load(target, checkpoint, options, seconds=seconds)
+    finally:
+        if side_files is not None:
+            side_files.cleanup()
 
 
 def _tensor_parallel(

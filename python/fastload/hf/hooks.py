@@ -49,6 +49,9 @@ class TransformersHooks(ModelHooks):
         self.keep_fp32_names: re.Pattern[str] | None = None
         #: transformers' tensor parallelism (fastload.hf.dtensor_tp), when asked for
         self.tp: Any = None
+        #: where the checkpoint's side files (generation_config.json) are, when the core's
+        #: location has no local directory (a checkpoint in object storage, fetched alongside)
+        self.directory: Path | None = None
 
     def collision_order(self) -> Callable[[str], Any] | None:
         if not self.contract:
@@ -151,7 +154,7 @@ class TransformersHooks(ModelHooks):
             cast_kept_integers(model, self.keep_fp32_names, report)
         finish_transformers(
             model,
-            directory=directory,
+            directory=directory if directory is not None else self.directory,
             load_generation_config=built_here,
             generation_config=self.generation_config,
             device_map=device_map,

@@ -35,10 +35,11 @@ _PICKLE_INDEX = "pytorch_model.bin.index.json"
 @dataclass(frozen=True)
 class Resolved:
     """A checkpoint found: the directory with ``config.json`` and the weights path for the core
-    loader (a directory, a file or an index)."""
+    loader (a directory, a file or an index; or the URL of one in object storage, whose
+    ``config.json`` and ``generation_config.json`` were fetched into ``directory``)."""
 
     directory: Path
-    weights: Path
+    weights: Path | str
 
 
 def _variant(name: str, variant: str | None) -> str:
@@ -210,6 +211,56 @@ def resolve_checkpoint(
     if _probe(path.is_file, path, "the checkpoint path"):
         return Resolved(path.parent, path)
     return Resolved(path, _weights(path, variant, use_safetensors))
+
+
+def resolve_remote(
+    url: str,
+    destination: Path,
+    *,
+    hub: dict[str, Any],
+    subfolder: str = "",
+    variant: str | None = None,
+    use_safetensors: bool | None = None,
+    storage_options: Any = None,
+) -> Resolved:
+    """A checkpoint in object storage (``s3://bucket/prefix/`` ...): its ``config.json`` and
+    ``generation_config.json`` (those that exist) fetched into ``destination``, and the URL the
+    core loader reads the weights from (:mod:`fastload.core.object_store`). ``subfolder`` and
+    ``variant`` are names under the prefix, checked as for a model id; ``revision`` and pickle
+    weights (``use_safetensors=False``) are refused."""
+    from fastload.core.object_store import SCHEMES, fetch_files, open_store
+
+    _check_subfolder(subfolder, url)
+    _check_variant(variant, url)
+    if hub.get("revision") not in (None, "main"):
+        raise UnsupportedError(
+            f"{url}: revision={hub['revision']!r} applies to model ids, not to object storage"
+        )
+    if use_safetensors is False:
+        raise UnsupportedError(
+            f"{url}: use_safetensors=False asks for pickle weights, which fastload does not read "
+            "from object storage"
+        )
+    assert url.split("://", 1)[0].lower() in SCHEMES
+    base = url if not subfolder else f"{url.rstrip('/')}/{subfolder.strip('/')}"
+    if base.endswith(".safetensors") or base.endswith(".index.json"):  # the weights themselves
+        prefix, weights = base.rsplit("/", 1)[0] + "/", base
+    else:
+        prefix, weights = base.rstrip("/") + "/", base.rstrip("/") + "/"
+        if variant:
+            store = open_store(prefix, storage_options)
+            names = [_variant(SINGLE_FILE, variant), _variant(INDEX_FILE, variant)]
+            found = [n for n in names if store.head(f"{store.key.rstrip('/')}/{n}") is not None]
+            if not found:
+                raise CheckpointError(f"{prefix}: no {' or '.join(names)} there")
+            weights = prefix + found[0]
+    fetch_files(
+        prefix,
+        ["config.json", "generation_config.json"],
+        destination,
+        storage_options=storage_options,
+    )
+    return Resolved(destination, weights)
 
 
 def _local(path: Path) -> bool:

@@ -6,7 +6,7 @@ naming it. An option passed with the value that means "not used" (``None``, ``Fa
 dict, transformers' default) is accepted whatever its row says: code written for transformers
 passes such values routinely. Whatever is not an option is a config override or an ``__init__``
 argument, as transformers decides (``config_class.from_pretrained(return_unused_kwargs=True)``).
-The README's option table is this one.
+The option table of docs/options.md is this one (tests/test_docs.py compares them).
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def counts() -> tuple[int, int]:
 
 
 def markdown_table() -> str:
-    """The README's option table."""
+    """The option table of docs/options.md, in Markdown."""
     rows = ["| option | fastload |", "|---|---|"]
     for name, (status, why) in OPTIONS.items():
         mark = "" if status == "honoured" else "**refused** (`UnsupportedError`): "

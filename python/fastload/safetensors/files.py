@@ -60,11 +60,14 @@ class SafeOpen:
         strict: bool = False,
         staging_bytes: int | str | None = None,
         process_group: Any = None,
+        storage_options: Mapping[str, object] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.device = parse_device(device, where=self.path)
         mode = resolve_read_mode(read_mode, backend)
-        self._file: _core.SafetensorsFile | None = open_file(path, mode, strict=strict)
+        self._file: _core.SafetensorsFile | None = open_file(
+            path, mode, strict=strict, storage_options=storage_options
+        )
         self.threads = threads
         # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
@@ -193,6 +196,7 @@ def safe_open(
     strict: bool = False,
     staging_bytes: int | str | None = None,
     process_group: Any = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> SafeOpen:
     """``safetensors.safe_open`` for torch (``framework="pt"``).
 
@@ -202,6 +206,12 @@ def safe_open(
     staging pool used for accelerator destinations (default
     :data:`fastload.core.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned). ``process_group``:
     collective reads (see :class:`SafeOpen`).
+
+    ``path`` may be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
+    ``az://``, ``http(s)://``): the header is read and validated on open, and each read fetches
+    the tensor's bytes with parallel ranged GETs into its destination. ``storage_options``
+    configures the store (endpoint, region, credentials, timeouts, retries; see
+    :mod:`fastload.core.store_config`).
     """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
@@ -214,6 +224,7 @@ def safe_open(
         strict=strict,
         staging_bytes=staging_bytes,
         process_group=process_group,
+        storage_options=storage_options,
     )
 
 
@@ -228,6 +239,7 @@ def load_file(
     strict: bool = False,
     staging_bytes: int | str | None = None,
     process_group: Any = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> dict[str, torch.Tensor]:
     """All tensors of a file, like ``safetensors.torch.load_file`` (same keys, bitwise equal).
 
@@ -240,11 +252,28 @@ def load_file(
     the group calls this on the same file (or its own copy of it), each reads about 1/N of the
     bytes from storage and the ranks exchange the rest (:mod:`fastload.distributed.collective`);
     every rank gets all the tensors.
+
+    ``path`` may be an object storage URL (``s3://bucket/model.safetensors`` ...; see
+    :func:`safe_open`): the tensors are read with parallel ranged GETs straight into them, with
+    a progress bar when the file is large (``FASTLOAD_DISABLE_PROGRESS_BARS=1`` turns it off).
     """
     want = _float_dtype(dtype)
     device = parse_device(device, where=os.fspath(path))
     pool = StagingPool.sized(staging_bytes)
-    file = open_file(path, resolve_read_mode(read_mode, backend), strict=strict)
+    file = open_file(
+        path,
+        resolve_read_mode(read_mode, backend),
+        strict=strict,
+        storage_options=storage_options,
+    )
+    if process_group is None and file.remote:
+        from fastload.core.progress import byte_progress
+
+        out = allocate_all(file, device, want)
+        total = sum(t.numel() * t.element_size() for t in out.values())
+        with byte_progress(total, True) as counter:
+            fill(file, [(k, t, None) for k, t in out.items()], threads, pool, counter)
+        return out
     if process_group is None:
         return read_all(file, device, want, threads, pool)
     from fastload.distributed import collective

@@ -1,0 +1,270 @@
+"""Checkpoints in object storage, as sources of the same load as local files.
+
+``s3://bucket/key`` (and ``s3a://``), ``gs://bucket/key``, ``az://container/key`` (and
+``azure://``, ``abfs(s)://``, ``adl://``) and ``http(s)://host/path`` URLs open through the Rust
+core's object store source (:class:`fastload._core.ObjectStore`, the ``object_store`` crate): a
+file's 8-byte header length and header are read and validated strictly before anything else is
+allocated, then a copy reads exactly the byte ranges its destinations need, with parallel ranged
+GETs written straight into the destination tensors (no temporary file, no whole-object buffer).
+The files come back as ``fastload._core.SafetensorsFile`` objects (``mode == "ranged-get"``), so
+``safe_open``, ``load_file`` and ``from_pretrained`` read them as they read local ones.
+
+A checkpoint URL names one ``.safetensors`` object, a sharded index (``*.index.json``), or a
+prefix ("directory") holding ``model.safetensors`` or ``model.safetensors.index.json``. An index
+is checked as a local one (:func:`fastload.core.checkpoint.parse_index`); its shards' headers are
+read in parallel, and their tensors are read in parallel across shards.
+
+Failures: a missing object or bucket is ``FileNotFoundError`` (a ``FastloadIOError``), denied
+access ``PermissionError``, a store that cannot be reached or keeps failing after the retries
+``FastloadIOError``, an object replaced during the load or a malformed header
+``CheckpointError``, a configuration the client cannot use ``RequestError``; each message names
+the URL (and the tensor being read). Configuration: :mod:`fastload.core.store_config`.
+
+Not read from object storage: pickle checkpoints (``.bin``/``.pt``), and views of a mapping
+(``mmap="shared"``; every tensor is a copy the engine fills).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import posixpath
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from fastload import _core
+from fastload.core.checkpoint import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointFiles,
+    OpenCheckpoint,
+    build_table,
+    parse_index,
+)
+from fastload.core.errors import CheckpointError, FastloadFileNotFoundError, RequestError
+from fastload.core.pickle_file import is_pickle
+from fastload.core.store_config import aws_profile_defaults, check_storage_options
+
+#: URL schemes read from object storage (as ``object_store`` recognizes them)
+SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
+#: the largest index or side file (config, tokenizer) read whole
+MAX_SMALL_FILE = 64 << 20
+#: what :func:`download_files` fetches by default: what a model needs besides its weights
+DEFAULT_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
+
+
+def is_url(path: object) -> bool:
+    """Whether ``path`` is an object storage URL fastload reads (``s3://...`` ...)."""
+    if not isinstance(path, str) or "://" not in path:
+        return False
+    return path.split("://", 1)[0].lower() in SCHEMES
+
+
+def is_remote(file: object) -> bool:
+    """Whether an opened checkpoint file (a ``_core.SafetensorsFile``, a pickle file...) is an
+    object in object storage."""
+    return isinstance(file, _core.SafetensorsFile) and file.remote
+
+
+class ObjectUrl(str):
+    """The URL of an object or prefix in object storage, where a checkpoint's location holds a
+    local ``Path``: a ``str`` (messages and reports show it whole), with the two operations
+    locations use, ``name`` and ``/``. Never a local path."""
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+    def __truediv__(self, name: str) -> ObjectUrl:
+        return ObjectUrl(f"{self.rstrip('/')}/{name}")
+
+
+def open_store(
+    url: str, storage_options: Mapping[str, object] | None = None, *, where: str = ""
+) -> _core.ObjectStore:
+    """The store ``url`` is in, and its client (see :mod:`fastload.core.store_config`); its
+    ``key`` is the part of ``url`` inside it."""
+    options = check_storage_options(storage_options, where or url)
+    scheme = url.split("://", 1)[0].lower()
+    aws = scheme in ("s3", "s3a") or (scheme == "https" and ".amazonaws.com" in url)
+    defaults = aws_profile_defaults(options) if aws else None
+    return _core.ObjectStore(url, options, defaults)
+
+
+def open_file(
+    url: str, storage_options: Mapping[str, object] | None = None, *, strict: bool = False
+) -> _core.SafetensorsFile:
+    """One ``.safetensors`` object, its header read and validated (``strict`` as for a local
+    file)."""
+    store = open_store(url, storage_options)
+    _refuse_pickle(url, store.key)
+    [file] = store.open([store.key], strict=strict)
+    return file
+
+
+def _refuse_pickle(where: str, key: str) -> None:
+    if is_pickle(key):
+        raise RequestError(
+            f"{where}: a pickle checkpoint in object storage; fastload reads safetensors "
+            "checkpoints from object storage only (convert it once with `fastload convert`)"
+        )
+
+
+def resolve(
+    url: str, storage_options: Mapping[str, object] | None = None
+) -> tuple[_core.ObjectStore, CheckpointFiles, list[str]]:
+    """The store of ``url``, the checkpoint it names (a ``.safetensors`` object, an index, or a
+    prefix holding ``model.safetensors`` or ``model.safetensors.index.json``), and the keys of
+    its files. Nothing but the index (if any) is read; a missing checkpoint is
+    ``FileNotFoundError`` naming what was looked for."""
+    store = open_store(url, storage_options)
+    key = store.key
+    found = store.head(key) if key and not url.endswith("/") else None
+    if found is not None:
+        _refuse_pickle(url, key)
+        if key.endswith(".index.json"):
+            return _resolve_index(store, key)
+        prefix = posixpath.dirname(key)
+        location = CheckpointFiles(
+            directory=ObjectUrl(store.url_of(prefix)), files=(ObjectUrl(store.url_of(key)),)
+        )
+        return store, location, [key]
+    prefix = key.rstrip("/")
+    single = posixpath.join(prefix, SINGLE_FILE) if prefix else SINGLE_FILE
+    if store.head(single) is not None:
+        location = CheckpointFiles(
+            directory=ObjectUrl(store.url_of(prefix)), files=(ObjectUrl(store.url_of(single)),)
+        )
+        return store, location, [single]
+    index = posixpath.join(prefix, INDEX_FILE) if prefix else INDEX_FILE
+    if store.head(index) is not None:
+        return _resolve_index(store, index)
+    raise FastloadFileNotFoundError(
+        f"{url}: no checkpoint there: neither an object of that name nor "
+        f"{store.url_of(single)} or {store.url_of(index)} exists"
+    )
+
+
+def _resolve_index(
+    store: _core.ObjectStore, index_key: str
+) -> tuple[_core.ObjectStore, CheckpointFiles, list[str]]:
+    index = ObjectUrl(store.url_of(index_key))
+    weight_map, shards, metadata = parse_index(
+        store.get(index_key, MAX_SMALL_FILE), index, allow_pickle=False
+    )
+    prefix = posixpath.dirname(index_key)
+    keys = [posixpath.join(prefix, shard) if prefix else shard for shard in shards]
+    location = CheckpointFiles(
+        directory=ObjectUrl(store.url_of(prefix)),
+        files=tuple(ObjectUrl(store.url_of(k)) for k in keys),
+        index=index,
+        weight_map=dict(weight_map),
+        index_metadata=metadata,
+    )
+    return store, location, keys
+
+
+def open_checkpoint(
+    url: str, storage_options: Mapping[str, object] | None = None, *, strict: bool = False
+) -> OpenCheckpoint:
+    """The checkpoint at ``url`` with every file opened (their headers read in parallel and
+    validated) and its table of tensors built, checked against the index as a local one is."""
+    store, location, keys = resolve(url, storage_options)
+    try:
+        files = store.open(keys, strict=strict)
+    except FileNotFoundError as e:
+        if location.index is None:
+            raise
+        raise CheckpointError(
+            f"{location.index}: a shard it lists is missing (looked for {e.filename}) "
+            "[missing-shard]"
+        ) from e
+    # each file's name in the index: its key below the index's prefix
+    names = list(location.weight_map.values()) if location.weight_map is not None else []
+    names = list(dict.fromkeys(names)) or [posixpath.basename(k) for k in keys]
+    return build_table(location, list(files), names)
+
+
+def read_into(store: _core.ObjectStore, key: str, offset: int, out: torch.Tensor) -> int:
+    """Fills the contiguous CPU tensor ``out`` with the bytes of object ``key`` at ``offset``:
+    one ranged GET straight into it, with no validation (the raw transport: what a load is
+    measured against). Returns the bytes read."""
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise RequestError(f"{store.url_of(key)}: read_into needs a contiguous CPU tensor")
+    return store._read_into(key, offset, out.data_ptr(), out.numel() * out.element_size())
+
+
+def fetch_files(
+    url: str,
+    names: Sequence[str],
+    destination: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, object] | None = None,
+) -> list[Path]:
+    """Copies the objects ``names`` under the prefix ``url`` that exist (``config.json``,
+    ``generation_config.json`` ...) into the local directory ``destination``, by name, without
+    listing the prefix (read-only buckets often refuse listing). Each is at most
+    :data:`MAX_SMALL_FILE` bytes. Returns the files written."""
+    store = open_store(url, storage_options)
+    prefix = store.key.rstrip("/")
+    dest = Path(os.fspath(destination))
+    dest.mkdir(parents=True, exist_ok=True)
+    keys = [(name, posixpath.join(prefix, name) if prefix else name) for name in names]
+    return [
+        _write(dest, name, store.get(key, MAX_SMALL_FILE)) for name, key in keys if store.head(key)
+    ]
+
+
+def _write(dest: Path, name: str, data: bytes) -> Path:
+    """``data`` as ``dest / name``, written under a temporary name and renamed."""
+    target = dest / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.fastload-partial")
+    partial.write_bytes(data)
+    os.replace(partial, target)
+    return target
+
+
+def download_files(
+    url: str,
+    destination: str | os.PathLike[str],
+    *,
+    patterns: Sequence[str] = DEFAULT_PATTERNS,
+    ignore: Sequence[str] = ("*.safetensors", "*.bin", "*.pt", "*.pth"),
+    storage_options: Mapping[str, object] | None = None,
+) -> list[Path]:
+    """Copies the small files directly under the prefix ``url`` whose names match ``patterns``
+    (and none of ``ignore``) into the local directory ``destination``: what a model needs
+    besides its weights (``config.json``, ``generation_config.json``, tokenizer files). Each is
+    at most :data:`MAX_SMALL_FILE` bytes, written to a temporary name and renamed. Returns the
+    files written."""
+    store = open_store(url, storage_options)
+    prefix = store.key.rstrip("/")
+    dest = Path(os.fspath(destination))
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    for key, _size in store.list(prefix):
+        name = posixpath.basename(key)
+        wanted = any(fnmatch.fnmatch(name, p) for p in patterns)
+        if not wanted or any(fnmatch.fnmatch(name, p) for p in ignore) or name in (".", ".."):
+            continue
+        written.append(_write(dest, name, store.get(key, MAX_SMALL_FILE)))
+    return written
+
+
+__all__ = [
+    "DEFAULT_PATTERNS",
+    "ObjectUrl",
+    "SCHEMES",
+    "download_files",
+    "fetch_files",
+    "is_remote",
+    "is_url",
+    "open_checkpoint",
+    "open_file",
+    "open_store",
+    "read_into",
+    "resolve",
+]

@@ -1,0 +1,425 @@
+//! Object storage as a source of bytes (feature `store`): checkpoints read with ranged GETs from
+//! S3 (and S3-compatible stores), Google Cloud Storage, Azure Blob Storage, or any HTTP server
+//! that honours `Range`, through the `object_store` crate: one trait for every store, retries
+//! and timeouts as configuration, ranged reads as the primitive.
+//!
+//! * [`Store`]: one bucket (container, host) and its client, configured from the URL, the
+//!   standard environment variables of its kind (`AWS_*`, `GOOGLE_*`, `AZURE_*`), defaults the
+//!   caller read from configuration files (an AWS profile) and the caller's options.
+//! * [`Object`]: one object of a store, its size and version (ETag) fixed when it was opened.
+//!   Every later read asks for that version (`If-Match`): an object replaced during a load is an
+//!   error ([`StoreFailure::Changed`]), never a mix of two versions.
+//!
+//! Reads block the calling thread (the copy engine's workers) while one shared runtime's threads
+//! drive the connections; the bytes of a response go straight into the caller's buffer as they
+//! arrive. Transient failures (connection refused or cut, timeouts, 5xx and 429 answers, a body
+//! cut short, which resumes from the byte it reached) are retried by `object_store` with bounded
+//! exponential backoff ([`Settings`]); everything else is an [`Error::Store`] at once. Nothing
+//! here prints or logs: `object_store` reports retries through `tracing`, which stays silent
+//! without a subscriber, and messages never carry credentials or a URL's query.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use futures_util::StreamExt;
+use object_store::path::Path as StorePath;
+use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, ObjectStoreScheme};
+use tokio::runtime::Runtime;
+use url::Url;
+
+use crate::error::{Error, Result, StoreFailure};
+
+mod config;
+
+pub use config::{
+    Settings, DEFAULT_INIT_BACKOFF, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_TIMEOUT, DEFAULT_TIMEOUTS,
+};
+
+/// One bucket, container or host, and the client that reads it.
+#[derive(Debug)]
+pub struct Store {
+    inner: Arc<dyn ObjectStore>,
+    /// `scheme://authority`: what messages name with an object's key.
+    base: String,
+}
+
+/// One object of a [`Store`], as it was when opened.
+#[derive(Debug)]
+pub struct Object {
+    store: Arc<dyn ObjectStore>,
+    url: String,
+    path: StorePath,
+    size: u64,
+    e_tag: Option<String>,
+}
+
+/// The runtime every store's requests run on: built on first use, and again in a child process
+/// after a fork (the parent's runtime threads do not exist there; using its runtime would hang).
+fn runtime() -> Result<Arc<Runtime>> {
+    static RUNTIME: Mutex<Option<(u32, Arc<Runtime>)>> = Mutex::new(None);
+    let mut slot = RUNTIME.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if let Some((owner, rt)) = slot.as_ref() {
+        if *owner == pid {
+            return Ok(rt.clone());
+        }
+        // A forked child: the parent's runtime cannot run here, and dropping it would wait on
+        // threads that do not exist.
+        if let Some((_, stale)) = slot.take() {
+            std::mem::forget(stale);
+        }
+    }
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .clamp(2, 16);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads)
+        .thread_name("fastload-store")
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Io {
+            detail: format!("cannot start the object storage runtime: {e}"),
+            source: None,
+        })?;
+    let rt = Arc::new(rt);
+    *slot = Some((pid, rt.clone()));
+    Ok(rt)
+}
+
+/// Runs `future` to completion on the store runtime, blocking this thread.
+fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
+    Ok(runtime()?.block_on(future))
+}
+
+/// `detail` without the query of any URL in it (an Azure SAS token or a presigned signature
+/// would otherwise be shown), on one line, at most 600 characters.
+pub fn redact(detail: &str) -> String {
+    let mut out = String::with_capacity(detail.len());
+    let mut rest = detail;
+    while let Some(at) = rest.find("://") {
+        // copy up to the end of the URL's path, then skip its query (to whitespace or a closing
+        // bracket or quote)
+        let (head, tail) = rest.split_at(at);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c.is_whitespace() || matches!(c, ')' | '"' | '\'' | '>' | ']'))
+            .unwrap_or(tail.len());
+        let url = &tail[..end];
+        match url.find('?') {
+            Some(q) => {
+                out.push_str(&url[..q]);
+                out.push_str("?<query hidden>");
+            }
+            None => out.push_str(url),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    let one_line = out.split_whitespace().collect::<Vec<_>>().join(" ");
+    let one_line = one_line.trim_end_matches([':', ' ']).to_string();
+    if one_line.chars().count() > 600 {
+        let cut: String = one_line.chars().take(600).collect();
+        return format!("{cut}...");
+    }
+    one_line
+}
+
+/// An `object_store` error as fastload's, sorted by who can do something about it.
+fn failure(e: object_store::Error) -> Error {
+    use object_store::Error as E;
+    let failure = match &e {
+        E::NotFound { .. } => StoreFailure::NotFound,
+        E::PermissionDenied { .. } | E::Unauthenticated { .. } => StoreFailure::Denied,
+        E::Precondition { .. } | E::NotModified { .. } => StoreFailure::Changed,
+        E::InvalidPath { .. } | E::UnknownConfigurationKey { .. } | E::NotSupported { .. } => {
+            StoreFailure::Config
+        }
+        E::NotImplemented { .. } => StoreFailure::Config,
+        _ => StoreFailure::Unavailable,
+    };
+    Error::Store {
+        failure,
+        tensor: None,
+        detail: redact(&e.to_string()),
+    }
+}
+
+fn config_error(detail: impl Into<String>) -> Error {
+    Error::Store {
+        failure: StoreFailure::Config,
+        tensor: None,
+        detail: detail.into(),
+    }
+}
+
+impl Store {
+    /// The store that `url` names (`s3://bucket/key`, `gs://...`, `az://container/...`,
+    /// `https://host/path`), and the key of the object or prefix it addresses in it.
+    ///
+    /// An `http://` endpoint (`AWS_ENDPOINT_URL=http://127.0.0.1:9000`, an `http://` URL) allows
+    /// plain HTTP, as the AWS SDKs do; otherwise only HTTPS is used.
+    pub fn from_url(url: &str, settings: &Settings) -> Result<(Store, String)> {
+        // before any client is built: reqwest has no TLS provider of its own here
+        rustls_provider();
+        let parsed = Url::parse(url)
+            .map_err(|e| config_error(format!("'{}' is not a URL ({e})", redact(url))))?;
+        let (scheme, path) = ObjectStoreScheme::parse(&parsed).map_err(|_| {
+            config_error(format!(
+                "'{}' is not an object storage URL (s3://, gs://, az://, http(s)://)",
+                redact(url)
+            ))
+        })?;
+        let inner = config::build(url, &parsed, scheme, settings)?;
+        let base = parsed[..url::Position::BeforePath].to_string();
+        // The root of the store as a URL: the given URL less the key (the bucket or container
+        // stays in it, wherever the URL puts it); the scheme and host where that is not a
+        // suffix (a query, percent-encoding).
+        let key = path.as_ref().to_string();
+        let whole = parsed.as_str().trim_end_matches('/');
+        let root = match whole.strip_suffix(key.as_str()) {
+            Some(rest) if !key.is_empty() => rest.trim_end_matches('/').to_string(),
+            _ if key.is_empty() && parsed.query().is_none() => whole.to_string(),
+            _ => base,
+        };
+        Ok((Store { inner, base: root }, key))
+    }
+
+    /// `scheme://bucket`: the URL of the store's root.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// The URL of `key` in this store, for messages.
+    pub fn url_of(&self, key: &str) -> String {
+        format!("{}/{}", self.base, key)
+    }
+
+    fn path(&self, key: &str) -> Result<StorePath> {
+        StorePath::parse(key).map_err(|e| {
+            config_error(format!(
+                "'{}' is not an object key ({e})",
+                redact(&self.url_of(key))
+            ))
+        })
+    }
+
+    /// Size and version of `key`, or `None` if there is no such object (a missing bucket is an
+    /// error).
+    pub fn head(&self, key: &str) -> Result<Option<(u64, Option<String>)>> {
+        let path = self.path(key)?;
+        match block_on(self.inner.head(&path))? {
+            Ok(meta) => Ok(Some((meta.size, meta.e_tag))),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(failure(e)),
+        }
+    }
+
+    /// The whole object `key` (a small file: an index, a config), refused unread beyond
+    /// `max_bytes`.
+    pub fn get(&self, key: &str, max_bytes: u64) -> Result<Vec<u8>> {
+        let object = self.open(key)?;
+        if object.size > max_bytes {
+            return Err(Error::Store {
+                failure: StoreFailure::Config,
+                tensor: None,
+                detail: format!(
+                    "{} is {} bytes, more than the {max_bytes} bytes this file may have",
+                    self.url_of(key),
+                    object.size
+                ),
+            });
+        }
+        let mut out = vec![0u8; object.size as usize];
+        object.read_into(&mut out, 0)?;
+        Ok(out)
+    }
+
+    /// `(key, size)` of the objects directly under `prefix` (not in its sub-prefixes).
+    pub fn list(&self, prefix: &str) -> Result<Vec<(String, u64)>> {
+        let trimmed = prefix.trim_end_matches('/');
+        let path = if trimmed.is_empty() {
+            None
+        } else {
+            Some(self.path(trimmed)?)
+        };
+        let listed = block_on(self.inner.list_with_delimiter(path.as_ref()))?.map_err(failure)?;
+        Ok(listed
+            .objects
+            .into_iter()
+            .map(|m| (m.location.as_ref().to_string(), m.size))
+            .collect())
+    }
+
+    /// Fills `dst` with the bytes of `key` at `offset`: one ranged GET, no other request (the
+    /// transport alone, as a floor to measure loads against).
+    pub fn read_into(&self, key: &str, offset: u64, dst: &mut [u8]) -> Result<()> {
+        let path = self.path(key)?;
+        let url = self.url_of(key);
+        let mut at = 0usize;
+        let end = offset.saturating_add(dst.len() as u64);
+        read_range(&*self.inner, &path, &url, offset..end, None, &mut |chunk| {
+            dst[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+            Ok(())
+        })
+    }
+
+    /// Opens `key`: its size and version, asked once (a missing object is
+    /// [`StoreFailure::NotFound`]). The object shares this store's client.
+    pub fn open(&self, key: &str) -> Result<Object> {
+        let path = self.path(key)?;
+        let meta = block_on(self.inner.head(&path))?.map_err(failure)?;
+        Ok(Object {
+            store: self.inner.clone(),
+            url: self.url_of(key),
+            path,
+            size: meta.size,
+            e_tag: meta.e_tag,
+        })
+    }
+}
+
+/// Installs ring as the process's TLS provider (reqwest is built without a default one): once,
+/// before the first HTTPS connection. Another library may have installed one already: then that
+/// one is used.
+fn rustls_provider() -> bool {
+    static DONE: OnceLock<bool> = OnceLock::new();
+    *DONE.get_or_init(|| {
+        rustls::crypto::CryptoProvider::get_default().is_some()
+            || rustls::crypto::ring::default_provider()
+                .install_default()
+                .is_ok()
+            || rustls::crypto::CryptoProvider::get_default().is_some()
+    })
+}
+
+/// The version of an object a read must come from.
+#[derive(Clone, Copy)]
+struct Version<'a> {
+    size: u64,
+    e_tag: Option<&'a str>,
+}
+
+/// One ranged GET of `range` of `path`, its bytes handed to `sink` as they arrive; with
+/// `version`, asked for that version (`If-Match`) and checked to come from it (stores that ignore
+/// `If-Match` still say which size and ETag they served).
+fn read_range(
+    store: &dyn ObjectStore,
+    path: &StorePath,
+    url: &str,
+    range: Range<u64>,
+    version: Option<Version<'_>>,
+    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+) -> Result<()> {
+    let len = range.end - range.start;
+    if len == 0 {
+        return Ok(());
+    }
+    let options = GetOptions {
+        range: Some(GetRange::Bounded(range.clone())),
+        if_match: version.and_then(|v| v.e_tag.map(String::from)),
+        ..Default::default()
+    };
+    let changed = |detail: String| Error::Store {
+        failure: StoreFailure::Changed,
+        tensor: None,
+        detail,
+    };
+    block_on(async {
+        let result = store.get_opts(path, options).await.map_err(failure)?;
+        if let Some(v) = version {
+            let e_tag_differs =
+                matches!((&result.meta.e_tag, v.e_tag), (Some(a), Some(b)) if a != b);
+            if result.meta.size != v.size || e_tag_differs {
+                return Err(changed(format!(
+                    "{url}: opened as {} bytes (ETag {}), now {} bytes (ETag {}): replaced while \
+                     loading",
+                    v.size,
+                    v.e_tag.unwrap_or("none"),
+                    result.meta.size,
+                    result.meta.e_tag.as_deref().unwrap_or("none")
+                )));
+            }
+        }
+        if result.range != range {
+            return Err(changed(format!(
+                "{url}: asked for bytes {range:?}, the store answered {:?}",
+                result.range
+            )));
+        }
+        let mut stream = result.into_stream();
+        let mut got = 0u64;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(failure)?;
+            got += chunk.len() as u64;
+            if got > len {
+                break;
+            }
+            sink(&chunk)?;
+        }
+        if got != len {
+            return Err(changed(format!(
+                "{url}: bytes {}..{} answered with {got} bytes",
+                range.start, range.end
+            )));
+        }
+        Ok(())
+    })?
+}
+
+impl Object {
+    /// The object's size in bytes when opened.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// Its URL, for messages.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Reads `[offset, offset + len)` with one ranged GET, handing the bytes to `sink` in the
+    /// order and pieces they arrive. A body cut short is resumed from the byte it reached (by
+    /// `object_store`, within the retry policy); fewer or more bytes than asked for, or another
+    /// version of the object, is an error. `sink` may stop the read with an error.
+    pub fn read_chunks(
+        &self,
+        offset: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        if offset.saturating_add(len) > self.size {
+            return Err(Error::FileShrunk {
+                expected: offset.saturating_add(len),
+                actual: self.size,
+            });
+        }
+        let version = Version {
+            size: self.size,
+            e_tag: self.e_tag.as_deref(),
+        };
+        read_range(
+            &*self.store,
+            &self.path,
+            &self.url,
+            offset..offset + len,
+            Some(version),
+            sink,
+        )
+    }
+
+    /// Fills `dst` with the bytes at `offset`.
+    pub fn read_into(&self, dst: &mut [u8], offset: u64) -> Result<()> {
+        let mut at = 0usize;
+        self.read_chunks(offset, dst.len() as u64, &mut |chunk| {
+            dst[at..at + chunk.len()].copy_from_slice(chunk);
+            at += chunk.len();
+            Ok(())
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;

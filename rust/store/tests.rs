@@ -1,0 +1,150 @@
+//! Tests of the object storage source against `object_store`'s in-memory store (no server).
+
+use super::*;
+use crate::copy::{self, Request, Selection};
+use crate::dtype::Dtype;
+use crate::file::{ReadMode, SafetensorsFile};
+use crate::header::build_header;
+use object_store::memory::InMemory;
+use object_store::PutPayload;
+
+fn memory_store() -> Store {
+    Store {
+        inner: Arc::new(InMemory::new()),
+        base: "memory://test".into(),
+    }
+}
+
+fn put(store: &Store, key: &str, bytes: Vec<u8>) {
+    let path = StorePath::parse(key).unwrap();
+    block_on(store.inner.put(&path, PutPayload::from(bytes)))
+        .unwrap()
+        .unwrap();
+}
+
+/// A file of a u8 tensor of `n` bytes (0, 1, 2 ...) and a 3-element f32 one.
+fn sample(n: usize) -> Vec<u8> {
+    let spec = vec![
+        ("bytes".to_string(), Dtype::U8, vec![n as u64]),
+        ("floats".to_string(), Dtype::F32, vec![3]),
+    ];
+    let (mut buf, _) = build_header(&spec, None).unwrap();
+    buf.extend((0..n).map(|i| (i % 251) as u8));
+    for v in [1.5f32, -2.0, 3.25] {
+        buf.extend(v.to_le_bytes());
+    }
+    buf
+}
+
+#[test]
+fn a_query_in_a_url_never_reaches_a_message() {
+    let got = redact(
+        "error sending request for url (https://acct.blob.core.windows.net/c/k?sv=1&sig=SECRET): reset",
+    );
+    assert!(!got.contains("SECRET"), "{got}");
+    assert!(
+        got.contains("https://acct.blob.core.windows.net/c/k?<query hidden>"),
+        "{got}"
+    );
+}
+
+#[test]
+fn an_object_opens_header_first_and_copies_like_a_file() {
+    let store = memory_store();
+    // a header longer than the first request's prefix too
+    let n = 3 * crate::copy::CHUNK as usize + 17;
+    put(&store, "dir/model.safetensors", sample(n));
+    let file = SafetensorsFile::open_object(store.open("dir/model.safetensors").unwrap()).unwrap();
+    assert_eq!(file.mode(), ReadMode::RangedGet);
+    assert!(file.is_remote());
+    assert_eq!(
+        file.path().to_str(),
+        Some("memory://test/dir/model.safetensors")
+    );
+    let (mut bytes, mut floats) = (vec![0u8; n], vec![0u8; 6]);
+    let requests = [
+        Request {
+            name: "floats".into(),
+            ptr: floats.as_mut_ptr(),
+            len: 6,
+            dtype: Dtype::F16,
+            selection: Selection::All,
+        },
+        Request {
+            name: "bytes".into(),
+            ptr: bytes.as_mut_ptr(),
+            len: n,
+            dtype: Dtype::U8,
+            selection: Selection::All,
+        },
+    ];
+    // SAFETY: the destinations live until the copy returns.
+    let written = unsafe { copy::copy(&file, &requests, Some(4)) }.unwrap();
+    assert_eq!(written, n as u64 + 6);
+    assert!(bytes.iter().enumerate().all(|(i, b)| *b == (i % 251) as u8));
+    let halves: Vec<f32> = floats
+        .chunks_exact(2)
+        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
+    assert_eq!(halves, [1.5, -2.0, 3.25]);
+}
+
+#[test]
+fn a_missing_object_is_not_found_and_a_truncated_one_fails_its_header_check() {
+    let store = memory_store();
+    let err = store.open("nothing.safetensors").unwrap_err();
+    assert_eq!(err.rule(), "store-not-found");
+    assert_eq!(store.head("nothing.safetensors").unwrap(), None);
+    let mut data = sample(1000);
+    data.truncate(data.len() - 10);
+    put(&store, "short.safetensors", data);
+    let err = SafetensorsFile::open_object(store.open("short.safetensors").unwrap()).unwrap_err();
+    assert_eq!(err.rule(), "offsets-past-eof");
+}
+
+#[test]
+fn an_object_replaced_after_it_was_opened_is_not_read() {
+    let store = memory_store();
+    put(&store, "m.safetensors", sample(100));
+    let file = SafetensorsFile::open_object(store.open("m.safetensors").unwrap()).unwrap();
+    put(&store, "m.safetensors", sample(100));
+    let mut out = vec![0u8; 100];
+    let requests = [Request {
+        name: "bytes".into(),
+        ptr: out.as_mut_ptr(),
+        len: 100,
+        dtype: Dtype::U8,
+        selection: Selection::All,
+    }];
+    // SAFETY: `out` lives until the copy returns.
+    let err = unsafe { copy::copy(&file, &requests, Some(1)) }.unwrap_err();
+    assert_eq!(err.rule(), "object-changed");
+    assert!(err.to_string().contains("tensor 'bytes'"), "{err}");
+}
+
+#[test]
+fn options_are_checked_by_key_and_durations_parsed() {
+    let settings = |options: &[(&str, &str)]| Settings {
+        options: options
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        defaults: vec![],
+    };
+    let err = Store::from_url("s3://b/k", &settings(&[("nonsense", "SECRET")])).unwrap_err();
+    assert_eq!(err.rule(), "store-config");
+    assert!(!err.to_string().contains("SECRET"), "{err}");
+    let err = Store::from_url("s3://b/k", &settings(&[("retry_timeout", "soon")])).unwrap_err();
+    assert!(err.to_string().contains("retry_timeout"), "{err}");
+    let (store, key) = Store::from_url(
+        "s3://bucket/a/b/model.safetensors",
+        &settings(&[("max_retries", "2"), ("aws_region", "eu-west-1")]),
+    )
+    .unwrap();
+    assert_eq!(
+        (store.base(), key.as_str()),
+        ("s3://bucket", "a/b/model.safetensors")
+    );
+    let err = Store::from_url("ftp://host/x", &settings(&[])).unwrap_err();
+    assert_eq!(err.rule(), "store-config");
+}

@@ -1,0 +1,275 @@
+"""A real S3-compatible server on 127.0.0.1 for the object storage tests, and a proxy that cuts or
+stalls its connections.
+
+The server is ``s3s-fs`` (the file-system backend of the ``s3s`` crate, installed from crates.io
+by ``scripts/s3-server.sh``): objects are files, a ranged GET reads just its range, and requests
+are checked against their SigV4 signature. moto's server was the other candidate; it reads an
+object whole for every ranged GET (8 MiB ranges of a 256 MiB object ran at 24 MB/s there, 280 MB/s
+from s3s-fs) and accepts any credentials, so neither the benchmark nor the "denied" fault would
+mean anything against it.
+
+The binary is ``$FASTLOAD_S3_SERVER``, else ``~/.cache/fastload/s3s-fs/bin/s3s-fs``, else
+``s3s-fs`` on ``PATH``. Without one the tests that need it are skipped, unless
+``FASTLOAD_REQUIRE_S3_SERVER=1`` (set by ``.ci/run``), which makes them fail instead.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ACCESS_KEY = "fastload-test-key"
+SECRET_KEY = "fastload-test-secret"
+REGION = "us-east-1"
+
+
+def server_binary() -> str | None:
+    """The s3s-fs binary, or None."""
+    given = os.environ.get("FASTLOAD_S3_SERVER")
+    if given:
+        return given
+    cached = Path.home() / ".cache" / "fastload" / "s3s-fs" / "bin" / "s3s-fs"
+    if cached.is_file():
+        return str(cached)
+    return shutil.which("s3s-fs")
+
+
+def require_server() -> str:
+    """The binary, or a skip (a failure under ``FASTLOAD_REQUIRE_S3_SERVER=1``)."""
+    binary = server_binary()
+    if binary is None:
+        why = "no s3s-fs binary (install it with: bash scripts/s3-server.sh)"
+        if os.environ.get("FASTLOAD_REQUIRE_S3_SERVER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"s3s-fs exited with {process.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"s3s-fs did not listen on port {port} within {timeout} s")
+
+
+class S3Server:
+    """s3s-fs serving a fresh directory on 127.0.0.1, with a boto3 client for uploads."""
+
+    def __init__(self, root: Path, *, anonymous: bool = False) -> None:
+        """``anonymous``: no credentials asked (a plain HTTP server of the same objects, for
+        ``http://`` URLs)."""
+        binary = require_server()
+        self.root = root
+        self.port = _free_port()
+        keys = [] if anonymous else ["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY]
+        self.process = subprocess.Popen(
+            [binary, "--host", "127.0.0.1", "--port", str(self.port), *keys, str(root)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        _wait_for_port(self.port, self.process)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        """The AWS variables a user sets to reach this server (or ``endpoint``, a proxy)."""
+        return {
+            "AWS_ENDPOINT_URL": endpoint or self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": REGION,
+        }
+
+    def client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
+            config=Config(retries={"max_attempts": 2}),
+        )
+
+    def bucket(self, name: str) -> str:
+        client = self.client()
+        try:
+            client.create_bucket(Bucket=name)
+        except client.exceptions.BucketAlreadyOwnedByYou:
+            pass
+        except client.exceptions.ClientError as e:  # s3s-fs answers an existing bucket this way
+            if "BucketAlreadyExists" not in str(e):
+                raise
+        return name
+
+    def upload(self, local: Path, bucket: str, key: str) -> str:
+        """Uploads a file, or every file of a directory under the prefix ``key``; returns the
+        ``s3://`` URL."""
+        client = self.client()
+        if local.is_dir():
+            for f in sorted(local.rglob("*")):
+                if f.is_file():
+                    client.upload_file(str(f), bucket, f"{key}/{f.relative_to(local).as_posix()}")
+            return f"s3://{bucket}/{key}/"
+        client.upload_file(str(local), bucket, key)
+        return f"s3://{bucket}/{key}"
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class FaultProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``port`` that, when armed, cuts (``"cut"``: closes
+    both sides at once) or stalls (``"stall"``: stops forwarding for ``stall_seconds``, then
+    closes) the next ``times`` connections once ``after`` bytes of responses went through each
+    (``times=-1``: every connection). ``sent`` counts the response bytes it forwarded and
+    ``faults`` the faults it made."""
+
+    def __init__(self, port: int) -> None:
+        self.upstream = port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.lock = threading.Lock()
+        self.mode = "pass"
+        self.after = 0
+        self.times = 0
+        self.stall_seconds = 0.0
+        self.sent = 0
+        self.faults = 0
+        self.closed = False
+        self._hold: tuple[str, str, float] | None = None
+        self._second = threading.Event()
+        #: with hold(): whether a data request for the second key came while the first's waited
+        self.overlapped: bool | None = None
+        threading.Thread(target=self._accept, daemon=True, name="fault-proxy").start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def arm(self, mode: str, *, after: int, times: int = 1, stall_seconds: float = 0) -> None:
+        with self.lock:
+            self.mode, self.after, self.times = mode, after, times
+            self.stall_seconds = stall_seconds
+
+    def disarm(self) -> None:
+        self.arm("pass", after=0, times=0)
+
+    def hold(self, first: str, second: str, timeout: float = 20) -> None:
+        """Holds the first data request (a ranged GET past byte 0) for a key containing
+        ``first`` until one for a key containing ``second`` arrives, at most ``timeout``
+        seconds; ``overlapped`` then says whether it did. A client reading the two one after
+        the other cannot make it True."""
+        self._hold, self.overlapped = (first, second, timeout), None
+        self._second.clear()
+
+    def _request(self, data: bytes) -> None:
+        if self._hold is None or not data.startswith(b"GET "):
+            return
+        path = data.split(b" ", 2)[1].decode("latin-1")
+        lower = data.lower()
+        at = lower.find(b"range: bytes=")
+        start = int(lower[at + 13 :].split(b"-", 1)[0]) if at >= 0 else 0
+        first, second, timeout = self._hold
+        if start == 0:
+            return
+        if second in path:
+            self._second.set()
+        elif first in path and self.overlapped is None:
+            self.overlapped = False
+            self.overlapped = self._second.wait(timeout)
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
+
+    def _up(self, client: socket.socket, upstream: socket.socket) -> None:
+        try:
+            while data := client.recv(1 << 16):
+                self._request(data)
+                upstream.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(upstream)
+
+    def _fault_now(self, forwarded: int) -> str | None:
+        with self.lock:
+            if self.mode == "pass" or self.times == 0 or forwarded < self.after:
+                return None
+            if self.times > 0:
+                self.times -= 1
+            self.faults += 1
+            return self.mode
+
+    def _down(self, upstream: socket.socket, client: socket.socket) -> None:
+        forwarded = 0
+        try:
+            while data := upstream.recv(1 << 16):
+                fault = self._fault_now(forwarded + len(data))
+                if fault is not None:
+                    keep = max(0, self.after - forwarded)
+                    client.sendall(data[:keep])
+                    if fault == "stall":
+                        time.sleep(self.stall_seconds)
+                    return
+                client.sendall(data)
+                forwarded += len(data)
+                with self.lock:
+                    self.sent += len(data)
+        except OSError:
+            pass
+        finally:
+            _close(client)
+            _close(upstream)
+
+    def close(self) -> None:
+        self.closed = True
+        _close(self.listener)
+
+
+def _close(s: socket.socket) -> None:
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    s.close()
