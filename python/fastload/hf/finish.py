@@ -12,6 +12,7 @@ attribute's absence as "this model may be moved", ``generate`` and PEFT read its
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -57,14 +58,13 @@ def finish_transformers(
 def _load_decision_config(model: nn.Module, directory: Path) -> None:
     """A decision model's ``decision_config`` from the checkpoint directory, as its
     ``from_pretrained`` reads it (the defaults where the directory has none)."""
-    try:
-        from transformers.decision.configuration_utils import DecisionConfig
-        from transformers.decision.modeling_utils import DecisionMixin
-    except ImportError:  # a transformers without decision models
+    # a decision model's class imported transformers' decision modules: nothing is imported here
+    # (a load of any other model pays no import)
+    modeling = sys.modules.get("transformers.decision.modeling_utils")
+    configuration = sys.modules.get("transformers.decision.configuration_utils")
+    if modeling is None or configuration is None or not isinstance(model, modeling.DecisionMixin):
         return
-    if not isinstance(model, DecisionMixin):
-        return
     try:
-        model.decision_config = DecisionConfig.from_pretrained(str(directory))
+        model.decision_config = configuration.DecisionConfig.from_pretrained(str(directory))
     except Exception as e:  # the weights are fine: keep the model's default decision config
         logger.warning("%s: decision config not used (%s: %s)", directory, type(e).__name__, e)
