@@ -27,6 +27,12 @@ MAY_IMPORT: dict[str, set[str]] = {
         "fastload.training",
         "fastload.safetensors",
     },
+    "fastload.integrations": {
+        "fastload.core",
+        "fastload.distributed",
+        "fastload.training",
+        "fastload.safetensors",
+    },
 }
 ENTRY = {"fastload", "fastload.api"}
 #: the most lines a module may have
@@ -229,3 +235,28 @@ def test_the_plans_modes_and_actions_are_enums_not_strings() -> None:
                 if strings and {"mode", "action"} & set(attrs):
                     compared.append(f"{path.name}:{node.lineno}")
     assert compared == []
+
+
+def test_only_the_integrations_import_the_integrations_and_import_fastload_imports_no_server() -> (
+    None
+):
+    graph = import_graph()
+    reaching = {
+        m: sorted(d for d in deps if d.startswith("fastload.integrations"))
+        for m, deps in graph.items()
+        if not m.startswith("fastload.integrations")
+    }
+    assert {m: d for m, d in reaching.items() if d} == {}
+    from fresh import run_script
+
+    # the entry point's module too: vLLM imports it, and it imports vLLM only when vLLM calls it
+    out = run_script(
+        """
+        import sys
+        import fastload
+        import fastload.integrations.vllm
+        fastload.load_file, fastload.from_pretrained
+        print(sorted({m.split(".")[0] for m in sys.modules} & {"vllm", "sglang"}))
+        """
+    )
+    assert out.strip() == "[]"

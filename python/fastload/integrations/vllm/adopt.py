@@ -1,0 +1,266 @@
+"""What happens where a vLLM weight loader copies a checkpoint tensor into a parameter.
+
+vLLM's weight loaders end in ``param.data.copy_(loaded_weight)`` (after narrowing the checkpoint
+tensor to this rank's shard, or into a slice of a fused parameter). :class:`CopyWatch`, a torch
+function mode active while ``model.load_weights`` runs, sees each such copy whose source is a
+tensor fastload handed out, and:
+
+* **adopts** the source where the copy is a whole parameter kept exactly as stored (same shape,
+  dtype, contiguous, on the CPU, the parameter owning its whole storage): the parameter becomes the
+  view of the checkpoint's mapping (``param.data = view``) instead of a copy of it. The view is a
+  page of the page cache until written (copy-on-write), so replicas on one host share one copy;
+  its pages leave the server's page tables as soon as nothing uses them (a parameter vLLM's
+  post-load processing replaced);
+* **copies with the engine** (one rank) where the copy is a whole checkpoint tensor into a
+  contiguous CPU destination of the same dtype and shape (a parameter, or the rows of a fused
+  qkv/gate_up parameter): the Rust engine reads the bytes from the file (the page cache the
+  read-ahead filled) on several threads with the GIL released, straight into the destination,
+  whose pages it faults in batches; no page of the mapping is touched;
+* under tensor parallelism **reads the slice** a weight loader takes just before torch copies it:
+  exactly its pages (``POSIX_FADV_WILLNEED`` per row span, issued together so the disk serves
+  them in parallel), the mapping being ``MADV_RANDOM`` so no fault reads the other ranks' bytes.
+  Not through the engine's positioned reads: a read that meets the page-cache read-ahead mark the
+  header's read left starts the kernel's asynchronous read-ahead, which ``POSIX_FADV_RANDOM``
+  does not stop (measured: 24 MiB read for an 8 MiB half of a 16 MiB tensor), and reads the other
+  ranks' bytes;
+* **checks** that a copy takes as many elements as it gives (``copy_`` would otherwise broadcast
+  a checkpoint tensor of the wrong shape silently), raising fastload's error naming the file and
+  the tensor.
+
+Copies from anything else (a converted tensor, a parameter to a parameter) run untouched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from fastload.core.engine import copy_into
+from fastload.core.errors import ModelMismatchError
+
+from .weights import Origin
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_MADV_DONTNEED = 4
+#: row spans merged into one read only where they touch (a gap is another rank's bytes)
+_MERGE_GAP = 1
+#: bytes below which a copy stays torch's (the engine's call costs more than it saves)
+ENGINE_MIN = 256 << 10
+
+
+def _dropped_when_freed(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on the bytes of ``view`` (a view of a file mapping, owning its storage) whose
+    whole pages are dropped from this process's page tables (``MADV_DONTNEED``; they stay in the
+    page cache) as soon as no tensor uses them any more: vLLM's post-load processing replaces
+    most parameters (on CPU it repacks every linear weight for oneDNN), and the pages of the one
+    it replaced would otherwise stay mapped, counted in the server's RSS, until the whole mapping
+    goes, raising its peak above that of a load that copies (whose copies are freed one by
+    one)."""
+    nbytes = view.numel() * view.element_size()
+    address = view.data_ptr()
+    buffer = (ctypes.c_char * nbytes).from_address(address)
+    buffer.owner = view  # the view, hence the mapping, lives as long as the buffer
+    out = torch.frombuffer(buffer, dtype=view.dtype, count=view.numel()).view(view.shape)
+    # runs when the last storage on the buffer is freed, while the mapping is still mapped
+    weakref.finalize(buffer, _drop_pages, address, nbytes)
+    return out
+
+
+def _drop_pages(address: int, nbytes: int) -> None:
+    """``MADV_DONTNEED`` on the whole pages inside ``[address, address + nbytes)`` (pages shared
+    with a neighbouring tensor are left alone); advisory, a failure changes memory, not data."""
+    start = -(-address // _PAGE) * _PAGE
+    stop = (address + nbytes) // _PAGE * _PAGE
+    if stop > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), _MADV_DONTNEED)
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    return (
+        t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+class CopyWatch(TorchFunctionMode):
+    """The torch function mode described in the module docstring, for one ``load_weights``."""
+
+    def __init__(
+        self,
+        origins: dict[int, Origin],
+        params: Iterable[tuple[str, torch.Tensor]],
+        *,
+        tp_size: int,
+        adopt: bool,
+        threads: int | None = None,
+    ) -> None:
+        super().__init__()
+        #: the engine's threads for the copies it makes (``None``: its default)
+        self.threads = threads
+        #: storage address -> origin of the tensors handed out (filled as they are)
+        self.origins = origins
+        self.tp_size = tp_size
+        self.adopt = adopt
+        #: parameters (and how many tensors of the model use each storage) by data address
+        self._params: dict[int, torch.nn.Parameter] = {}
+        users: dict[int, int] = {}
+        for _name, p in params:
+            if p.numel() == 0 or p.device.type != "cpu":
+                continue
+            ptr = p.untyped_storage().data_ptr()
+            users[ptr] = users.get(ptr, 0) + 1
+            if isinstance(p, torch.nn.Parameter) and _owns_storage(p):
+                self._params[ptr] = p
+        # a storage another tensor of the model also uses cannot be swapped for a view
+        for ptr, n in users.items():
+            if n > 1:
+                self._params.pop(ptr, None)
+        self.adopted = 0
+        self.adopted_bytes = 0
+        self.copied_bytes = 0
+        #: bytes of those copies the engine made
+        self.engine_bytes = 0
+        self.slices_read = 0
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) >= 2:
+            dst, src = args[0], args[1]
+            if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.numel():
+                origin = self.origins.get(src.untyped_storage().data_ptr())
+                if origin is not None:
+                    handled = self._copy(dst, src, origin)
+                    if handled:
+                        return dst
+        return func(*args, **kwargs)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
+        if dst.numel() != src.numel() and src.numel() != 1:
+            raise ModelMismatchError(
+                f"{origin.path}: tensor {origin.name!r}: the model's weight loader copies it "
+                f"(shape {list(src.shape)}, {src.dtype}) into a parameter of shape "
+                f"{list(dst.shape)} ({dst.dtype}); the checkpoint does not fit the model "
+                "[shape-mismatch]"
+            )
+        param = self._params.get(dst.untyped_storage().data_ptr()) if self.adopt else None
+        if (
+            param is not None
+            and origin.mapping is not None
+            and dst.data_ptr() == param.data_ptr()
+            and dst.shape == param.shape == src.shape
+            and dst.dtype == param.dtype == src.dtype
+            and _owns_storage(src)
+            and src.device.type == "cpu"
+        ):
+            self._read(src, origin)
+            param.data = _dropped_when_freed(src)
+            del self._params[dst.untyped_storage().data_ptr()]
+            self.adopted += 1
+            self.adopted_bytes += src.numel() * src.element_size()
+            return True
+        nbytes = src.numel() * src.element_size()
+        self.copied_bytes += nbytes
+        if origin.mapping is not None and self.tp_size == 1 and self._engine_copy(dst, src, origin):
+            self.engine_bytes += nbytes
+            return True
+        if origin.mapping is not None and self.tp_size > 1:
+            self._read(src, origin)
+        return False
+
+    def _engine_copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
+        """Copies ``src`` (a view of ``origin``, whole or sliced along one dimension) into ``dst``
+        with the engine; ``False`` (nothing done) where that is not such a copy."""
+        if (
+            src.numel() * src.element_size() < ENGINE_MIN
+            or dst.device.type != "cpu"
+            or dst.dtype != src.dtype
+            or dst.shape != src.shape
+            or not dst.is_contiguous()
+            or origin.mapping is None
+        ):
+            return False
+        selection = _selection(src, origin.shape, src.untyped_storage().data_ptr())
+        if selection is False:
+            return False
+        copy_into(
+            origin.mapping.file, [(origin.name, dst, origin.st_dtype, selection)], self.threads
+        )
+        return True
+
+    def _read(self, src: torch.Tensor, origin: Origin) -> None:
+        """Asks the kernel for the pages of ``src`` (a view of ``origin``'s mapping) under tensor
+        parallelism, where nothing was read ahead: every span at once, so the copy's faults wait
+        on reads already in flight instead of issuing them one page at a time."""
+        mapping = origin.mapping
+        if mapping is None or self.tp_size <= 1:
+            return
+        fd = mapping.file.fileno()
+        if fd is None:
+            return
+        for start, stop in _spans(src, mapping.address):
+            os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
+        self.slices_read += 1
+
+
+def _selection(src: torch.Tensor, shape: tuple[int, ...], base: int) -> list[int] | None | bool:
+    """The engine's selection for ``src``, a view of a stored tensor of ``shape`` whose first
+    element is at ``base``: ``None`` for the whole tensor, ``[dim, start, stop]`` for a slice along
+    one dimension, ``False`` for anything else (a transpose, a view of several dimensions)."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    if src.dim() != len(shape) or list(src.stride()) != strides:
+        return False
+    offset, rest = divmod(src.data_ptr() - base, src.element_size())
+    if rest:
+        return False
+    differ = [d for d in range(len(shape)) if src.shape[d] != shape[d]]
+    if not differ:
+        return None if offset == 0 else False
+    if len(differ) > 1:
+        return False
+    d = differ[0]
+    start, rest = divmod(offset, strides[d])
+    if rest or start + src.shape[d] > shape[d]:
+        return False
+    return [d, start, start + src.shape[d]]
+
+
+def _spans(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
+    """File byte spans ``[start, stop)`` (whole pages) that the elements of ``t`` occupy, for a
+    tensor viewing a mapping at ``base``: one span for a contiguous tensor, one per row for a 2-D
+    one sliced along its columns (neighbours merged when close), the enclosing span otherwise."""
+    item = t.element_size()
+    first = t.data_ptr() - base
+    if t.is_contiguous() or t.dim() == 0:
+        spans = [(first, first + t.numel() * item)]
+    elif t.dim() == 2 and t.stride(1) == 1:
+        row = t.size(1) * item
+        spans = [
+            (first + r * t.stride(0) * item, first + r * t.stride(0) * item + row)
+            for r in range(t.size(0))
+        ]
+    else:
+        last = first + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) * item
+        spans = [(first, last + item)]
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        a, b = a // _PAGE * _PAGE, -(-b // _PAGE) * _PAGE
+        if merged and a - merged[-1][1] < _MERGE_GAP:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+__all__ = ["CopyWatch"]

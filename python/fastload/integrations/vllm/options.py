@@ -1,0 +1,122 @@
+"""The options of vLLM's ``fastload`` load format, read from ``--model-loader-extra-config``.
+
+vLLM hands every loader its ``model_loader_extra_config`` (the JSON of
+``--model-loader-extra-config``, or ``LLM(model_loader_extra_config={...})``); this module checks
+it once, where it enters, and turns it into one frozen record. Unknown keys are refused (a typo
+must not silently load another way), and so are vLLM's own keys of other load formats, with what
+to use instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fastload.core.errors import RequestError
+from fastload.core.threads import MAX_THREADS
+
+#: the load format's name, as users pass it to ``--load-format``
+LOAD_FORMAT = "fastload"
+
+#: ``mmap`` values: as ``fastload.from_pretrained(mmap=...)``
+MMAP_MODES = ("auto", "shared", "copy")
+
+#: what each key means, for the error that lists them
+KEYS = {
+    "mmap": "'auto' (default: views of the file mapping on local filesystems, copies on network"
+    " and FUSE ones), 'shared' (views wherever the file is) or 'copy' (always private copies)",
+    "threads": f"read threads, 1..{MAX_THREADS} (default: the engine's)",
+    "read_ahead": "true (default) reads the checkpoint ahead of the model's weight loaders",
+    "share_weights": "true (default) lets a parameter kept exactly as stored be a view of the "
+    "checkpoint's page cache instead of a copy (copy-on-write; needs mmap views)",
+    "progress": "true/false: the progress bar (default: vLLM's use_tqdm_on_load)",
+    "enable_weights_track": "vLLM's check that every parameter was loaded (default: vLLM's)",
+}
+
+#: vLLM's keys for its own load formats, refused here with what fastload does instead
+_OTHER_FORMATS = {
+    "enable_multithread_load": "fastload always reads on several threads ('threads' sets how many)",
+    "num_threads": "use 'threads'",
+}
+
+
+@dataclass(frozen=True)
+class VllmLoadOptions:
+    """The validated options of one ``--load-format fastload`` load."""
+
+    mmap: str = "auto"
+    threads: int | None = None
+    read_ahead: bool = True
+    share_weights: bool = True
+    progress: bool | None = None
+    enable_weights_track: bool | None = None
+
+
+def _bool(key: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(
+            f"--model-loader-extra-config: {key!r} must be true or false, got {value!r}"
+        )
+    return value
+
+
+def parse_options(
+    extra_config: object, safetensors_load_strategy: object = None
+) -> VllmLoadOptions:
+    """The options in ``extra_config`` (vLLM's ``model_loader_extra_config``), checked.
+
+    Raises :class:`~fastload.core.errors.RequestError` for anything but a JSON object of the keys in
+    :data:`KEYS` with values of their types, and for ``--safetensors-load-strategy`` (a strategy of
+    vLLM's own safetensors reader: fastload reads its own way)."""
+    if extra_config is None:
+        extra_config = {}
+    if not isinstance(extra_config, Mapping):
+        raise RequestError(
+            "--model-loader-extra-config must be a JSON object for --load-format "
+            f"{LOAD_FORMAT}, got {type(extra_config).__name__}"
+        )
+    if safetensors_load_strategy not in (None, "lazy"):
+        raise RequestError(
+            f"--safetensors-load-strategy={safetensors_load_strategy} is a strategy of vLLM's own "
+            f"safetensors reader; --load-format {LOAD_FORMAT} reads with fastload's engine (ahead "
+            "of the weight loaders, in parallel): leave it unset"
+        )
+    known = ", ".join(f"{k!r} ({v})" for k, v in KEYS.items())
+    for key in extra_config:
+        if key in _OTHER_FORMATS:
+            raise RequestError(
+                f"--model-loader-extra-config: {key!r} is an option of vLLM's default loader, "
+                f"not of --load-format {LOAD_FORMAT}: {_OTHER_FORMATS[key]}. Known keys: {known}"
+            )
+        if key not in KEYS:
+            raise RequestError(
+                f"--model-loader-extra-config: unknown key {key!r} for --load-format "
+                f"{LOAD_FORMAT}. Known keys: {known}"
+            )
+    mmap = extra_config.get("mmap", "auto")
+    if mmap not in MMAP_MODES:
+        raise RequestError(
+            f"--model-loader-extra-config: 'mmap' must be one of "
+            f"{', '.join(map(repr, MMAP_MODES))}, got {mmap!r}"
+        )
+    threads = extra_config.get("threads")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS
+    ):
+        raise RequestError(
+            f"--model-loader-extra-config: 'threads' must be an integer from 1 to {MAX_THREADS}, "
+            f"got {threads!r}"
+        )
+    progress = extra_config.get("progress")
+    track = extra_config.get("enable_weights_track")
+    return VllmLoadOptions(
+        mmap=mmap,
+        threads=threads,
+        read_ahead=_bool("read_ahead", extra_config.get("read_ahead", True)),
+        share_weights=_bool("share_weights", extra_config.get("share_weights", True)),
+        progress=None if progress is None else _bool("progress", progress),
+        enable_weights_track=None if track is None else _bool("enable_weights_track", track),
+    )
+
+
+__all__ = ["KEYS", "LOAD_FORMAT", "VllmLoadOptions", "parse_options"]

@@ -1,0 +1,378 @@
+"""The ``(name, tensor)`` stream that vLLM's ``model.load_weights`` consumes, read by fastload.
+
+:class:`CheckpointWeights` opens every file of the checkpoint before the first tensor is handed
+out (each safetensors header validated by the Rust engine: offsets inside the file, contiguous and
+non-overlapping data, known dtypes; the index checked against the shards), so a bad file stops the
+load before any parameter is touched, with the file and the tensor named.
+
+Tensors are then handed out in file order:
+
+* as views of a private (copy-on-write) mapping of the file (:class:`fastload.core.sharing.
+  SharedMapping`) where the file may be mapped (local filesystems; ``mmap`` option), the files
+  read into the page cache ahead of the weight loaders by helper threads (parallel reads, GIL
+  released), never more than the memory budget's read-ahead room ahead of them
+  (:mod:`fastload.core.memory`). What the weight loaders copy out of a view the engine copies
+  from the file, and a view a parameter keeps becomes that parameter
+  (:mod:`fastload.integrations.vllm.adopt`). Under tensor parallelism nothing is read ahead
+  blindly: the weight loaders' own slices are read when they copy them, so each rank reads its
+  share;
+* as private copies made by the engine otherwise (network filesystems, ``mmap='copy'``), on a
+  helper thread ahead of the weight loaders, within the budget;
+* ``.bin``/``.pt`` files through fastload's pickle reader (``torch.load(weights_only=True)``,
+  mapped).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import re
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastload import _core
+from fastload.core.dtypes import to_torch
+from fastload.core.engine import copy_into
+from fastload.core.errors import CheckpointError, UnsupportedError
+from fastload.core.memory import memory_budget
+from fastload.core.pickle_file import is_pickle, load_state_dict
+from fastload.core.progress import bar_wanted, binary_unit
+from fastload.core.sharing import WARM_PIECE, SharedMapping, file_sharing
+
+from .options import VllmLoadOptions
+
+_MADV_RANDOM = 1
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+#: threads reading ahead into the page cache (requests in flight for the disk), unless the
+#: ``threads`` option says otherwise
+READ_THREADS = 8
+#: bytes of copies made ahead of the weight loaders at most (copy path)
+COPY_AHEAD = 256 << 20
+
+
+def natural_key(path: str) -> list[Any]:
+    """The order vLLM reads shards in (``model-00002-...`` before ``model-00010-...``)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path)]
+
+
+def check_index(index: str, folder: str) -> None:
+    """Refuses an index that lists a shard missing from ``folder``, naming the index, the shard and
+    a tensor it should hold (vLLM's own check names the file only)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{index}: not a readable safetensors index ({e})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: no 'weight_map' object mapping tensor names to shards")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not os.path.isfile(os.path.join(folder, shard)):
+            raise CheckpointError(
+                f"{index}: tensor {name!r} is in shard {shard!r}, which is missing "
+                f"(looked for {os.path.join(folder, str(shard))}) [missing-shard]"
+            )
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a handed-out tensor came from: for messages, and for copying it (or a slice of it)
+    with the engine."""
+
+    path: str
+    name: str
+    #: the mapping the tensor is a view of (``None``: a copy, or a pickle file's tensor)
+    mapping: SharedMapping | None = None
+    #: the stored dtype (a safetensors name) and shape, where ``mapping`` is set
+    st_dtype: str = ""
+    shape: tuple[int, ...] = ()
+
+
+@dataclass
+class _File:
+    path: str
+    st: _core.SafetensorsFile | None  # None: a pickle file
+    mapping: SharedMapping | None = None
+    # (name, st_dtype, shape, begin, end) in file order
+    entries: list[tuple[str, str, list[int], int, int]] | None = None
+
+
+class CheckpointWeights:
+    """Every file of a checkpoint, opened and validated; iterate for ``(name, tensor)`` pairs.
+
+    ``tp_size``: the tensor-parallel world size (ranks then read only the slices their weight
+    loaders take). ``progress``: draw a bar (the caller decides: rank 0 of a load that asks).
+    ``weight_map``: the index's tensor -> shard table, checked against the shards."""
+
+    def __init__(
+        self,
+        files: list[str],
+        options: VllmLoadOptions,
+        *,
+        tp_size: int = 1,
+        progress: bool = False,
+        index: str | None = None,
+        origins: dict[int, Origin] | None = None,
+    ) -> None:
+        self.options = options
+        self.tp_size = tp_size
+        self.progress = progress
+        #: (path, tensor name) of the tensor handed out last
+        self.current: tuple[str, str] | None = None
+        #: storage address -> origin of every tensor handed out (shared by a load's streams)
+        self.origins: dict[int, Origin] = {} if origins is None else origins
+        #: views of the mapping handed out, and tensor bytes handed out in all
+        self.views = 0
+        self.bytes = 0
+        self._files: list[_File] = []
+        for path in sorted(files, key=natural_key):
+            if is_pickle(path):
+                self._files.append(_File(path, None))
+                continue
+            st = _core.SafetensorsFile(path, "pread")  # validates; names the file and the tensor
+            entries = sorted(st.tensors(), key=lambda t: t[3])
+            for name, st_dtype, _shape, _b, _e in entries:
+                try:
+                    to_torch(st_dtype, where=f"{path}: tensor {name!r}")
+                except UnsupportedError as e:
+                    raise UnsupportedError(
+                        f"{e}; --load-format fastload refuses the checkpoint rather than load it "
+                        "differently: serve it with vLLM's own loader (--load-format auto)"
+                    ) from None
+            self._files.append(_File(path, st, entries=entries))
+        if index is not None:
+            self._check_index_against_shards(index)
+        for f in self._files:
+            if f.st is not None and options.mmap != "copy" and file_sharing(f.st, options.mmap)[0]:
+                f.mapping = SharedMapping(f.st)
+                if tp_size > 1:
+                    # Under TP a rank takes slices; a fault must read only the page it needs,
+                    # not the kernel's read-around window (the other ranks' bytes).
+                    _madvise(f.mapping.address, f.st.file_size, _MADV_RANDOM)
+        self.total = sum(e[4] - e[3] for f in self._files for e in (f.entries or ()))
+        self._consumed = 0
+        self._wake = threading.Condition()
+        self._stop = False
+        self._reader: threading.Thread | None = None
+
+    def _check_index_against_shards(self, index: str) -> None:
+        with open(index, encoding="utf-8") as fh:
+            weight_map = json.load(fh).get("weight_map") or {}
+        by_name = {os.path.basename(f.path): f for f in self._files}
+        for name, shard in weight_map.items():
+            f = by_name.get(os.path.basename(str(shard)))
+            if f is None or f.st is None:
+                continue
+            if name not in f.st:
+                raise CheckpointError(
+                    f"{index}: tensor {name!r} is listed in shard {shard!r}, but {f.path} does "
+                    "not hold it [index-mismatch]"
+                )
+
+    @property
+    def paths(self) -> list[str]:
+        return [f.path for f in self._files]
+
+    @property
+    def mappings(self) -> list[SharedMapping]:
+        return [f.mapping for f in self._files if f.mapping is not None]
+
+    # -- reading ahead ---------------------------------------------------------------------------
+
+    def _start_reader(self) -> None:
+        """The helper thread that reads the mapped files into the page cache ahead of the weight
+        loaders (one rank: every byte is needed), where they are not cached yet, on several
+        threads (the disk's queue kept full), paced to stay within the memory budget's read-ahead
+        room. Only into the page cache: the engine copies from there (positioned reads), and a
+        view a parameter keeps maps its pages when it is first used, so the server maps no page
+        it does not keep."""
+        if not self.options.read_ahead or self.tp_size > 1:
+            return
+        pieces: list[tuple[_core.SafetensorsFile, int, int, int]] = []  # (file, start, stop, at)
+        at = 0
+        for f in self._files:
+            if f.st is None:
+                continue
+            start, stop = f.st.data_start, f.st.file_size
+            if f.mapping is not None:
+                cuts = [
+                    start,
+                    *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
+                ]
+                for a, b in zip(cuts, [*cuts[1:], stop], strict=True):
+                    pieces.append((f.st, a, b, at + a - start))
+            at += stop - start
+        if not pieces:
+            return
+        room = memory_budget().read_ahead_room()
+        threads = self.options.threads or READ_THREADS
+
+        def run() -> None:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                with ThreadPoolExecutor(threads, thread_name_prefix="fastload-vllm-read") as pool:
+                    for st, a, b, begin in pieces:
+                        with self._wake:
+                            while (
+                                not self._stop
+                                and room is not None
+                                and begin - self._consumed > room
+                            ):
+                                self._wake.wait(0.5)
+                            if self._stop:
+                                return
+                        fd = st.fileno()
+                        if fd is None or not st.mostly_uncached(a, b - a):
+                            continue
+                        step = -(-(b - a) // threads // _PAGE) * _PAGE
+                        starts = range(a, b, step)
+                        stops = [min(c + step, b) for c in starts]
+                        n = len(starts)
+                        list(pool.map(_read_through, [fd] * n, [null] * n, starts, stops))
+            except OSError:
+                pass  # the engine's and the faults' own reads then report the file
+            finally:
+                os.close(null)
+
+        self._reader = threading.Thread(target=run, name="fastload-vllm-read-ahead", daemon=True)
+        self._reader.start()
+
+    def close(self) -> None:
+        """Stops the helper threads (a load that failed part way leaves them nothing to do)."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._reader is not None:
+            self._reader.join()
+            self._reader = None
+
+    # -- handing tensors out ---------------------------------------------------------------------
+
+    def _copies(self, f: _File) -> Iterator[tuple[str, torch.Tensor]]:
+        """Private copies of ``f``'s tensors, made by the engine on a helper thread ahead of the
+        consumer (at most :data:`COPY_AHEAD` bytes, or the budget's room if less)."""
+        assert f.st is not None and f.entries is not None
+        st, entries = f.st, f.entries
+        room = memory_budget().read_ahead_room()
+        ahead = COPY_AHEAD if room is None else max(1, min(COPY_AHEAD, room))
+        q: queue.Queue[Any] = queue.Queue()
+        credit = threading.Semaphore(0)
+        state = {"held": 0}
+        lock = threading.Lock()
+
+        def produce() -> None:
+            try:
+                for name, st_dtype, shape, begin, end in entries:
+                    while True:
+                        with lock:
+                            if self._stop:
+                                return
+                            if state["held"] == 0 or state["held"] + end - begin <= ahead:
+                                state["held"] += end - begin
+                                break
+                        credit.acquire(timeout=0.5)
+                    dest = torch.empty(shape, dtype=to_torch(st_dtype), device="cpu")
+                    if dest.numel():
+                        copy_into(st, [(name, dest, st_dtype, None)], self.options.threads)
+                    q.put((name, dest, end - begin))
+                q.put(None)
+            except BaseException as e:  # handed to the consumer, which raises it
+                q.put(e)
+
+        worker = threading.Thread(target=produce, name="fastload-vllm-copy", daemon=True)
+        worker.start()
+        try:
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                name, tensor, nbytes = item
+                with lock:
+                    state["held"] -= nbytes
+                credit.release()
+                yield name, tensor
+        finally:
+            with lock:
+                self._stop = True
+            worker.join()
+            self._stop = False
+
+    def _tensors(self, f: _File) -> Iterator[tuple[str, torch.Tensor, Origin]]:
+        """``f``'s tensors in file order, each with where it came from."""
+        if f.st is None:
+            state = load_state_dict(f.path)
+            for name in list(state):
+                yield name, state.pop(name), Origin(f.path, name)
+            return
+        if f.mapping is None:
+            for name, tensor in self._copies(f):
+                yield name, tensor, Origin(f.path, name)
+            return
+        for name, st_dtype, shape, _begin, _end in f.entries or ():
+            view = f.mapping.view(name, to_torch(st_dtype))
+            if view is None:  # an offset not aligned for the dtype: a copy
+                view = torch.empty(shape, dtype=to_torch(st_dtype), device="cpu")
+                copy_into(f.st, [(name, view, st_dtype, None)], self.options.threads)
+                yield name, view, Origin(f.path, name)
+                continue
+            yield name, view, Origin(f.path, name, f.mapping, st_dtype, tuple(shape))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        bar = None
+        if self.progress and bar_wanted(self.total, True):
+            from tqdm.auto import tqdm
+
+            unit, size = binary_unit(self.total)
+            bar = tqdm(
+                total=self.total / size,
+                unit=unit,
+                desc="fastload: loading weights",
+                file=sys.stderr,
+                bar_format="{l_bar}{bar}| {n:.2f}/{total:.2f} " + unit + " [{elapsed}<{remaining}]",
+            )
+        self._start_reader()
+        try:
+            for f in self._files:
+                for name, tensor, origin in self._tensors(f):
+                    self.current = (f.path, name)
+                    nbytes = tensor.numel() * tensor.element_size()
+                    if nbytes:  # a storage freed and reused by a later tensor: the later's
+                        self.origins[tensor.untyped_storage().data_ptr()] = origin
+                    yield name, tensor
+                    self.bytes += nbytes
+                    with self._wake:
+                        self._consumed += nbytes
+                        self._wake.notify_all()
+                    if bar is not None:
+                        bar.update(nbytes / binary_unit(self.total)[1])
+        finally:
+            self.close()
+            if bar is not None:
+                bar.close()
+
+
+def _read_through(fd: int, null: int, start: int, stop: int) -> None:
+    """Reads file bytes ``[start, stop)`` into the page cache without copying them anywhere
+    (``sendfile`` to /dev/null; the GIL is released meanwhile)."""
+    while start < stop:
+        sent = os.sendfile(null, fd, start, stop - start)
+        if sent <= 0:
+            return
+        start += sent
+
+
+def _madvise(address: int, length: int, advice: int) -> None:
+    """``madvise`` on a mapping fastload made (advisory: a failure changes speed, not data)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = address // page * page
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), advice)
+
+
+__all__ = ["CheckpointWeights", "Origin", "check_index", "natural_key"]

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The vLLM tests (tests/test_vllm.py) in the vLLM environment: made once at a fixed path outside
+# the clone (scripts/vllm-env.sh, ~5 min and ~6 GB the first time), fastload rebuilt into it from
+# this checkout. Usage: bash scripts/vllm-tests.sh [pytest args...]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+py="$(bash "$ROOT/scripts/vllm-env.sh" | tail -n 1)"
+cd "$ROOT"
+# vLLM must be there: here a skip would hide a broken environment
+"$py" -c "import vllm" 2>/dev/null || { echo "fastload: vLLM is missing from $py" >&2; exit 1; }
+"$py" -m pytest tests/test_vllm.py -p no:cacheprovider "$@"

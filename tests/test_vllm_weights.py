@@ -1,0 +1,140 @@
+"""The vLLM load format's weight stream and copy watch, without vLLM: what a vLLM weight loader
+does with the tensors fastload hands out (copy them whole into a parameter, into the rows of a
+fused parameter, or narrowed as a tensor-parallel rank does), checked against plain torch copies.
+These parts import torch and fastload only, so they run in every environment; the same paths
+under a real vLLM engine: tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastload import ModelMismatchError
+from fastload.integrations.vllm.adopt import ENGINE_MIN, CopyWatch, _selection
+from fastload.integrations.vllm.options import VllmLoadOptions
+from fastload.integrations.vllm.weights import CheckpointWeights
+from fastload.safetensors.saving import save_file
+
+
+@pytest.mark.parametrize(
+    ("view", "expected"),
+    [
+        (lambda t: t, None),
+        (lambda t: t.narrow(0, 2, 3), [0, 2, 5]),
+        (lambda t: t.narrow(1, 4, 4), [1, 4, 8]),
+        (lambda t: t[1:, 2:], False),  # two dimensions sliced
+        (lambda t: t.t(), False),  # a transpose
+        (lambda t: t.narrow(0, 0, 1)[0], False),  # fewer dimensions
+    ],
+)
+def test_a_view_of_a_stored_tensor_becomes_the_engines_selection(view, expected) -> None:
+    stored = torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)
+    src = view(stored)
+    assert _selection(src, tuple(stored.shape), stored.data_ptr()) == expected
+
+
+def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    rows = ENGINE_MIN // (4 * 256) * 2  # each tensor above the engine's threshold
+    tensors = {
+        "q": torch.randn(rows, 256),
+        "k": torch.randn(rows // 2, 256),
+        "norm": torch.randn(256),
+        "o": torch.randn(256, rows),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    return path, tensors
+
+
+def _load(path: Path, tp_size: int) -> tuple[dict[str, torch.Tensor], CopyWatch]:
+    """What a vLLM model's ``load_weights`` does on one rank of ``tp_size`` (rank 0): q and k
+    into one fused qkv parameter (the rows of this rank), o narrowed along its input dimension,
+    the norm whole."""
+    origins: dict[int, object] = {}
+    stream = CheckpointWeights([str(path)], VllmLoadOptions(), tp_size=tp_size, origins=origins)
+    shapes = {f[0]: f[2] for f in stream._files[0].entries or ()}
+    rows_q, rows_k = shapes["q"][0] // tp_size, shapes["k"][0] // tp_size
+    cols_o = shapes["o"][1] // tp_size
+    params = {
+        "qkv": torch.nn.Parameter(torch.empty(rows_q + rows_k, 256), requires_grad=False),
+        "norm": torch.nn.Parameter(torch.empty(256), requires_grad=False),
+        "o": torch.nn.Parameter(torch.empty(256, cols_o), requires_grad=False),
+    }
+    watch = CopyWatch(origins, params.items(), tp_size=tp_size, adopt=True)  # type: ignore[arg-type]
+    with watch:
+        for name, tensor in stream:
+            if name == "q":
+                params["qkv"].data.narrow(0, 0, rows_q).copy_(tensor.narrow(0, 0, rows_q))
+            elif name == "k":
+                params["qkv"].data.narrow(0, rows_q, rows_k).copy_(tensor.narrow(0, 0, rows_k))
+            elif name == "o":
+                params["o"].data.copy_(tensor.narrow(1, 0, cols_o))
+            else:
+                params["norm"].data.copy_(tensor)
+    stream.close()
+    return params, watch
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_weight_loader_copies_give_the_stored_values(tmp_path: Path, tp_size: int) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    params, watch = _load(path, tp_size)
+    rows_q, rows_k = tensors["q"].shape[0] // tp_size, tensors["k"].shape[0] // tp_size
+    expected_qkv = torch.cat([tensors["q"][:rows_q], tensors["k"][:rows_k]])
+    assert torch.equal(params["qkv"], expected_qkv)
+    assert torch.equal(params["o"], tensors["o"][:, : tensors["o"].shape[1] // tp_size])
+    assert torch.equal(params["norm"], tensors["norm"])
+    if tp_size == 1:
+        # the norm and o, parameters kept exactly as stored, became views of the file; the rows
+        # of the fused parameter were copied by the engine, not by torch
+        assert watch.adopted == 2
+        assert watch.engine_bytes == expected_qkv.nbytes
+    else:
+        # the norm alone is kept whole; a rank's slices are read alone, then copied by torch
+        # (see CopyWatch's docstring)
+        assert watch.adopted == 1
+        assert watch.engine_bytes == 0 and watch.slices_read >= 3
+
+
+def test_a_copy_of_another_shape_names_the_file_and_the_tensor(tmp_path: Path) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    origins: dict[int, object] = {}
+    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
+    wrong = torch.empty(3, 256)
+    with (
+        pytest.raises(ModelMismatchError, match=rf"{path}: tensor 'k'.*\[shape-mismatch\]"),
+        CopyWatch(origins, [], tp_size=1, adopt=True),  # type: ignore[arg-type]
+    ):
+        for name, tensor in stream:
+            if name == "k":
+                wrong.copy_(tensor)
+    stream.close()
+
+
+def _present_pages(address: int, nbytes: int) -> int:
+    """How many pages of ``[address, address + nbytes)`` this process has mapped (pagemap)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = address // page, (address + nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return sum(1 for i in range(0, len(raw), 8) if raw[i + 7] & 0x80)
+
+
+def test_an_adopted_parameter_replaced_later_leaves_the_page_tables(tmp_path: Path) -> None:
+    # vLLM's post-load processing replaces parameters (on CPU: every linear weight, repacked);
+    # the checkpoint pages of the one replaced must not stay counted in the server's RSS
+    path, tensors = _checkpoint(tmp_path)
+    params, watch = _load(path, tp_size=1)
+    o = params["o"]
+    assert watch.adopted == 2 and torch.equal(o, tensors["o"])  # read: its pages are mapped
+    address, nbytes = o.data_ptr(), o.numel() * o.element_size()
+    assert _present_pages(address, nbytes) >= nbytes // os.sysconf("SC_PAGE_SIZE") - 1
+    o.data = torch.zeros_like(o.data)  # what post-processing does: a new tensor in its place
+    gc.collect()
+    assert _present_pages(address, nbytes) <= 2  # at most the pages shared with neighbours
+    assert torch.equal(params["norm"], tensors["norm"])  # the other views are untouched
