@@ -1,23 +1,32 @@
 """Model-zoo parity: fastload loads every zoo model type exactly as transformers does.
 
-Each type of :func:`zoo_models.zoo_types` (transformers' own registries) is built tiny with
-random weights, saved with transformers' ``save_pretrained``, then loaded by
-``Cls.from_pretrained`` and by ``fastload.from_pretrained(Cls, dir)``; the two models must have
-the same tensor names, parameter/buffer roles, dtypes, bitwise values, tie groups,
-non-persistent buffers and outputs. A tensor transformers itself initializes (missing from the
-checkpoint) is random on both sides, so it is compared on what initialization fixes: constant
-values and zeroed (padding) rows.
+Each type of :func:`zoo_models.zoo_types` (transformers' own registries: text, vision, audio
+and composite models) is built tiny with random weights, saved with transformers'
+``save_pretrained``, then loaded by ``Cls.from_pretrained`` and by
+``fastload.from_pretrained(Cls, dir)``; the two must raise the same error or give the same
+tensor names, parameter/buffer roles, dtypes, bitwise values, tie groups, non-persistent
+buffers, outputs and loading info (:mod:`zoo_compare`). A tensor transformers itself
+initializes (missing from the checkpoint) is random on both sides, so it is compared on what
+initialization fixes: constant values and zeroed (padding) rows.
+
+The cells of a type: its main class's checkpoint in fp32, bf16 and fp16 (under
+``dtype="auto"``), bf16 loaded as fp16, fp32 converted to bf16, and sharded; the base model's
+checkpoint into the main class and back; the main class's checkpoint into every other class
+registered for the type; for a composite type, its checkpoint into each sub-model's class and
+each sub-model's checkpoint into the composite classes; and the fp32 load under
+``fastload.patch_transformers()``, where transformers' contract rules outright. A documented
+deliberate difference (:mod:`zoo_compare`) passes and is counted apart
+(``conftest.zoo_summary``).
 
 Only :data:`zoo_models.FAST_TYPES` run by default; the whole zoo runs with ``--zoo`` (or
-``-m zoo`` for the types outside the fast subset). A type that cannot be built tiny is skipped
-with the reason.
+``-m zoo``). A type that cannot be built tiny is skipped with the reason.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import logging
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,38 +34,47 @@ from typing import Any
 import pytest
 import torch
 
-import fastload
-from fastload.core.tying import find_tie_groups
-
 pytest.importorskip("transformers")
 
-from tiny_models import model_tensors, outputs_of  # noqa: E402
+from zoo_compare import assert_loads_alike, load_pair  # noqa: E402
 from zoo_models import (  # noqa: E402
     FAST_TYPES,
     NotTiny,
     ZooType,
     build,
-    checked_model,
-    example_inputs,
-    model_class,
+    registered_classes,
+    sub_config_keys,
+    sub_model,
     tiny_config,
+    zoo_type,
     zoo_types,
 )
 
-
-def _params() -> list[Any]:
-    return [
-        pytest.param(
-            t, id=t.model_type, marks=() if t.model_type in FAST_TYPES else pytest.mark.zoo
-        )
-        for t in zoo_types()
-    ]
-
-
-ZOO = _params()
-#: the conversions fastload plans as reads (fastload.hf.conversions)
-PLANNED_CONVERSIONS = ("MergeModulelist", "Concatenate", "Chunk", "Split")
 _ROOT = Path(tempfile.mkdtemp(prefix="fastload-zoo-"))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """The cells: every type under ``--zoo`` (or ``-m`` naming zoo), the fast subset otherwise
+    (nothing else is even collected, so a default run stays lean)."""
+    config = metafunc.config
+    full = config.getoption("--zoo") or "zoo" in (config.getoption("markexpr") or "")
+    types = zoo_types() if full else tuple(t for t in zoo_types() if t in FAST_TYPES)
+    patterns = [p for p in config.getoption("--zoo-types").split(",") if p]
+    if patterns:
+        types = tuple(t for t in types if any(fnmatch.fnmatchcase(t, p) for p in patterns))
+
+    def param(value: Any, model_type: str, id: str) -> Any:
+        marks = () if model_type in FAST_TYPES else pytest.mark.zoo
+        return pytest.param(value, id=id, marks=marks)
+
+    if "zoo" in metafunc.fixturenames:
+        metafunc.parametrize("zoo", [param(t, t, t) for t in types])
+    if "zoo_class" in metafunc.fixturenames:
+        cells = [(t, c) for t in types for c in registered_classes(t)]
+        metafunc.parametrize("zoo_class", [param(c, c[0], f"{c[0]}-{c[1]}") for c in cells])
+    if "zoo_sub" in metafunc.fixturenames:
+        cells = [(t, k) for t in types for k in sub_config_keys(t)]
+        metafunc.parametrize("zoo_sub", [param(c, c[0], f"{c[0]}-{c[1]}") for c in cells])
 
 
 @pytest.fixture(autouse=True)
@@ -71,169 +89,163 @@ def _quiet_transformers():
     logging.getLogger("fastload").setLevel(logging.NOTSET)
 
 
-@functools.cache
-def _checkpoint(zoo: ZooType, variant: str) -> Path | NotTiny:
-    """The type's checkpoint ``variant``: ``head``/``base`` (fp32), ``bf16``/``fp16`` (the head
-    model converted before saving) or ``sharded`` (the fp32 head model in small shards)."""
-    directory = _ROOT / zoo.model_type / variant
+@pytest.fixture
+def cell(request: pytest.FixtureRequest, record_property: Any) -> Any:
+    """Records the cell's type, and returns the recorder of its documented differences."""
+    params = request.node.callspec.params
+    value = params.get("zoo") or params.get("zoo_class") or params.get("zoo_sub")
+    record_property("zoo_type", value if isinstance(value, str) else value[0])
+
+    def differences(found: list[str]) -> None:
+        for text in found:
+            record_property("zoo_difference", text)
+
+    return differences
+
+
+def resolved(model_type: str) -> ZooType:
     try:
-        if variant == "base":
-            model = build(zoo.base, tiny_config(zoo.model_type), seed=1)
-        else:
-            model = checked_model(zoo)
+        return zoo_type(model_type)
     except NotTiny as e:
-        return e
-    kwargs: dict[str, Any] = {}
+        pytest.skip(f"{model_type}: {e}")
+
+
+def _saved_model(model_type: str, variant: str, sub: str | None = None) -> torch.nn.Module:
+    """The model a checkpoint of the type is saved from (seeded: the same on every call)."""
+    zoo = zoo_type(model_type)
+    config = tiny_config(model_type)
+    if sub is not None:
+        return build(sub_model(model_type, sub), getattr(config, sub))
+    if variant == "base":
+        if zoo.base is None:
+            raise NotTiny(f"no base model class takes the {model_type} config")
+        return build(zoo.base, config, seed=1)
+    model = build(zoo.head, config)
     if variant in ("bf16", "fp16"):
         model = model.to(torch.bfloat16 if variant == "bf16" else torch.float16)
+    return model
+
+
+@functools.cache
+def _saved(model_type: str, variant: str, sub: str | None = None) -> Path | NotTiny:
+    """A checkpoint of the type: ``head``/``base`` (fp32), ``bf16``/``fp16`` (the main class
+    converted before saving), ``sharded`` (fp32 in small shards); with ``sub``, the checkpoint
+    of that sub-config's model class."""
+    try:
+        model = _saved_model(model_type, variant, sub)
+    except NotTiny as e:
+        e.__context__ = e.__cause__ = None  # their frames hold models
+        return e.with_traceback(None)
+    kwargs: dict[str, Any] = {}
     if variant == "sharded":
         kwargs["max_shard_size"] = "20KB"
-    model.save_pretrained(directory, **kwargs)
+    directory = _ROOT / model_type / (variant if sub is None else f"sub-{sub}")
+    try:
+        model.save_pretrained(directory, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers cannot save its own model
+        return NotTiny(f"save_pretrained fails: {type(e).__name__}: {str(e)[:200]}")
     return directory
 
 
-def checkpoint(zoo: ZooType, variant: str = "head") -> Path:
-    found = _checkpoint(zoo, variant)
+def saved_model(model_type: str, variant: str = "head", sub: str | None = None) -> Any:
+    """A builder of the model the checkpoint was saved from, to check a tensor against."""
+    return functools.partial(_saved_model, model_type, variant, sub)
+
+
+def checkpoint(model_type: str, variant: str = "head", sub: str | None = None) -> Path:
+    found = _saved(model_type, variant, sub)
     if isinstance(found, NotTiny):
-        pytest.skip(f"{zoo.model_type}: {found}")
+        pytest.skip(f"{model_type}: {found}")
     return found
 
 
-def load_both(class_name: str, directory: Path, **kwargs: Any):
-    """(fastload's model and report, transformers' model and missing keys)."""
-    cls = model_class(class_name)
-    theirs, info = cls.from_pretrained(directory, output_loading_info=True, **kwargs)
-    try:
-        ours, report = fastload.from_pretrained(cls, directory, output_loading_info=True, **kwargs)
-    except fastload.UnsupportedError as e:
-        # A conversion fastload does not plan (README: deliberate differences): reported as a
-        # skip with its name, so a planned one (MoE merges, qkv splits) that regresses fails.
-        found = re.search(r"needs transformers' (\w+) conversion", str(e))
-        if found is None or found.group(1) in PLANNED_CONVERSIONS:
-            raise
-        pytest.skip(f"transformers converts with {found.group(1)}, which fastload does not plan")
-    except fastload.CheckpointError as e:
-        # transformers loads none of the tensors and initializes the whole model; fastload
-        # refuses a load where no name matches (README: deliberate differences).
-        if "none of its" not in str(e) or not set(theirs.state_dict()) <= set(info["missing_keys"]):
-            raise
-        pytest.skip("no checkpoint name matches the model: transformers initializes everything")
-    return ours, report, theirs.eval(), set(info["missing_keys"])
+def check(cell: Any, class_name: str, directory: Path, saved: Any = None, **kwargs: Any) -> None:
+    ours, theirs = load_pair(class_name, directory, **kwargs)
+    cell(assert_loads_alike(ours, theirs, saved=saved))
 
 
-def _ties(model: torch.nn.Module) -> set[frozenset[str]]:
-    return {frozenset(g) for g in find_tie_groups(model)}
-
-
-def _initialized_alike(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
-    """What initialization decides regardless of the random stream: constants and zero rows."""
-    if theirs.numel() == 0 or not theirs.is_floating_point():
-        return
-    assert not torch.isnan(ours).any(), f"{name}: left uninitialized"
-    flat = theirs.float().flatten()
-    if bool((flat == flat[0]).all()):
-        assert torch.equal(ours, theirs), f"{name}: transformers gives the constant {flat[0]}"
-        return
-    if theirs.dim() == 2:
-        zero_rows = (theirs == 0).all(dim=1)
-        assert torch.equal((ours[zero_rows] == 0).all(dim=1), zero_rows[zero_rows]), (
-            f"{name}: rows {zero_rows.nonzero().flatten().tolist()} are zero in transformers"
-        )
-
-
-def assert_like_transformers(
-    ours: torch.nn.Module,
-    theirs: torch.nn.Module,
-    *,
-    missing: set[str] = frozenset(),  # type: ignore[assignment]
-    outputs: bool = True,
+@pytest.mark.parametrize(
+    "variant, kwargs",
+    [
+        pytest.param("head", {}, id="fp32"),
+        pytest.param("bf16", {"dtype": "auto"}, id="bf16-auto"),
+        pytest.param("fp16", {"dtype": "auto"}, id="fp16-auto"),
+        pytest.param("bf16", {"dtype": torch.float16}, id="bf16-as-fp16"),
+        pytest.param("head", {"dtype": torch.bfloat16}, id="fp32-as-bf16"),
+        pytest.param("sharded", {}, id="sharded"),
+    ],
+)
+def test_checkpoint_of_the_main_class_loads_like_transformers(
+    zoo: str, variant: str, kwargs: dict[str, Any], cell: Any
 ) -> None:
-    """Names, roles, dtypes, values (bitwise, except tensors both initialize), ties, outputs.
-
-    Outputs of bitwise-equal tensors are compared bitwise, with a rounding-level tolerance as a
-    fallback: kernels may round differently by memory alignment (transformers' tensors can be
-    views of a mapped shard file at any offset)."""
-    a, e = model_tensors(ours), model_tensors(theirs)
-    assert sorted(a) == sorted(e), f"names differ: {sorted(set(a) ^ set(e))}"
-    params = {n for n, _ in ours.named_parameters(remove_duplicate=False)}
-    assert params == {n for n, _ in theirs.named_parameters(remove_duplicate=False)}
-    initialized = set(missing)
-    for group in find_tie_groups(theirs):
-        if initialized & set(group):
-            initialized |= set(group)
-    for name, expected in e.items():
-        got = a[name]
-        assert got.shape == expected.shape, f"{name}: shape {got.shape} != {expected.shape}"
-        assert got.dtype == expected.dtype, f"{name}: dtype {got.dtype} != {expected.dtype}"
-        assert got.device.type != "meta", f"{name}: left on meta"
-        if name in initialized:
-            _initialized_alike(name, got, expected)
-        else:
-            assert torch.equal(got, expected), (
-                f"{name}: values differ (max {(got.double() - expected.double()).abs().max()})"
-            )
-    assert _ties(ours) == _ties(theirs)
-    if outputs and not initialized:
-        inputs = example_inputs(theirs)
-        try:
-            expected_out = outputs_of(theirs, inputs)
-        except Exception:  # noqa: BLE001 - transformers' own forward fails: nothing to compare
-            return
-        got_out = outputs_of(ours, inputs)
-        assert len(got_out) == len(expected_out)
-        for i, (x, y) in enumerate(zip(got_out, expected_out, strict=True)):
-            if not torch.equal(x, y):
-                torch.testing.assert_close(x, y, msg=f"output {i} differs")
+    check(cell, resolved(zoo).head, checkpoint(zoo, variant), saved_model(zoo, variant), **kwargs)
 
 
-@pytest.mark.parametrize("zoo", ZOO)
-def test_fp32_checkpoint_loads_like_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo))
-    assert_like_transformers(ours, theirs, missing=missing)
+def test_base_checkpoint_loads_into_the_head_class_like_transformers(zoo: str, cell: Any) -> None:
+    check(cell, resolved(zoo).head, checkpoint(zoo, "base"), saved_model(zoo, "base"))
 
 
-@pytest.mark.parametrize("zoo", ZOO)
-def test_bf16_checkpoint_under_auto_dtype_loads_like_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo, "bf16"), dtype="auto")
-    assert_like_transformers(ours, theirs, missing=missing)
+def test_head_checkpoint_loads_into_the_base_class_like_transformers(zoo: str, cell: Any) -> None:
+    base = resolved(zoo).base
+    if base is None:
+        pytest.skip(f"{zoo}: no base model class takes the {zoo} config")
+    check(cell, base, checkpoint(zoo), saved_model(zoo))
 
 
-@pytest.mark.parametrize("zoo", ZOO)
-def test_fp16_checkpoint_under_auto_dtype_loads_like_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo, "fp16"), dtype="auto")
-    assert_like_transformers(ours, theirs, missing=missing)
-
-
-@pytest.mark.parametrize("zoo", ZOO)
-def test_bf16_checkpoint_loaded_as_fp16_matches_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo, "bf16"), dtype=torch.float16)
-    assert_like_transformers(ours, theirs, missing=missing)
-
-
-@pytest.mark.parametrize("zoo", ZOO)
-def test_fp32_checkpoint_converted_to_bf16_matches_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo), dtype=torch.bfloat16)
-    assert_like_transformers(ours, theirs, missing=missing)
-
-
-@pytest.mark.parametrize("zoo", ZOO)
-def test_sharded_checkpoint_loads_like_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo, "sharded"))
-    assert_like_transformers(ours, theirs, missing=missing)
-
-
-@pytest.mark.parametrize("zoo", ZOO)
-def test_base_checkpoint_loads_into_the_head_class_like_transformers(zoo: ZooType) -> None:
-    ours, _, theirs, missing = load_both(zoo.head, checkpoint(zoo, "base"))
-    assert_like_transformers(ours, theirs, missing=missing)
-
-
-@pytest.mark.parametrize("zoo", ZOO)
-def test_head_checkpoint_loads_into_the_base_class_like_transformers(zoo: ZooType) -> None:
-    directory = checkpoint(zoo)
+def test_head_checkpoint_loads_into_every_class_of_the_type_like_transformers(
+    zoo_class: tuple[str, str], cell: Any
+) -> None:
+    model_type, class_name = zoo_class
+    zoo = resolved(model_type)
+    if class_name in (zoo.head, zoo.base):
+        pytest.skip(f"{class_name} is the type's main or base class (the cells above)")
+    directory = checkpoint(model_type)
     try:
-        build(zoo.base, tiny_config(zoo.model_type))
+        build(class_name, tiny_config(model_type))
     except NotTiny as e:
-        pytest.skip(f"{zoo.model_type}: {e}")
-    ours, _, theirs, missing = load_both(zoo.base, directory)
-    assert_like_transformers(ours, theirs, missing=missing)
+        pytest.skip(f"{model_type}: {e}")
+    check(cell, class_name, directory, saved_model(model_type))
+
+
+def test_composite_checkpoint_loads_into_its_sub_model_class_like_transformers(
+    zoo_sub: tuple[str, str], cell: Any
+) -> None:
+    model_type, key = zoo_sub
+    resolved(model_type)
+    directory = checkpoint(model_type)
+    try:
+        sub_class = sub_model(model_type, key)
+        build(sub_class, getattr(tiny_config(model_type), key))
+    except NotTiny as e:
+        pytest.skip(f"{model_type}: {e}")
+    check(cell, sub_class, directory, saved_model(model_type))
+
+
+@pytest.mark.parametrize("target", ["head", "base"])
+def test_sub_model_checkpoint_loads_into_the_composite_class_like_transformers(
+    zoo_sub: tuple[str, str], target: str, cell: Any
+) -> None:
+    model_type, key = zoo_sub
+    zoo = resolved(model_type)
+    class_name = zoo.head if target == "head" else zoo.base
+    if class_name is None or (target == "base" and class_name == zoo.head):
+        pytest.skip(f"{model_type}: no base class apart from {zoo.head}")
+    checkpoint(model_type)  # the composite model is tiny
+    directory = checkpoint(model_type, sub=key)
+    # the sub-model's config.json does not say the composite's sizes: the caller gives them
+    saved = saved_model(model_type, "", key)
+    check(cell, class_name, directory, saved, config=tiny_config(model_type))
+
+
+@pytest.mark.usefixtures("unpatched")
+@pytest.mark.parametrize(
+    "variant, kwargs",
+    [pytest.param("head", {}, id="fp32"), pytest.param("bf16", {"dtype": "auto"}, id="bf16-auto")],
+)
+def test_checkpoint_loads_under_the_patch_exactly_like_transformers(
+    zoo: str, variant: str, kwargs: dict[str, Any], cell: Any
+) -> None:
+    ours, theirs = load_pair(resolved(zoo).head, checkpoint(zoo, variant), patched=True, **kwargs)
+    if not ours.served:
+        pytest.skip(f"{zoo}: the patch leaves this load to transformers")
+    cell(assert_loads_alike(ours, theirs, patched=True))

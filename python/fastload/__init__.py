@@ -25,6 +25,7 @@ from fastload.core.errors import (
     SafetensorError,
     TensorNotFoundError,
     TensorRefusedError,
+    UninitializedTensorError,
     UnsupportedError,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "SafetensorError",
     "LoadCancelledError",
     "MemoryBudgetError",
+    "UninitializedTensorError",
     "__version__",
     *_EXPORTS,
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno as _errno
 import os
+from typing import Any, TypeVar
 
 
 class FastloadError(Exception):
@@ -72,6 +73,13 @@ class MemoryBudgetError(FastloadError, MemoryError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class UninitializedTensorError(CheckpointError):
+    """A tensor the checkpoint lacks that nothing initializes: no init function of its model,
+    no ``reset_parameters()``, and no constructor value fastload could keep (too large, or
+    computed from a parameter on ``meta``, as a weight norm's ``original0``). transformers
+    leaves such a tensor as ``torch.empty`` left it; fastload refuses to."""
 
 
 class PickleRefusedError(CheckpointError):
@@ -189,3 +197,40 @@ __all__ = [
     "LoadCancelledError",
     "MemoryBudgetError",
 ]
+
+
+_E = TypeVar("_E", bound=FastloadError)
+
+
+def also_as(error_class: type[_E], original: BaseException) -> type[_E]:
+    """``error_class``, made also a subclass of ``original``'s class where Python allows it.
+
+    For an error fastload raises in place of another library's (a model that cannot be built
+    from its config raises whatever the model's code raises: ``KeyError``, ``AttributeError``
+    ...): code written to catch that library's error keeps catching fastload's, which still is
+    a :class:`FastloadError` with fastload's message. ``error_class`` itself where the two
+    cannot be combined (an exception class with its own memory layout, a final class).
+    """
+    base = type(original)
+    if issubclass(error_class, base) or not issubclass(base, Exception):
+        return error_class
+    try:
+        return _combined(error_class, base)
+    except TypeError:
+        return error_class
+
+
+_COMBINED: dict[tuple[type, type], type] = {}
+
+
+def _combined(error_class: type[_E], base: type[Exception]) -> type[_E]:
+    key = (error_class, base)
+    if key not in _COMBINED:
+
+        def __str__(self: BaseException) -> str:  # KeyError would repr() the message
+            return str(self.args[0]) if self.args else ""
+
+        namespace: dict[str, Any] = {"__module__": error_class.__module__, "__str__": __str__}
+        namespace["__doc__"] = error_class.__doc__
+        _COMBINED[key] = type(error_class.__name__, (error_class, base), namespace)
+    return _COMBINED[key]

@@ -110,6 +110,18 @@ class ModelHooks:
         (``CheckpointError``); a sort key of checkpoint names: the first in that order loads."""
         return None
 
+    def resolve_names(self, model: nn.Module) -> Callable[[str, str, set[str]], str] | None:
+        """The family's own last step of mapping a checkpoint name, in place of the core's
+        base-model prefix change and legacy rename (:class:`fastload.core.keys.KeyRules`):
+        (name after the renames, stored name, model names) -> model-side name."""
+        return None
+
+    def tie_source_order(self, model: nn.Module) -> Callable[[str], Any] | None:
+        """Which stored member of a tie group the group takes its values from when the
+        checkpoint holds several (the others are compared with it, and untied if they differ):
+        a sort key of model names, the least first; ``None``: the first in the model's order."""
+        return None
+
     def refuse_no_match(self) -> bool:
         """Whether a checkpoint none of whose tensors matches the model is refused
         (``CheckpointError``: a checkpoint of another model, or the wrong file); ``False``

@@ -146,8 +146,9 @@ class KeyRules:
     """How checkpoint names become model names in one load (see the module docstring for the
     order): the model's base-model prefix, the caller's ``key_map``, the model family's
     ``renames`` (or a builder of them, called only when some name does not match directly),
-    the non-persistent buffers the model ``computed`` itself, and the family's
-    ``collision_order`` (see :func:`map_keys`)."""
+    the non-persistent buffers the model ``computed`` itself, the family's
+    ``collision_order`` (see :func:`map_keys`), and the family's own ``resolve`` step, which
+    replaces the prefix change and the legacy rename where the family has one."""
 
     base_model_prefix: str | None = None
     key_map: Rename | None = None
@@ -156,6 +157,9 @@ class KeyRules:
     source: str = "checkpoint"
     computed: Collection[str] = ()
     collision_order: Callable[[str], object] | None = None
+    #: the family's own last step instead of the prefix change and legacy rename: (name after
+    #: the renames, stored name, model names) -> model-side name
+    resolve: Callable[[str, str, set[str]], str] | None = None
 
     def rename(self, name: str) -> str:
         """``name`` after the caller's ``key_map``."""
@@ -169,6 +173,9 @@ def map_keys(
 
     ``rules.renames`` may be a callable that builds them: it is called only when some name does
     not match a model name (or one of the ``computed`` buffers the model fills itself) directly.
+    The base-model prefix is added to a name that is a model name already when the checkpoint
+    is one of the base model's (none of its names has the prefix) and the model holds the base
+    model under the prefix.
     Two checkpoint tensors landing on the same model name is a ``CheckpointError`` naming both;
     with ``rules.collision_order`` (a sort key of checkpoint names) the first of them in that
     order lands there instead, and the other is dropped (neither matched nor unexpected).
@@ -186,11 +193,28 @@ def map_keys(
     owner: dict[str, str] = {}
     if collision_order is not None:
         checkpoint_keys.sort(key=collision_order)
+    named = []
     for original in checkpoint_keys:
         mapped = name = key_map(original) if key_map is not None else original
         for rename in renames:
             name = rename(name)
-        if name not in model_keys:
+        named.append((original, mapped, name))
+    # A checkpoint of the base model (none of its names carries the prefix) into a model holding
+    # the base model under the prefix: every name is one of the base model's, also where a head
+    # layer has the same name (Pixio's `layernorm` beside `pixio.layernorm`).
+    dotted = f"{base_model_prefix}." if base_model_prefix else ""
+    base_checkpoint = (
+        bool(dotted)
+        and rules.resolve is None
+        and not any(name.startswith(dotted) for _, _, name in named)
+        and any(key.startswith(dotted) for key in model_keys)
+    )
+    for original, mapped, name in named:
+        if rules.resolve is not None:
+            name = rules.resolve(name, original, model_keys)
+        elif base_checkpoint and dotted + name in model_keys:
+            name = dotted + name
+        elif name not in model_keys:
             name = adjust(name, base_model_prefix, model_keys)
         if name not in model_keys and mapped in model_keys:
             # A registered rename broad enough to hit a name the model already has (DeepSeek-V4
@@ -285,16 +309,26 @@ class Authorization:
     def missing_ok(self, name: str) -> bool:
         return self.missing is not None and self.missing.search(name) is not None
 
+    def unexpected_declared(self, name: str, mapped: str) -> bool:
+        """Whether the model class declares checkpoint tensor ``name`` (model-side ``mapped``)
+        as expected to be unused. The patterns are searched in the model-side name, as
+        transformers searches them (Sam3Model's ``^tracker_model.`` does not cover
+        ``tracker_model.mask_decoder.*``, which its renames turn into ``mask_decoder.*``)."""
+        return self.unexpected is not None and self.unexpected.search(mapped) is not None
+
     def unexpected_ok(self, model: nn.Module, name: str, mapped: str, prefix: str | None) -> bool:
-        """Whether checkpoint tensor ``name`` (model-side ``mapped``) is expected to be unused."""
-        if self.unexpected is not None and (
-            self.unexpected.search(name) is not None or self.unexpected.search(mapped) is not None
-        ):
-            return True
-        candidates = [mapped]
-        if prefix:
-            candidates.append(f"{prefix}.{mapped}")
-        return any(declined_layer(model, c) for c in candidates)
+        """Whether checkpoint tensor ``name`` (model-side ``mapped``) is expected to be unused:
+        declared so, or a tensor of a layer the model does not build."""
+        return self.unexpected_declared(name, mapped) or declined(model, mapped, prefix)
+
+
+def declined(model: nn.Module, mapped: str, prefix: str | None) -> bool:
+    """Whether model-side name ``mapped`` lies in a layer the model does not build, with or
+    without the base-model prefix (:func:`declined_layer`)."""
+    candidates = [mapped]
+    if prefix:
+        candidates.append(f"{prefix}.{mapped}")
+    return any(declined_layer(model, c) for c in candidates)
 
 
 def format_names(names: Sequence[str], limit: int = 20) -> str:

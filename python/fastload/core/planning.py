@@ -169,6 +169,7 @@ def plan(
         source=source,
         computed=computed,
         collision_order=hooks.collision_order(),
+        resolve=hooks.resolve_names(model),
     )
     merges = hooks.merges(model, ckpt, model_keys, rules)
     merged = {p.stored for m in merges.values() for p in m.pieces}
@@ -214,16 +215,24 @@ def plan(
     # Unexpected checkpoint tensors.
     auth = _authorization(model, hooks.authorized_unexpected(model, slots))
     for ckpt_name, mapped in mapping.unmatched.items():
-        ok = (
-            mapped in computed
-            or ckpt_name in computed
-            or auth.unexpected_ok(model, ckpt_name, mapped, prefix)
-        )
-        (report.authorized_unexpected if ok else report.unexpected).append(ckpt_name)
+        if mapped != ckpt_name:
+            report.unexpected_renamed[ckpt_name] = mapped
+        if auth.unexpected_declared(ckpt_name, mapped):
+            report.authorized_unexpected.append(ckpt_name)
+        elif mapped in computed or ckpt_name in computed or keymod.declined(model, mapped, prefix):
+            # expected (a buffer the model computes, a layer it does not build), though the
+            # model class does not say so
+            report.authorized_unexpected.append(ckpt_name)
+            report.inferred_unexpected.append(ckpt_name)
+        else:
+            report.unexpected.append(ckpt_name)
 
     # What each group does, and missing model tensors.
+    tie_order = hooks.tie_source_order(model)
     for group in groups:
         group.sources.sort(key=lambda s: position[s.slot.name])
+        if tie_order is not None and len(group.sources) > 1:
+            group.sources.sort(key=lambda s: tie_order(s.slot.name))
         if group.sources:
             group.action = Action.LOAD
             continue

@@ -38,6 +38,13 @@ class LoadReport:
     tied: list[list[str]] = field(default_factory=list)
     authorized_missing: list[str] = field(default_factory=list)
     authorized_unexpected: list[str] = field(default_factory=list)
+    #: the authorized unexpected names the model class does not declare, found expected by
+    #: fastload: tensors of layers the model does not build (``add_pooling_layer=False``),
+    #: buffers it computes itself; transformers lists these as unexpected
+    inferred_unexpected: list[str] = field(default_factory=list)
+    #: checkpoint name -> its name after the ``key_map`` and the model family's renames, for
+    #: unused checkpoint tensors where they differ (the names transformers lists)
+    unexpected_renamed: dict[str, str] = field(default_factory=dict)
     #: checkpoint name -> model name, where they differ (prefix, legacy names, key_map)
     renamed: dict[str, str] = field(default_factory=dict)
     #: model tensors initialized the model's own way
@@ -93,10 +100,12 @@ class LoadReport:
     def to_dict(self) -> dict[str, Any]:
         """The keys and types transformers' ``output_loading_info`` dict has, for code written
         against it: sets of names (and of ``(name, checkpoint shape, model shape)``), a list of
-        error messages."""
+        error messages. The names are the ones transformers lists: unused checkpoint tensors
+        under their renamed names, those of layers the model does not build included."""
+        unused = [*self.unexpected, *self.inferred_unexpected]
         return {
             "missing_keys": set(self.missing),
-            "unexpected_keys": set(self.unexpected),
+            "unexpected_keys": {self.unexpected_renamed.get(n, n) for n in unused},
             "mismatched_keys": {(n, tuple(c), tuple(m)) for n, c, m in self.mismatched},
             "error_msgs": [],
         }

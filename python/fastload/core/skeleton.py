@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.errors import CheckpointError, RequestError
+from fastload.core.errors import RequestError, UninitializedTensorError
 
 logger = logging.getLogger("fastload")
 
@@ -171,7 +171,7 @@ def initialize(
     with NaN: one that is still all NaN afterwards was not initialised by anything; it gets the
     value its constructor gave it (kept for parameters of up to
     :data:`CONSTRUCTOR_VALUE_MAX_ELEMENTS` elements) with a warning naming it, and without one it
-    is a ``CheckpointError`` naming it.
+    is an ``UninitializedTensorError`` (a ``CheckpointError``) naming it.
     """
     if not targets:
         return
@@ -187,7 +187,7 @@ def initialize(
                 kept.append(name)
                 continue
             owner = _owner_name(model, name)
-            raise CheckpointError(
+            raise UninitializedTensorError(
                 f"{name}: not in the checkpoint, and {owner} does not initialize it; put it in the "
                 "checkpoint or pass missing='error' to find such tensors up front"
             )
@@ -233,7 +233,7 @@ def _initialize_torch(model: nn.Module, targets: dict[str, torch.Tensor], ids: s
     for name, module in owners.values():
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset):
-            raise CheckpointError(
+            raise UninitializedTensorError(
                 f"{name}: not in the checkpoint, and its module ({type(module).__name__}) has no "
                 "reset_parameters() to initialize it"
             )

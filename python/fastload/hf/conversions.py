@@ -134,6 +134,24 @@ def plan_merges(
     return merges
 
 
+#: the operations fastload plans as reads: merges of expert tensors, splits of fused ones
+PLANNED = ("MergeModulelist", "Concatenate", "Chunk", "Split")
+
+
+def _unplanned(converter: Any, stored: str, source: str) -> UnsupportedError:
+    """The refusal of a conversion fastload does not plan, naming the operation it lacks
+    (``PermuteForRope`` in a ``Chunk`` then ``PermuteForRope`` conversion)."""
+    kinds = [type(op).__name__ for op in converter.operations]
+    lacking = next((k for k in kinds if k not in PLANNED), kinds[0])
+    steps = f" ({' then '.join(kinds)})" if len(kinds) > 1 else ""
+    return UnsupportedError(
+        f"{source}: tensor {stored!r} needs transformers' {lacking} conversion{steps}: "
+        f"{converter.source_patterns} -> {converter.target_patterns}; fastload plans merges of "
+        "expert tensors (MergeModulelist, Concatenate) and splits of fused ones (Chunk, Split) "
+        "alone. Load it once with transformers and save it with fastload.save_pretrained"
+    )
+
+
 def _conversion_error(text: str) -> ModelMismatchError:
     """A conversion that cannot be made: a ``RuntimeError`` (and a ``CheckpointError``) in
     transformers' words, as its loader raises after a failed conversion."""
@@ -225,12 +243,7 @@ def _merge(
             leaves = [leaf for p in order for leaf in _leaves(parts[p], names)]
             parts = {"": _concatenate(leaves, op.dim, source)}
         else:
-            raise UnsupportedError(
-                f"{source}: tensor {first!r} needs transformers' {kind} conversion "
-                f"({converter.source_patterns} -> {converter.target_patterns}); fastload merges "
-                "expert tensors (MergeModulelist, Concatenate) only. Load it once with "
-                "transformers and save it with fastload.save_pretrained"
-            )
+            raise _unplanned(converter, first, source)
     if len(parts) != 1:
         raise UnsupportedError(
             f"{source}: tensor {first!r}: transformers' conversion {converter.source_patterns} -> "

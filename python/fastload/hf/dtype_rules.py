@@ -15,17 +15,24 @@ same):
   DeBERTa's and Reformer's float32 tensors, ESM's ``inv_freq``...) keeps that dtype.
 * ``dtype="stored"`` keeps each tensor's stored dtype; it is also what ``"auto"`` means for
   models that are not transformers models, and for a module passed in already built.
+* An integer tensor keeps its integer dtype; under the patch, where transformers' result is the
+  contract, one loaded into a module kept in float32 becomes float32 as transformers makes it
+  (BatchNorm's ``num_batches_tracked`` in Granite Speech's ``conv.norm``).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.dtypes import CONVERTIBLE, parse_dtype, to_st
+
+if TYPE_CHECKING:
+    from fastload.core.report import LoadReport
 
 
 def _floating(value: Any) -> torch.dtype | None:
@@ -65,3 +72,22 @@ def keep_fp32_pattern(model: Any, dtype: torch.dtype | None) -> re.Pattern[str] 
     if not patterns:
         return None
     return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
+def cast_kept_integers(model: nn.Module, keep_fp32: re.Pattern[str], report: LoadReport) -> None:
+    """Loaded integer tensors of the modules kept in float32, made float32 as transformers'
+    loader casts every tensor of those modules to float32 (its dtype plan), integers included."""
+    not_loaded = {*report.missing, *report.authorized_missing, *report.initialized}
+    not_loaded |= {name for name, _, _ in report.mismatched}
+    for prefix, module in model.named_modules():
+        for store in (module._parameters, module._buffers):
+            for attr, tensor in list(store.items()):
+                name = f"{prefix}.{attr}" if prefix else attr
+                if tensor is None or tensor.is_floating_point() or tensor.is_complex():
+                    continue
+                if name in not_loaded or keep_fp32.search(name) is None:
+                    continue
+                if attr in module._non_persistent_buffers_set:
+                    continue  # never in a checkpoint
+                cast = tensor.to(torch.float32)
+                store[attr] = nn.Parameter(cast) if store is module._parameters else cast

@@ -28,6 +28,7 @@ from fastload.core.errors import (
     FastloadError,
     FastloadFileNotFoundError,
     RequestError,
+    also_as,
 )
 from fastload.core.load_options import LoadOptions
 from fastload.core.loading import Target, load, plain_target
@@ -221,11 +222,16 @@ def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:
 
 
 def _bad_config(cls: type, cfg: Any) -> CheckpointError:
+    """The error for a model that cannot be built from its config: a ``CheckpointError`` that
+    is also the error the model's code raised (transformers' ``from_pretrained`` lets that one
+    through, so code catching it keeps working)."""
     import sys
 
     error = sys.exc_info()[1]
+    assert error is not None
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return CheckpointError(
+    error_class = also_as(CheckpointError, error)
+    return error_class(
         f"{cfg.name_or_path or 'config'}: {cls.__name__} cannot be built from this config "
         f"({type(error).__name__}: {text})"
     )

@@ -15,10 +15,10 @@ from torch import nn
 from fastload.core.hooks import FamilyShards, ModelHooks
 from fastload.core.skeleton import is_transformers_model
 from fastload.hf.conversions import transformers_merges
-from fastload.hf.dtype_rules import auto_dtype, keep_fp32_pattern
+from fastload.hf.dtype_rules import auto_dtype, cast_kept_integers, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
 from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
-from fastload.hf.renames import transformers_renames
+from fastload.hf.renames import transformers_prefix_rule, transformers_renames
 
 if TYPE_CHECKING:
     from fastload.core.checkpoint import OpenCheckpoint
@@ -45,6 +45,8 @@ class TransformersHooks(ModelHooks):
         self.generation_config = generation_config
         self.config = config
         self.contract = contract
+        #: the names kept in float32 in this load (fastload.hf.dtype_rules)
+        self.keep_fp32_names: re.Pattern[str] | None = None
         #: transformers' tensor parallelism (fastload.hf.dtensor_tp), when asked for
         self.tp: Any = None
         #: where the checkpoint's side files (generation_config.json) are, when the core's
@@ -62,6 +64,23 @@ class TransformersHooks(ModelHooks):
 
     def refuse_no_match(self) -> bool:
         return not self.contract
+
+    def resolve_names(self, model: nn.Module) -> Callable[[str, str, set[str]], str] | None:
+        if not self.contract:
+            return None  # fastload's: a name that is a model name stays (README)
+        return transformers_prefix_rule(getattr(model, "base_model_prefix", None))
+
+    def tie_source_order(self, model: nn.Module) -> Callable[[str], Any] | None:
+        # transformers ties after loading, pair by pair in `all_tied_weights_keys` order
+        # ({target: source}, one source per group): the source keeps its stored values if the
+        # checkpoint has it, else the first stored target in that order gives them to it, and
+        # every other stored member is compared with those and untied if it differs
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        rank = {source: 0 for source in tied.values()}
+        for i, target in enumerate(tied):
+            rank.setdefault(target, i + 1)
+        last = len(rank) + 1
+        return lambda name: rank.get(name, last)
 
     def merges(
         self,
@@ -91,7 +110,8 @@ class TransformersHooks(ModelHooks):
         return patterns
 
     def keep_fp32(self, model: nn.Module, dtype: torch.dtype | None) -> re.Pattern[str] | None:
-        return keep_fp32_pattern(model, dtype)
+        self.keep_fp32_names = keep_fp32_pattern(model, dtype)
+        return self.keep_fp32_names
 
     def prepare(self, model: nn.Module) -> None:
         prepare(model)
@@ -129,7 +149,9 @@ class TransformersHooks(ModelHooks):
             missing += [name for name, _, _ in report.mismatched]
             finish_like_transformers(model, self.tp, missing=missing)
         elif built_here:  # non-persistent buffers as transformers computes them
-            recompute_buffers(model)
+            recompute_buffers(model, every_module=self.contract)
+        if self.contract and self.keep_fp32_names is not None:
+            cast_kept_integers(model, self.keep_fp32_names, report)
         finish_transformers(
             model,
             directory=directory if directory is not None else self.directory,

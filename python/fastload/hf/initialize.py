@@ -96,7 +96,9 @@ def _under(name: str, root: str) -> bool:
     return within(root, name)
 
 
-def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool = True) -> None:
+def _initialize_transformers(
+    root: nn.Module, ids: set[int], *, parameters: bool = True, every_module: bool = False
+) -> None:
     """Runs the model's own ``initialize_weights`` on the tensors whose ids are in ``ids``.
 
     As in transformers' ``from_pretrained``: every other tensor is flagged, so its guarded init
@@ -105,7 +107,7 @@ def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool
     embedding tied to a head keeps the embedding's init, padding row zeroed. Going further than
     transformers, a module whose whole subtree is flagged is skipped, so an init function writing
     through a view (Funnel zeroes ``word_embeddings.weight[padding_idx]``) never touches a loaded
-    tensor.
+    tensor; ``every_module=True`` runs every module's init as transformers does.
     """
     tied_targets = set(getattr(root, "all_tied_weights_keys", None) or ())
     stand_ins: list[tuple[dict[str, Any], str, Any]] = []
@@ -134,7 +136,11 @@ def _initialize_transformers(root: nn.Module, ids: set[int], *, parameters: bool
                     tensor.__dict__.pop(_HF_FLAG, None)
                 else:
                     tensor.__dict__[_HF_FLAG] = True
-        _flag_loaded_subtrees(root, ids)
+        if every_module:
+            for module in root.modules():
+                module.__dict__.pop(_HF_FLAG, None)
+        else:
+            _flag_loaded_subtrees(root, ids)
         root.initialize_weights()
     finally:
         for store, attr, param in reversed(stand_ins):
@@ -160,7 +166,7 @@ def _flag_loaded_subtrees(root: nn.Module, ids: set[int]) -> bool:
     return has
 
 
-def recompute_buffers(model: nn.Module) -> None:
+def recompute_buffers(model: nn.Module, *, every_module: bool = False) -> None:
     """Recomputes the non-persistent buffers of the transformers models in ``model`` with their
     own init functions, as transformers' ``from_pretrained`` does after loading.
 
@@ -168,6 +174,11 @@ def recompute_buffers(model: nn.Module) -> None:
     cast to the buffer's dtype; a value ``__init__`` computed under a bfloat16 default dtype
     differs (GPT-J's ``embed_positions`` by up to 0.2). A buffer no init function covers keeps
     the value ``__init__`` computed.
+
+    ``every_module=True`` (under the patch, where transformers' result is the contract) runs
+    every module's init function, loaded ones included, as transformers' ``from_pretrained``
+    does: an init writing through a view of a loaded tensor changes it there too (Funnel zeroes
+    the stored ``word_embeddings`` row at ``pad_token_id``).
     """
     for _, root in _transformers_roots(model):
         buffers = [
@@ -176,8 +187,9 @@ def recompute_buffers(model: nn.Module) -> None:
             for n, b in m._buffers.items()
             if b is not None and n in m._non_persistent_buffers_set
         ]
-        if buffers:  # buffers only: no tied parameters to stand in for
-            _initialize_transformers(root, {id(b) for b in buffers}, parameters=False)
+        if buffers or every_module:  # buffers only: no tied parameters to stand in for
+            ids = {id(b) for b in buffers}
+            _initialize_transformers(root, ids, parameters=False, every_module=every_module)
 
 
 def mark_initialized(model: nn.Module) -> None:

@@ -21,7 +21,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from fastload.core.errors import PickleRefusedError, UnsupportedError
+from fastload.core.errors import PickleRefusedError, UninitializedTensorError, UnsupportedError
 from fastload.core.report import LoadReport
 
 logger = logging.getLogger("fastload")
@@ -133,7 +133,9 @@ def _from_pretrained(
                 kwargs=options,
                 contract=True,
             )
-        except (UnsupportedError, PickleRefusedError) as e:
+        except (UnsupportedError, PickleRefusedError, UninitializedTensorError) as e:
+            # UninitializedTensorError: transformers returns such a model, that tensor left as
+            # torch.empty gave it; only its own loader can give that model
             reason = str(e)
         else:
             last_report = report

@@ -8,6 +8,9 @@ planned by :mod:`fastload.hf.conversions`.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 from torch import nn
 
 from fastload.core.keys import Rename
@@ -30,3 +33,32 @@ def transformers_renames(model: nn.Module, source: str) -> list[Rename]:
     ]
     # Tensors a converter merges or splits are planned by fastload.hf.conversions first.
     return renames
+
+
+def transformers_prefix_rule(prefix: str | None) -> Callable[[str, str, set[str]], str]:
+    """transformers' last step of naming a checkpoint tensor (``rename_source_key`` in its
+    ``core_model_loading``): the base-model prefix is stripped when that makes a model name, else
+    added when that does, even where the name already is a model name; a stored name that is a
+    model name and that the renames turned into none is taken as stored, with the same prefix
+    step. fastload's own step changes a name only when it is not a model name (a head whose
+    layer shares its name with one of the base model's: Pixio's ``layernorm`` and
+    ``pixio.layernorm``, which transformers swaps); this one is used under the patch."""
+
+    def prefixed(key: str, model_keys: set[str]) -> str:
+        if prefix is None:
+            return key
+        if key.startswith(prefix):
+            stripped = re.sub(f"^{prefix}.", "", key, count=1)
+            if stripped in model_keys:
+                return stripped
+        if f"{prefix}.{key}" in model_keys:
+            return f"{prefix}.{key}"
+        return key
+
+    def resolve(renamed: str, stored: str, model_keys: set[str]) -> str:
+        name = prefixed(renamed, model_keys)
+        if name not in model_keys and stored in model_keys:
+            name = prefixed(stored, model_keys)
+        return name
+
+    return resolve
