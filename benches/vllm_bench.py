@@ -195,14 +195,21 @@ def _set_cache(model: Path, mode: str) -> None:
 
 
 def run_format(
-    model: Path, name: str, kwargs: dict[str, Any], mode: str, timeout: float = 1800
+    model: Path | str,
+    name: str,
+    kwargs: dict[str, Any],
+    mode: str,
+    timeout: float = 1800,
+    set_cache: bool = True,
 ) -> dict[str, Any]:
-    """One engine start with load format ``name`` from a ``mode`` ("cold"/"warm") page cache."""
+    """One engine start with load format ``name`` from a ``mode`` ("cold"/"warm") page cache
+    (set here unless ``set_cache`` is false: the caller did, e.g. an object store's files)."""
     script = Path(tempfile.mkdtemp()) / "serve.py"
     script.write_text(_CHILD)
     env = os.environ.copy()
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-    _set_cache(model, mode)
+    if set_cache:
+        _set_cache(Path(model), mode)
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, str(script), str(model), json.dumps(kwargs)],

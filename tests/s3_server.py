@@ -141,7 +141,8 @@ class S3Server:
     def place(self, local: Path, bucket: str, key: str) -> str:
         """As :meth:`upload` for a directory, without a client: s3s-fs serves the files of its
         root directory (``root/bucket/key``), so copying them there is uploading them (for
-        environments without boto3, such as vLLM's)."""
+        environments without boto3, such as vLLM's). Small checkpoints only: s3s-fs hashes a
+        file it did not receive itself on every request for it."""
         target = self.root / bucket / key
         shutil.copytree(local, target, dirs_exist_ok=True)
         return f"s3://{bucket}/{key}/"

@@ -1,0 +1,202 @@
+"""vLLM serving a checkpoint from object storage: fastload's ``weights`` option against vLLM's
+``runai_streamer`` (an ``s3://`` model), beside the transport floor.
+
+    bash scripts/vllm-env.sh   # once: the vLLM environment (prints its python)
+    ~/.cache/fastload/vllm-venv/bin/pip install runai-model-streamer-s3   # Run:ai's S3 reader
+    ~/.cache/fastload/vllm-venv/bin/python benches/vllm_s3_bench.py [--repeats 3] [--out DIR]
+
+The bf16 Llama of ``benches/vllm_bench.py`` (1.1 GiB in several shards, made once under
+--workdir) is put in a local S3-compatible server (s3s-fs on 127.0.0.1, ``bash
+scripts/s3-server.sh``), and vLLM (CPU, engine in process) starts from it in a fresh process per
+run:
+
+* ``fastload``: ``LLM(<config dir>, load_format="fastload", model_loader_extra_config={"weights":
+  "s3://bench/llama/"})``, the config and tokenizer copied once with ``fastload fetch``;
+* ``runai_streamer``: ``LLM("s3://bench/llama/", load_format="runai_streamer")`` (vLLM fetches
+  the config itself with Run:ai's ``pull_files``).
+
+Each from the server's page cache cold (its files evicted just before) and warm. The figures are
+``benches/vllm_bench.py``'s (the loader's ``load_weights``, vLLM's post-processing, the whole
+``load_model``, memory from the OS). The floor, once per repeat: every byte of the shards fetched
+with 8 MiB ranged GETs, 16 at a time, into one preallocated buffer (fastload's HTTP client, no
+engine, nothing else), with the server's cache warm. Writes ``vllm-s3-<size>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from vllm_bench import _shards, make_model, run_format, summarize  # noqa: E402
+
+RANGE = 8 << 20
+PARALLEL = 16
+BUCKET = "bench"
+
+
+def floor_ranged_gets(url: str, files: list[Path]) -> float:
+    """Seconds to fetch every byte of ``files`` (objects under ``url``) with parallel ranged
+    GETs into one preallocated, touched buffer."""
+    import torch
+
+    from fastload.core.object_store import open_store, read_into
+
+    store = open_store(url)
+    prefix = store.key.rstrip("/")
+    sizes = [(f"{prefix}/{f.name}", f.stat().st_size) for f in files]
+    buffer = torch.ones(sum(size for _, size in sizes), dtype=torch.uint8)
+    jobs, at = [], 0
+    for key, size in sizes:
+        for off in range(0, size, RANGE):
+            n = min(RANGE, size - off)
+            jobs.append((key, off, buffer[at + off : at + off + n]))
+        at += size
+    start = time.perf_counter()
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        list(pool.map(lambda job: read_into(store, *job), jobs))
+    return time.perf_counter() - start
+
+
+def _server_cache(root: Path, mode: str) -> None:
+    from fastload.core.page_cache import evict, warm
+
+    for f in (root / BUCKET).rglob("*.safetensors"):
+        (evict if mode == "cold" else warm)(f)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    floor = results["floor_s"]
+    lines = [
+        f"vLLM {results['vllm']} (CPU, {results['cpus']} cores), {results['model']}: bf16 Llama, "
+        f"{results['model_bytes'] / (1 << 30):.2f} GiB in {results['shards']} shards, in s3s-fs "
+        "on 127.0.0.1; engine in process, a fresh process per run, round-robin, medians of "
+        f"{results['repeats']}.",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Floor (same run): every byte fetched with {RANGE >> 20} MiB ranged GETs, {PARALLEL} at "
+        f"a time, into memory: {floor:.2f} s (runs: "
+        + ", ".join(f"{x:.2f}" for x in results["floor_all"])
+        + "). Cold/warm: the server's page cache.",
+        "",
+        "| format | server cache | load_weights s | x floor | post s | load_model s | engine s "
+        "| peak RSS in load GiB | RSS after load GiB | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results["summary"]:
+        if not row["ok"]:
+            lines.append(f"| {row['format']} | {row['mode']} | failed: {row['error']} |")
+            continue
+
+        def s(key: str, row: dict[str, Any] = row) -> str:
+            v = row.get(key)
+            return "-" if v is None else f"{v:.2f}"
+
+        def g(key: str, row: dict[str, Any] = row) -> str:
+            v = row.get(key)
+            return "-" if v is None else f"{v / (1 << 30):.2f}"
+
+        weights = row.get("load_weights_s")
+        ratio = "-" if weights is None else f"{weights / floor:.2f}"
+        lines.append(
+            f"| {row['format']} | {row['mode']} | {s('load_weights_s')} | {ratio} | {s('post_s')} "
+            f"| {s('load_model_s')} | {s('engine_s')} | {g('peak_rss_load')} "
+            f"| {g('rss_after_load')} | {row['ok']} |"
+        )
+    tokens = {json.dumps(r["tokens"]) for r in results["runs"] if "tokens" in r}
+    lines += ["", f"Greedy tokens of every successful run the same: {len(tokens) == 1}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--workdir", default="/tmp/fastload-vllm-bench")
+    parser.add_argument("--out", default="benches/results")
+    parser.add_argument("--modes", default="cold,warm")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import vllm
+
+    from fastload.core.object_store import download_files
+    from s3_server import S3Server
+
+    work = Path(args.workdir)
+    model = make_model(work, args.layers)
+    size = sum(f.stat().st_size for f in _shards(model))
+    root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=work))
+    server = S3Server(root)
+    try:
+        # uploaded, not placed: s3s-fs keeps an uploaded object's checksum, and hashes a placed
+        # file on every request
+        server.bucket(BUCKET)
+        url = server.upload(model, BUCKET, "llama")
+        os.environ.update(server.env())
+        os.environ.update(
+            AWS_EC2_METADATA_DISABLED="true",
+            AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+            AWS_CONFIG_FILE="/nonexistent",
+            RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
+        )
+        config = work / "llama-config-only"
+        shutil.rmtree(config, ignore_errors=True)
+        download_files(url, config)  # what `fastload fetch URL DIR` does
+        formats: dict[str, tuple[str, dict[str, Any]]] = {
+            "fastload": (
+                str(config),
+                {"load_format": "fastload", "model_loader_extra_config": {"weights": url}},
+            ),
+            "runai_streamer": (url, {"load_format": "runai_streamer"}),
+        }
+        results: dict[str, Any] = {
+            "vllm": vllm.__version__,
+            "model": model.name,
+            "model_bytes": size,
+            "shards": len(_shards(model)),
+            "cpus": os.cpu_count(),
+            "repeats": args.repeats,
+            "command": "python benches/vllm_s3_bench.py " + shlex.join(sys.argv[1:]),
+            "floor_all": [],
+            "runs": [],
+        }
+        names = list(formats)
+        for repeat in range(args.repeats):
+            _server_cache(root, "warm")
+            results["floor_all"].append(floor_ranged_gets(url, _shards(model)))
+            print(json.dumps({"repeat": repeat, "floor": results["floor_all"]}), flush=True)
+            turn = repeat % len(names)
+            for name in names[turn:] + names[:turn]:
+                target, kwargs = formats[name]
+                for mode in args.modes.split(","):
+                    _server_cache(root, mode)
+                    r = run_format(target, name, kwargs, mode, set_cache=False)
+                    r["repeat"] = repeat
+                    print(json.dumps(r), flush=True)
+                    results["runs"].append(r)
+    finally:
+        server.stop()
+    results["floor_s"] = statistics.median(results["floor_all"])
+    results["summary"] = summarize(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"vllm-s3-{size / (1 << 30):.1f}GiB"
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(markdown(results))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
