@@ -16,7 +16,8 @@ from safetensors.torch import load_file as st_load_file
 from torch import nn
 
 import fastload
-from fastload.tools.cli import dedupe_shared, main
+from fastload.tools.cli import main
+from fastload.tools.convert import dedupe_shared
 
 
 def cli(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

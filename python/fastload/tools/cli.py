@@ -1,10 +1,10 @@
 """The ``fastload`` command line.
 
-* ``fastload inspect FILE|DIR [--json]``: tensors, dtypes, shapes, bytes and metadata;
-* ``fastload verify FILE|DIR``: validates every shard's header, the index, and reads every byte;
-* ``fastload convert IN OUT_DIR``: a pickle checkpoint (``.bin``/``.pt``, or a sharded
-  ``pytorch_model.bin.index.json``) to safetensors, loaded with ``torch.load(weights_only=True)``
-  and with tied (shared) tensors stored once;
+* ``fastload inspect FILE|DIR|URL [--json]``: tensors, dtypes, shapes, bytes and metadata;
+* ``fastload verify FILE|DIR|URL``: validates every shard's header, the index, and reads every
+  byte (of an object storage checkpoint too);
+* ``fastload convert IN OUT_DIR``: a pickle checkpoint to safetensors
+  (:mod:`fastload.tools.convert`);
 * ``fastload fetch URL DIR``: the config and tokenizer files of an object storage prefix (never
   the weights), e.g. for ``vllm serve DIR --load-format fastload`` with the weights read from
   ``URL``;
@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import os
-import shutil
 import sys
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
@@ -37,21 +36,6 @@ PROG = "fastload"
 
 #: bytes of scratch memory ``verify`` reads tensor data through
 VERIFY_CHUNK = 16 << 20
-
-#: files next to a pickle checkpoint that ``convert`` copies, so the output loads as a model
-COMPANION_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "preprocessor_config.json",
-)
 
 
 class _UsageError(Exception):
@@ -102,10 +86,8 @@ def _one_line_usage_errors() -> Iterator[None]:
 
 def _describe(path: str) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain data (the ``--json`` document)."""
-    from fastload.core.checkpoint import open_checkpoint, resolve
-
-    location = resolve(path)
-    ckpt = open_checkpoint(location)
+    ckpt = _open(path)
+    location = ckpt.location
     files = []
     for f in ckpt.files:
         tensors = sorted(f.tensors(), key=lambda t: t[3])
@@ -176,6 +158,16 @@ def _print_description(info: dict[str, Any]) -> None:
 _HEADINGS = ("name", "dtype", "shape", "bytes")
 
 
+def _open(path: str) -> Any:
+    """The checkpoint at ``path`` (local, or an object storage URL) with every file opened."""
+    from fastload.core import object_store
+    from fastload.core.checkpoint import open_checkpoint, resolve
+
+    if object_store.is_url(path):
+        return object_store.open_checkpoint(path)
+    return open_checkpoint(resolve(path))
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     info = _describe(args.path)
     if args.json:
@@ -193,8 +185,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from fastload.core.checkpoint import open_checkpoint, resolve
-    from fastload.core.reading import read_every_byte, validate
+    from fastload.core.object_store import is_url
+    from fastload.core.reading import validate
 
+    if is_url(args.path):  # every header read and validated (one request each), then every byte
+        return _verified(_open(args.path), args.headers_only, [])
     location = resolve(args.path)
     if location.index is not None or Path(args.path).is_dir():
         config = location.directory / "config.json"
@@ -215,18 +210,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         more = f" (and {len(failures) - 1} more broken files)" if len(failures) > 1 else ""
         raise CheckpointError(failures[0] + more)
     ckpt = open_checkpoint(location)  # the index against the headers
-    read = 0
-    if not args.headers_only:
-        for f in ckpt.files:
-            read += read_every_byte(f, VERIFY_CHUNK)
     stray = []
     if location.index is not None:
         listed = {p.name for p in location.files}
         stray = sorted(
             p.name for p in location.directory.glob("*.safetensors") if p.name not in listed
         )
+    return _verified(ckpt, args.headers_only, stray)
+
+
+def _verified(ckpt: Any, headers_only: bool, stray: list[str]) -> int:
+    from fastload.core.reading import read_every_byte
+
+    read = 0
+    if not headers_only:
+        for f in ckpt.files:
+            read += read_every_byte(f, VERIFY_CHUNK)
+    location = ckpt.location
     where = location.index or location.files[0]
-    checked = "headers checked" if args.headers_only else f"{format_bytes(read)} read"
+    checked = "headers checked" if headers_only else f"{format_bytes(read)} read"
     _emit(
         f"OK {where}: {len(ckpt.files)} file(s), {len(ckpt.tensors)} tensors, "
         f"{format_bytes(ckpt.total_bytes)} of tensor data ({checked})"
@@ -239,73 +241,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------
 # convert
 # --------------------------------------------------------------------------------------------
-
-
-def _pickle_sources(path: Path) -> list[Path]:
-    """The pickle files of a checkpoint: one file, a directory, or a ``.bin.index.json``,
-    resolved (and its index checked) exactly as ``from_pretrained(allow_pickle=True)`` does."""
-    from fastload.core.checkpoint import resolve
-    from fastload.core.pickle_file import is_pickle
-
-    files = list(resolve(path, allow_pickle=True).files)
-    if not all(is_pickle(f) for f in files):
-        raise CheckpointError(f"{path}: already holds a safetensors checkpoint; nothing to convert")
-    return files
-
-
-def _load_pickle(path: Path) -> dict[str, Any]:
-    from fastload.core.pickle_file import load_state_dict
-
-    # Training checkpoints often wrap the weights: {"state_dict": {...}, "epoch": 3, ...}.
-    return load_state_dict(path, unwrap=True)
-
-
-def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """Tensors sharing memory, made storable.
-
-    Returns ``(tensors, aliases, cloned)``: views identical to an earlier tensor (same storage,
-    offset, shape, strides and dtype: a tie) are dropped and recorded as ``{alias: canonical}``,
-    the canonical name being the first in the state dict's order; tensors that only partly overlap
-    another (a slice of a fused weight) are cloned, their names in ``cloned``.
-    """
-    import torch
-
-    from fastload.safetensors.saving import byte_span
-
-    out: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name, t in state.items():
-        key = (
-            t.device,
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            t.dtype,
-            tuple(t.shape),
-            t.stride(),
-        )
-        if t.numel() and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if t.numel():
-            seen[key] = name
-        out[name] = t
-    spans: dict[tuple[Any, int], list[tuple[int, int, str]]] = {}
-    for name, t in out.items():
-        if not t.numel():
-            continue
-        start, end = byte_span(t)
-        spans.setdefault((t.device, t.untyped_storage().data_ptr()), []).append((start, end, name))
-    cloned: list[str] = []
-    for group in spans.values():
-        group.sort(key=lambda span: (span[0], -span[1]))  # the widest first: slices get copied
-        reach = -1
-        for start, end, name in group:
-            if start < reach:
-                out[name] = out[name].clone()
-                cloned.append(name)
-            reach = max(reach, end)
-    return out, aliases, cloned
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
@@ -326,46 +261,19 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from fastload.safetensors.saving import TIED_KEY, save_file
+    from fastload.tools.convert import convert
 
-    source = Path(args.input)
-    out_dir = Path(args.output)
-    target = out_dir / "model.safetensors"
-    if out_dir.exists() and not out_dir.is_dir():
-        raise RequestError(f"{out_dir}: exists and is not a directory")
-    if target.exists() and not args.overwrite:
-        raise RequestError(f"{target}: already exists (pass --overwrite to replace it)")
-    files = _pickle_sources(source)
-    state: dict[str, Any] = {}
-    for f in files:
-        part = _load_pickle(f)
-        clash = sorted(set(part) & set(state))
-        if clash:
-            raise CheckpointError(f"{f}: tensor {clash[0]!r} is also in another shard")
-        state.update(part)
-    tensors, aliases, cloned = dedupe_shared(state)
-    metadata = {"format": "pt"}
-    if aliases:
-        metadata[TIED_KEY] = json.dumps(aliases, sort_keys=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, target, metadata=metadata)
-    copied = []
-    for name in COMPANION_FILES:
-        companion = files[0].parent / name
-        if companion.is_file() and not (out_dir / name).exists():
-            shutil.copyfile(companion, out_dir / name)
-            copied.append(name)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    _emit(f"wrote {target}: {len(tensors)} tensors, {format_bytes(nbytes)}")
-    if aliases:
+    done = convert(Path(args.input), Path(args.output), overwrite=args.overwrite)
+    _emit(f"wrote {done.target}: {done.tensors} tensors, {format_bytes(done.nbytes)}")
+    if done.aliases:
         _emit(
             "tied tensors stored once: "
-            + ", ".join(f"{a} = {c}" for a, c in sorted(aliases.items()))
+            + ", ".join(f"{a} = {c}" for a, c in sorted(done.aliases.items()))
         )
-    if cloned:
-        _emit(f"partly overlapping tensors stored separately: {', '.join(cloned)}")
-    if copied:
-        _emit(f"copied: {', '.join(copied)}")
+    if done.cloned:
+        _emit(f"partly overlapping tensors stored separately: {', '.join(done.cloned)}")
+    if done.copied:
+        _emit(f"copied: {', '.join(done.copied)}")
     return 0
 
 
@@ -413,7 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the tensors (dtype, shape, bytes) and metadata of a safetensors file, "
         "a checkpoint directory or a sharded index.",
     )
-    p.add_argument("path", metavar="FILE|DIR", help="a .safetensors file, directory or index")
+    p.add_argument(
+        "path", metavar="FILE|DIR|URL", help="a .safetensors file, directory, index or URL"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(run=cmd_inspect)
 
@@ -423,7 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate a checkpoint: every shard's header (all safetensors rules), the "
         "index against the shards, then read every byte of tensor data.",
     )
-    p.add_argument("path", metavar="FILE|DIR", help="a .safetensors file, directory or index")
+    p.add_argument(
+        "path", metavar="FILE|DIR|URL", help="a .safetensors file, directory, index or URL"
+    )
     p.add_argument(
         "--headers-only", action="store_true", help="skip reading the tensor data (faster)"
     )
