@@ -24,9 +24,10 @@ import torch
 from fastload.core import object_store
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import torch_shape
-from fastload.core.errors import UnsupportedError
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
+
+from .weights import refusing_unreadable
 
 #: the bytes of one batch of tensors read together (a larger tensor is a batch of its own); the
 #: load holds at most two batches beside the model
@@ -73,14 +74,9 @@ class RemoteWeights:
         self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
-            try:
+            with refusing_unreadable("vLLM's runai_streamer (an s3:// model)"):
                 torch_shape(t.st_dtype, list(t.shape), where=where)
                 _ = t.dtype  # raises for a dtype torch lacks
-            except UnsupportedError as e:
-                raise UnsupportedError(
-                    f"{e}; --load-format fastload refuses the checkpoint rather than load it "
-                    "differently"
-                ) from None
         #: the tensors read, in checkpoint order (``skip``: those the model does not take)
         self.tensors = [
             t for t in self.checkpoint.tensors.values() if skip is None or not skip(t.name)
@@ -128,7 +124,9 @@ class RemoteWeights:
 
         def produce() -> None:
             try:
-                with byte_progress(self.total, self.progress, desc="fastload") as counter:
+                with byte_progress(
+                    self.total, self.progress, desc="fastload: loading weights"
+                ) as counter:
                     for batch in batches(self.tensors, self.batch_bytes):
                         if not put(self._read(batch, counter)):
                             return

@@ -33,6 +33,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,19 @@ def check_index(index: str, folder: str) -> None:
                 f"{index}: tensor {name!r} is in shard {shard!r}, which is missing "
                 f"(looked for {os.path.join(folder, str(shard))}) [missing-shard]"
             )
+
+
+@contextmanager
+def refusing_unreadable(instead: str) -> Iterator[None]:
+    """An ``UnsupportedError`` raised inside (a stored dtype or shape torch has no tensor for)
+    says that the load format refuses the checkpoint, and what serves it instead."""
+    try:
+        yield
+    except UnsupportedError as e:
+        raise UnsupportedError(
+            f"{e}; --load-format fastload refuses the checkpoint rather than load it "
+            f"differently: serve it with {instead}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -139,13 +153,8 @@ class CheckpointWeights:
             st = _core.SafetensorsFile(path, "pread")  # validates; names the file and the tensor
             entries = sorted(st.tensors(), key=lambda t: t[3])
             for name, st_dtype, _shape, _b, _e in entries:
-                try:
+                with refusing_unreadable("vLLM's own loader (--load-format auto)"):
                     to_torch(st_dtype, where=f"{path}: tensor {name!r}")
-                except UnsupportedError as e:
-                    raise UnsupportedError(
-                        f"{e}; --load-format fastload refuses the checkpoint rather than load it "
-                        "differently: serve it with vLLM's own loader (--load-format auto)"
-                    ) from None
             self._files.append(_File(path, st, entries=entries))
         if index is not None:
             self._check_index_against_shards(index)
