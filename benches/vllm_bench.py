@@ -480,6 +480,38 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def describe(model: Path, repeats: int, script: str) -> dict[str, Any]:
+    """The head of a result file: vLLM's version, the model, this machine, the command run."""
+    import vllm
+
+    return {
+        "vllm": vllm.__version__,
+        "model": model.name,
+        "model_bytes": sum(f.stat().st_size for f in _shards(model)),
+        "shards": len(_shards(model)),
+        "cpus": os.cpu_count(),
+        "repeats": repeats,
+        "command": f"python benches/{script} " + shlex.join(sys.argv[1:]),
+    }
+
+
+def rotated(names: list[str], repeat: int) -> list[str]:
+    """``names`` for round ``repeat``: each round starts with another one, so the machine's
+    noise falls on all of them alike."""
+    turn = repeat % len(names)
+    return names[turn:] + names[:turn]
+
+
+def save(out: Path, stem: str, results: dict[str, Any], text: str) -> Path:
+    """``results`` as ``out/<stem>.json`` and ``text`` as ``out/<stem>.md`` (also printed).
+    (Not ``Path.with_suffix``: ".1GiB" would be taken for a suffix.)"""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -490,7 +522,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default=None, help="file name stem (default: vllm-<size>)")
     args = parser.parse_args()
-    import vllm
 
     known = {**FORMATS, **VARIANTS}
     names = args.formats.split(",")
@@ -498,24 +529,14 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown formats {unknown}; known: {list(known)}")
     model = make_model(Path(args.workdir), args.layers)
-    size = sum(f.stat().st_size for f in _shards(model))
-    results: dict[str, Any] = {
-        "vllm": vllm.__version__,
-        "model": model.name,
-        "model_bytes": size,
-        "shards": len(_shards(model)),
-        "cpus": os.cpu_count(),
-        "repeats": args.repeats,
-        "command": "python benches/vllm_bench.py " + shlex.join(sys.argv[1:]),
-        "floors": {"cold_read_all": [], "memcpy_all": []},
-        "runs": [],
-    }
+    results = describe(model, args.repeats, "vllm_bench.py")
+    size = results["model_bytes"]
+    results.update(floors={"cold_read_all": [], "memcpy_all": []}, runs=[])
     for repeat in range(args.repeats):
         results["floors"]["cold_read_all"].append(floor_cold_read(model))
         results["floors"]["memcpy_all"].append(floor_memcpy(size))
         print(json.dumps({"repeat": repeat, **results["floors"]}), flush=True)
-        turn = repeat % len(names)  # each repeat starts with another format
-        for name in names[turn:] + names[:turn]:
+        for name in rotated(names, repeat):
             for mode in args.modes.split(","):
                 r = run_format(model, name, known[name], mode)
                 r["repeat"] = repeat
@@ -525,14 +546,9 @@ def main() -> None:
     floors["cold_read_s"] = statistics.median(floors["cold_read_all"])
     floors["memcpy_s"] = statistics.median(floors["memcpy_all"])
     results["summary"] = summarize(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # not Path.with_suffix: ".1GiB" would be taken for the suffix
     stem = args.name or f"vllm-{size / (1 << 30):.1f}GiB"
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    (out / f"{stem}.md").write_text(markdown(results))
+    out = save(Path(args.out), stem, results, markdown(results))
     plot(results, out / f"{stem}.png")
-    print(markdown(results))
 
 
 if __name__ == "__main__":

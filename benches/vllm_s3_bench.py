@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -40,7 +39,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from vllm_bench import _shards, make_model, run_format, summarize  # noqa: E402
+from vllm_bench import (  # noqa: E402
+    _shards,
+    describe,
+    make_model,
+    rotated,
+    run_format,
+    save,
+    summarize,
+)
 
 RANGE = 8 << 20
 PARALLEL = 16
@@ -129,14 +136,12 @@ def main() -> None:
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    import vllm
 
     from fastload.core.object_store import download_files
     from s3_server import S3Server
 
     work = Path(args.workdir)
     model = make_model(work, args.layers)
-    size = sum(f.stat().st_size for f in _shards(model))
     root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=work))
     server = S3Server(root)
     try:
@@ -161,24 +166,15 @@ def main() -> None:
             ),
             "runai_streamer": (url, {"load_format": "runai_streamer"}),
         }
-        results: dict[str, Any] = {
-            "vllm": vllm.__version__,
-            "model": model.name,
-            "model_bytes": size,
-            "shards": len(_shards(model)),
-            "cpus": os.cpu_count(),
-            "repeats": args.repeats,
-            "command": "python benches/vllm_s3_bench.py " + shlex.join(sys.argv[1:]),
-            "floor_all": [],
-            "runs": [],
-        }
+        results = describe(model, args.repeats, "vllm_s3_bench.py")
+        results.update(floor_all=[], runs=[])
+        size = results["model_bytes"]
         names = list(formats)
         for repeat in range(args.repeats):
             _server_cache(root, "warm")
             results["floor_all"].append(floor_ranged_gets(url, _shards(model)))
             print(json.dumps({"repeat": repeat, "floor": results["floor_all"]}), flush=True)
-            turn = repeat % len(names)
-            for name in names[turn:] + names[:turn]:
+            for name in rotated(names, repeat):
                 target, kwargs = formats[name]
                 for mode in args.modes.split(","):
                     _server_cache(root, mode)
@@ -190,12 +186,7 @@ def main() -> None:
         server.stop()
     results["floor_s"] = statistics.median(results["floor_all"])
     results["summary"] = summarize(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"vllm-s3-{size / (1 << 30):.1f}GiB"
-    (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-    (out / f"{stem}.md").write_text(markdown(results))
-    print(markdown(results))
+    save(Path(args.out), f"vllm-s3-{size / (1 << 30):.1f}GiB", results, markdown(results))
 
 
 if __name__ == "__main__":
