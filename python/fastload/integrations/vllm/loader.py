@@ -138,18 +138,11 @@ class FastloadModelLoader(DefaultModelLoader):
         if source.is_unused_weight is not None and use_safetensors:
             files = filter_safetensors_files_by_weight_name(files, source.is_unused_weight)
         index = os.path.join(hf_folder, index_file)
-        # vLLM's clock for "Loading weights took" starts before the files are opened (validating
-        # them is part of loading), where its default loader starts it before reading them
-        if self.counter_before_loading_weights == 0.0:
-            self.counter_before_loading_weights = time.perf_counter()
-        progress = self.options.progress
-        if progress is None:
-            progress = enable_tqdm(self.load_config.use_tqdm_on_load)
         stream = CheckpointWeights(
             files,
             self.options,
             tp_size=_tp_size(),
-            progress=progress,
+            progress=self._start_stream(),
             index=index if use_safetensors and os.path.isfile(index) else None,
             origins=self._origins,
         )
@@ -161,17 +154,22 @@ class FastloadModelLoader(DefaultModelLoader):
             if not should_skip_weight(name, self.local_expert_ids)
         )
 
+    def _start_stream(self) -> bool:
+        """Starts vLLM's clock for "Loading weights took" before a stream opens its files
+        (validating them is part of loading; vLLM's default loader starts it before reading
+        them); whether the stream draws a progress bar."""
+        if self.counter_before_loading_weights == 0.0:
+            self.counter_before_loading_weights = time.perf_counter()
+        if self.options.progress is not None:
+            return self.options.progress
+        return bool(enable_tqdm(self.load_config.use_tqdm_on_load))
+
     def _remote_weights(
         self, source: DefaultModelLoader.Source
     ) -> Generator[tuple[str, torch.Tensor], None, None]:
         """The primary weights from the object store of the ``weights`` option: every file
         opened and validated here, the tensors read in batches ahead of the weight loaders."""
         assert self.options.weights is not None
-        if self.counter_before_loading_weights == 0.0:
-            self.counter_before_loading_weights = time.perf_counter()
-        progress = self.options.progress
-        if progress is None:
-            progress = enable_tqdm(self.load_config.use_tqdm_on_load)
         unused = source.is_unused_weight
 
         def skip(name: str) -> bool:  # what vLLM's default loader leaves unread or skips
@@ -183,7 +181,7 @@ class FastloadModelLoader(DefaultModelLoader):
             self.options.weights,
             storage_options=self.options.storage_options,
             threads=self.options.threads,
-            progress=progress,
+            progress=self._start_stream(),
             skip=skip,
         )
         self._streams.append(stream)
