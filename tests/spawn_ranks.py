@@ -32,3 +32,13 @@ def run_ranks(
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+def leave_group() -> None:
+    """A rank's last step: every rank done before any tears its connections down (a rank whose
+    peer exited while its gloo group was still up aborted: "terminate called without an active
+    exception"), then the default group destroyed."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()

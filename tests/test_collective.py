@@ -26,7 +26,7 @@ import fastload
 from fastload.core.errors import CheckpointError, RequestError
 from fastload.core.page_cache import evict
 from fastload.distributed.collective import Chunk, deal, pages, spans
-from spawn_ranks import free_port, run_ranks
+from spawn_ranks import free_port, leave_group, run_ranks
 
 TIMEOUT_S = 300
 #: a Llama of about 84 MB in three shards, whose projections 2 and 4 ranks divide
@@ -166,7 +166,7 @@ def _rank(rank: int, world: int, port: int, root: str, what: str) -> None:
                 out[name]["like_transformers"] = _like_transformers(model, own)
     finally:
         (Path(root) / f"rank{rank}.json").write_text(json.dumps(out))
-        dist.destroy_process_group()
+        leave_group()
 
 
 def _like_transformers(model: torch.nn.Module, directory: Path) -> bool:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file as st_load_file
 
 import fastload
 from fastload.training.gradient_checkpointing import is_gradient_checkpointing
-from spawn_ranks import free_port, run_ranks
+from spawn_ranks import free_port, leave_group, run_ranks
 from tiny_models import make_config
 
 transformers = pytest.importorskip("transformers")
@@ -63,7 +63,7 @@ def _train(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
             optimizer.step()
         fastload.save_pretrained(ddp, Path(out_dir) / f"rank{rank}")
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def _run_ranks(*args: object) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from fastload.core.errors import UnsupportedError
 from fastload.hf.dtensor_tp import Selection, resolve_tp_options
-from spawn_ranks import free_port, run_ranks
+from spawn_ranks import free_port, leave_group, run_ranks
 from tiny_models import example_inputs, make_checkpoint
 
 WORLD = 2
@@ -263,7 +263,7 @@ def _rank(rank: int, port: int, directories: list[str]) -> None:
                 torch.testing.assert_close(actual, unsharded(**inputs).logits)
         _check_packed_and_uneven(setup.tp_mesh, rank)
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_a_sharded_skeleton_filled_by_selections_is_transformers_tp_model(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from fastload.distributed.tensor_parallel import (
     resolve_tp_plan,
     shard_selections,
 )
-from spawn_ranks import free_port, run_ranks
+from spawn_ranks import free_port, leave_group, run_ranks
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -221,7 +221,7 @@ def _rank(rank: int, port: int, mlp_dir: str, llama_dir: str, out_dir: str) -> N
             Path(out_dir) / f"rank{rank}.pt",
         )
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def _run_ranks(*args: object) -> None:
