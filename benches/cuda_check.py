@@ -401,7 +401,7 @@ def environment(device: str) -> dict[str, Any]:
 
     import torch
 
-    from fastload.core.streaming import DEFAULT_STAGING_BYTES
+    from fastload.core.staging import DEFAULT_STAGING_BYTES
 
     env: dict[str, Any] = {
         "staging_bytes": DEFAULT_STAGING_BYTES,

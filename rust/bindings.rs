@@ -15,6 +15,7 @@ use crate::file::{ReadMode, SafetensorsFile};
 use crate::pool;
 
 mod errors;
+mod staged;
 mod store;
 mod watch;
 mod writing;
@@ -422,6 +423,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
     m.add_class::<PyProgress>()?;
     m.add_class::<store::PyObjectStore>()?;
+    m.add_class::<staged::PyStagedRead>()?;
+    m.add("STAGE_ALIGN", crate::staged::ALIGN)?;
     m.add_function(wrap_pyfunction!(copy_files, m)?)?;
     m.add_function(wrap_pyfunction!(writing::write_file, m)?)?;
     m.add_function(wrap_pyfunction!(writing::serialize, m)?)?;

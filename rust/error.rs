@@ -84,6 +84,11 @@ pub enum Error {
     },
     /// A selection (element range or slice) outside the tensor.
     InvalidSelection { tensor: String, detail: String },
+    /// A staged read the ring cannot serve (a slot too small for a tensor's smallest piece).
+    InvalidStaging {
+        tensor: Option<String>,
+        detail: String,
+    },
     /// The file got shorter after its header was read.
     FileShrunk { expected: u64, actual: u64 },
     /// The file's size or modification time changed after it was opened: it was rewritten in
@@ -162,6 +167,7 @@ impl Error {
             Error::InvalidSource { .. } => "invalid-source",
             Error::UnsupportedConversion { .. } => "unsupported-conversion",
             Error::InvalidSelection { .. } => "invalid-selection",
+            Error::InvalidStaging { .. } => "invalid-staging",
             Error::FileShrunk { .. } => "file-shrunk",
             Error::FileChanged { .. } => "file-changed",
             Error::NotRegularFile { .. } => "not-regular-file",
@@ -214,6 +220,7 @@ impl Error {
             | Error::NullDestination { .. }
             | Error::InvalidSource { .. }
             | Error::InvalidSelection { .. }
+            | Error::InvalidStaging { .. }
             | Error::InvalidThreads { .. }
             | Error::Store {
                 failure: StoreFailure::Config,
@@ -356,6 +363,12 @@ impl fmt::Display for Error {
             ),
             Error::InvalidSelection { tensor, detail } => {
                 write!(f, "tensor '{tensor}': invalid selection: {detail}")
+            }
+            Error::InvalidStaging { tensor, detail } => {
+                if let Some(tensor) = tensor {
+                    write!(f, "tensor '{tensor}': ")?;
+                }
+                write!(f, "{detail}")
             }
             Error::FileShrunk { expected, actual } => write!(
                 f,

@@ -11,6 +11,7 @@
 //! * [`copy`]: planning and running the parallel copy.
 //! * [`pool`]: thread counts and the shared worker pools.
 //! * [`readahead`]: filesystem detection and parallel read-ahead of mappings (zero-copy loads).
+//! * [`staged`]: the staged read pipeline of accelerator loads (a ring of slots, direct I/O).
 //! * [`write`]: writing safetensors files.
 //! * [`store`] (feature `store`): object storage (S3, GCS, Azure, HTTP) as a source of bytes.
 //! * `bindings` (feature `python`): the `fastload._core` extension module.
@@ -24,6 +25,7 @@ pub mod header;
 pub mod pool;
 pub mod readahead;
 pub mod sniff;
+pub mod staged;
 #[cfg(feature = "store")]
 pub mod store;
 pub mod write;

@@ -134,7 +134,7 @@ def test_host_memory_of_a_cuda_load_stays_within_the_staging_pool_plus_256_mib(
         + """
 import json, sys
 import fastload
-from fastload.core.streaming import DEFAULT_STAGING_BYTES
+from fastload.core.staging import DEFAULT_STAGING_BYTES
 
 def status(field):
     with open("/proc/self/status") as f:

@@ -421,8 +421,9 @@ def test_the_url_checks_need_no_server():
 
 def test_the_staged_path_of_gpu_loads_fills_from_s3_within_its_pool(env, big_file):
     """Accelerator destinations are filled through the staging pool: run here with CPU
-    destinations (the same code without a GPU), 1 MiB buffers for tensors of up to 4 MiB."""
-    from fastload.core.streaming import StagingPool, stream_into
+    destinations (the same code without a GPU), two 1 MiB slots for tensors of up to 4 MiB."""
+    from fastload.core.staging import StagingPool
+    from fastload.core.streaming import stream_into
 
     local, url = big_file
     here = fastload.load_file(local)

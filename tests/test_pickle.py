@@ -29,6 +29,7 @@ from fastload.core.errors import (
 )
 from fastload.core.pickle_file import PickleFile
 from fastload.core.reading import fill
+from fastload.core.staging import StagingPool
 from fastload.core.streaming import stream_into
 from tiny_models import assert_same_tensors, make_model, model_class
 
@@ -386,7 +387,9 @@ def test_a_pickle_file_streams_through_staging_buffers(tmp_path: Path) -> None:
     torch.save(state, tmp_path / "s.pt")
     out = {k: torch.empty_like(v) for k, v in state.items()}
     stream_into(
-        PickleFile(tmp_path / "s.pt"), [(k, t, None) for k, t in out.items()], buffer_bytes=256
+        PickleFile(tmp_path / "s.pt"),
+        [(k, t, None) for k, t in out.items()],
+        pool=StagingPool(128, 4),
     )
     assert all(torch.equal(out[k], v) for k, v in state.items())
 

@@ -120,15 +120,15 @@ def test_an_unknown_read_mode_is_refused(every_dtype_file):
 
 def test_the_staging_pipeline_with_small_buffers_fills_cpu_destinations(every_dtype_file):
     from fastload.core.reading import open_file
+    from fastload.core.staging import StagingPool
     from fastload.core.streaming import stream_into
 
     want = st_load_file(every_dtype_file)
-    dest = {k: torch.empty_like(v) for k, v in want.items() if v.dtype != torch.bool}
+    dest = {k: torch.empty_like(v) for k, v in want.items()}
     written = stream_into(
         open_file(every_dtype_file),
         [(k, t, None) for k, t in dest.items()],
-        buffer_bytes=64,
-        num_buffers=2,
+        pool=StagingPool(64, 2),
     )
     assert written == sum(t.numel() * t.element_size() for t in dest.values())
     assert_bitwise_equal(dest, {k: want[k] for k in dest})
@@ -158,13 +158,14 @@ def test_load_file_to_cuda_equals_safetensors(every_dtype_file):
 
 def test_a_slice_larger_than_a_staging_buffer_is_staged_in_one_of_its_own(tmp_path):
     from fastload.core.reading import open_file
+    from fastload.core.staging import StagingPool
     from fastload.core.streaming import stream_into
 
     m = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     path = tmp_path / "m.safetensors"
     st_save_file({"m": m}, str(path))
     cols = torch.empty(6, 4)
-    stream_into(open_file(path), [("m", cols, [1, 4, 8])], buffer_bytes=64)
+    stream_into(open_file(path), [("m", cols, [1, 4, 8])], pool=StagingPool(64, 2))
     assert torch.equal(cols, m[:, 4:])
 
 

@@ -1,25 +1,32 @@
-"""The staging pool of accelerator loads: one pool per load (not per file, device or tensor),
-buffers allocated on first use, host memory bounded by its size. CPU destinations exercise the
-same code (plain instead of pinned buffers); the CUDA tests skip without a GPU."""
+"""The staged path of accelerator loads: one pool of slots per load, a ring of reads ahead of the
+copies, cold ranges read past the page cache. CPU destinations run the same code (plain instead
+of pinned slots); the CUDA tests skip without a GPU."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import platform
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
 import fastload
+import fastload.core.streaming as streaming
 from fastload.core.reading import open_file
-from fastload.core.streaming import DEFAULT_STAGING_BYTES, StagingPool, stream_into
+from fastload.core.staging import DEFAULT_STAGING_BYTES, StagingPool
+from fastload.core.streaming import stream_into
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture
 def shards(tmp_path: Path) -> list[Path]:
-    """Three files of mixed dtypes, each larger than the small buffers the tests use."""
+    """Three files of mixed dtypes, each larger than the small slots the tests use."""
     gen = torch.Generator().manual_seed(0)
     paths = []
     for i in range(3):
@@ -53,24 +60,25 @@ def test_a_pool_allocates_nothing_until_it_is_used() -> None:
     assert pool.nbytes == 0 and pool.allocations == 0 and pool.peak_bytes == 0
 
 
-def test_one_pool_serves_every_file_of_a_load_with_its_own_buffers(shards: list[Path]) -> None:
-    pool = StagingPool(256, 2)
+def test_one_pool_serves_every_file_of_a_load_with_one_slab(shards: list[Path]) -> None:
+    pool = StagingPool(256, 4)
     _fill_all(shards, pool)
-    # Three files, many buffer turns each: still only the pool's two buffers were ever made.
-    assert pool.allocations == 2
-    assert pool.peak_bytes == 2 * 256
+    # Three files, each many times the pool: the slots turned over, one slab was ever made.
+    assert pool.allocations == 1
+    assert pool.peak_bytes == 4 * 256
+    assert pool.direct_bytes + pool.cached_bytes >= sum(p.stat().st_size - 200 for p in shards)
 
 
-def test_released_buffers_are_made_again_on_next_use(shards: list[Path]) -> None:
-    pool = StagingPool(256, 2)
+def test_a_released_plain_slab_is_made_again_on_next_use(shards: list[Path]) -> None:
+    pool = StagingPool(256, 4)
     _fill_all(shards[:1], pool)
     pool.release()
     assert pool.nbytes == 0
     _fill_all(shards[1:], pool)
-    assert pool.allocations == 4 and pool.peak_bytes == 512
+    assert pool.allocations == 2 and pool.peak_bytes == 1024
 
 
-def test_a_slice_larger_than_a_buffer_gets_one_transient_buffer_counted_in_the_peak(
+def test_a_column_slice_larger_than_half_the_slab_is_gathered_in_a_buffer_of_its_own(
     tmp_path: Path,
 ) -> None:
     m = torch.arange(64, dtype=torch.float32).reshape(8, 8)
@@ -80,28 +88,81 @@ def test_a_slice_larger_than_a_buffer_gets_one_transient_buffer_counted_in_the_p
     cols = torch.empty(8, 4)
     stream_into(open_file(path), [("m", cols, [1, 4, 8])], pool=pool)
     assert torch.equal(cols, m[:, 4:])
-    assert pool.allocations == 3  # the pool's two, and one for the 128-byte slice
+    assert pool.allocations == 2  # the slab, and one buffer for the 128-byte slice
     assert pool.peak_bytes == 2 * 64 + 128
 
 
+def test_rows_go_through_the_ring_and_columns_through_the_engine_both_exact(tmp_path: Path) -> None:
+    m = torch.randn(40, 24, generator=torch.Generator().manual_seed(1))
+    path = tmp_path / "m.safetensors"
+    st_save_file({"m": m}, str(path))
+    rows, cols = torch.empty(15, 24), torch.empty(40, 8, dtype=torch.bfloat16)
+    stream_into(
+        open_file(path),
+        [("m", rows, [0, 20, 35]), ("m", cols, [1, 8, 16])],
+        pool=StagingPool(256, 4),
+    )
+    assert torch.equal(rows, m[20:35])
+    assert torch.equal(cols, m[:, 8:16].bfloat16())
+
+
+def test_conversions_during_the_staged_copy_equal_torchs_own(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(2)
+    state = {
+        "h": torch.randn(333, generator=gen).half(),
+        "b": torch.randn(17, 19, generator=gen).bfloat16(),
+        "f": torch.randn(1000, generator=gen),
+    }
+    path = tmp_path / "c.safetensors"
+    st_save_file(state, str(path))
+    for want in (torch.float32, torch.bfloat16, torch.float16):
+        dest = {k: torch.empty(v.shape, dtype=want) for k, v in state.items()}
+        stream_into(
+            open_file(path), [(k, t, None) for k, t in dest.items()], pool=StagingPool(512, 4)
+        )
+        for k, v in state.items():
+            assert torch.equal(dest[k], v.to(want)), (k, want)
+
+
+def test_a_tensor_at_an_odd_offset_of_the_file_is_delivered_exactly(tmp_path: Path) -> None:
+    # 3 bytes of u8 first: every later tensor starts at an offset no wider dtype divides.
+    state = {"a": torch.arange(3, dtype=torch.uint8), "b": torch.randn(50), "c": torch.arange(7)}
+    path = tmp_path / "odd.safetensors"
+    st_save_file(state, str(path))
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    stream_into(open_file(path), [(k, t, None) for k, t in dest.items()], pool=StagingPool(64, 4))
+    for k, v in st_load_file(path).items():
+        assert torch.equal(dest[k], v), k
+
+
 @pytest.mark.parametrize(
-    ("size", "buffer_bytes"),
+    ("size", "slots"),
     [
-        (None, DEFAULT_STAGING_BYTES // 2),
-        (1 << 20, 1 << 19),
-        ("256MiB", 128 << 20),
-        ("1GB", 5 * 10**8),
+        (None, (16 << 20, 16)),
+        (1 << 20, (256 << 10, 4)),
+        ("256MiB", (16 << 20, 16)),
+        ("1GB", (16 << 20, 10**9 // (16 << 20))),
+        (1 << 14, (4096, 4)),
+        (1000, (250, 4)),
     ],
 )
-def test_staging_bytes_is_split_into_two_buffers(size: int | str | None, buffer_bytes: int) -> None:
+def test_staging_bytes_is_cut_into_slots(size: int | str | None, slots: tuple[int, int]) -> None:
     pool = StagingPool.sized(size)
-    assert (pool.buffer_bytes, pool.num_buffers) == (buffer_bytes, 2)
+    assert (pool.slot_bytes, pool.num_slots) == slots
+    assert pool.slot_bytes * pool.num_slots <= (DEFAULT_STAGING_BYTES if size is None else 10**10)
 
 
-@pytest.mark.parametrize("size", ["lots", -5, 0, 100, 1.5, True])
-def test_a_staging_size_that_is_not_a_usable_size_is_refused(size: object) -> None:
+@pytest.mark.parametrize("size", ["lots", -5, 0, 100, 255, 1.5, True])
+def test_a_staging_size_that_is_not_a_usable_size_is_refused_naming_what_it_needs(
+    size: object,
+) -> None:
     with pytest.raises(fastload.RequestError, match="staging"):
         StagingPool.sized(size)  # type: ignore[arg-type]
+
+
+def test_a_too_small_staging_size_says_the_size_it_needs() -> None:
+    with pytest.raises(fastload.RequestError, match="at least 256 bytes"):
+        StagingPool.sized(200)
 
 
 def test_from_pretrained_refuses_a_bad_staging_size_before_reading(shards: list[Path]) -> None:
@@ -116,7 +177,165 @@ def test_a_cpu_load_stages_nothing(tmp_path: Path) -> None:
     _, report = fastload.from_pretrained(
         lambda: torch.nn.Linear(4, 3), path, output_loading_info=True
     )
-    assert report.staging_bytes == 0
+    assert report.staging_bytes == 0 and report.bytes_staged_direct == 0
+
+
+# --- the ring: faults ---------------------------------------------------------------------------
+
+
+def _stage_threads() -> int:
+    """The ring's reading threads alive in this process (named by the engine)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except OSError:
+            continue
+    return sum(n.startswith("fastload-stage") for n in names)
+
+
+@pytest.fixture
+def big(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    state = {
+        f"t{i}": torch.randn(64, 1024, generator=torch.Generator().manual_seed(i)) for i in range(8)
+    }
+    path = tmp_path / "big.safetensors"
+    st_save_file(state, str(path))
+    return path, state
+
+
+def test_a_copy_that_raises_stops_the_ring_without_a_hang(big, monkeypatch) -> None:
+    path, state = big
+    real, calls = streaming._deliver, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected copy failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(streaming, "_deliver", failing)
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    with pytest.raises(RuntimeError, match="injected copy failure"):
+        stream_into(
+            open_file(path), [(k, t, None) for k, t in dest.items()], pool=StagingPool(4096, 4)
+        )
+    assert _stage_threads() == 0  # every reader joined before the error propagated
+
+
+def test_a_file_truncated_during_the_load_names_the_file_and_the_tensor(big) -> None:
+    path, state = big
+    file = open_file(path)
+    os.truncate(path, 100_000)  # inside t0..t1: their bytes are gone
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    with pytest.raises(fastload.CheckpointError) as info:
+        stream_into(file, [(k, t, None) for k, t in dest.items()], pool=StagingPool(4096, 4))
+    msg = str(info.value)
+    assert str(path) in msg and "tensor 't" in msg and "file changed on disk" in msg, msg
+    assert _stage_threads() == 0
+
+
+def test_a_file_rewritten_in_place_during_the_load_is_refused(big) -> None:
+    path, state = big
+    file = open_file(path)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(data)  # same size, new bytes and modification time
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    with pytest.raises(fastload.CheckpointError, match="rewritten in place"):
+        stream_into(file, [(k, t, None) for k, t in dest.items()], pool=StagingPool(4096, 4))
+
+
+# --- the ring: which path the bytes took, seen from outside (the page cache) --------------------
+
+
+def _resident_fraction(path: Path) -> float:
+    """The fraction of ``path``'s pages in the page cache, from ``mincore(2)``."""
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    # A private mapping, never touched: mincore reports the file's pages in the page cache.
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        buf = (ctypes.c_char * size).from_buffer(m)
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
+        del buf
+        assert rc == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec) / pages
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _direct_io_here(path: Path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
+def _kernel_has_cachestat() -> bool:
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return (major, minor) >= (6, 5)
+
+
+@pytest.fixture
+def large(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """24 MiB in 6 tensors: many 1 MiB slots' worth, evictable."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(1024, 1024, generator=gen) for i in range(6)}
+    path = tmp_path / "large.safetensors"
+    st_save_file(state, str(path))
+    if not _direct_io_here(path) or not _kernel_has_cachestat():
+        pytest.skip("this filesystem or kernel has no direct I/O or no cachestat(2)")
+    return path, state
+
+
+def test_a_cold_file_is_read_past_the_page_cache_and_leaves_none_of_it_resident(large) -> None:
+    path, state = large
+    _evict(path)
+    assert _resident_fraction(path) < 0.05, "eviction did not take"
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    pool = StagingPool(1 << 20, 4)
+    stream_into(open_file(path), [(k, t, None) for k, t in dest.items()], pool=pool)
+    for k, v in state.items():
+        assert torch.equal(dest[k], v), k
+    total = sum(v.numel() * 4 for v in state.values())
+    assert pool.direct_bytes >= 0.9 * total, (pool.direct_bytes, pool.cached_bytes)
+    assert _resident_fraction(path) < 0.05
+
+
+def test_a_cached_file_is_copied_out_of_the_page_cache(large) -> None:
+    path, state = large
+    path.read_bytes()  # every page cached
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    pool = StagingPool(1 << 20, 4)
+    stream_into(open_file(path), [(k, t, None) for k, t in dest.items()], pool=pool)
+    assert pool.cached_bytes >= sum(v.numel() * 4 for v in state.values())
+    assert pool.direct_bytes == 0
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+
+
+def test_direct_false_reads_a_cold_file_through_the_page_cache(large) -> None:
+    path, state = large
+    _evict(path)
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    pool = StagingPool(1 << 20, 4)
+    stream_into(open_file(path), [(k, t, None) for k, t in dest.items()], pool=pool, direct=False)
+    assert pool.direct_bytes == 0
+    assert _resident_fraction(path) > 0.9
+
+
+# --- CUDA ---------------------------------------------------------------------------------------
 
 
 @needs_cuda
@@ -124,7 +343,7 @@ def test_safe_open_to_cuda_pins_one_pool_for_all_its_get_tensor_calls(shards: li
     with fastload.safe_open(shards[0], device="cuda", staging_bytes=1 << 12) as f:
         for name in f.keys():
             assert torch.equal(f.get_tensor(name).cpu(), fastload.load_file(shards[0])[name])
-        assert f.staging.allocations == 2
+        assert f.staging.allocations <= 1 and f.staging.pinned
 
 
 @needs_cuda
@@ -139,6 +358,6 @@ def test_a_sharded_cuda_load_stages_every_shard_through_one_bounded_pool(tmp_pat
         staging_bytes=1 << 14,
         output_loading_info=True,
     )
-    assert report.staging_bytes == 1 << 14  # two 8 KiB buffers for every shard
+    assert report.staging_bytes == 1 << 14  # four 4 KiB slots for every shard
     for key, value in layers.state_dict().items():
         assert torch.equal(model.state_dict()[key].cpu(), value), key

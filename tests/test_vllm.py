@@ -245,6 +245,18 @@ def test_llm_offline_with_load_format_fastload_gives_the_tokens_of_safetensors(
     assert "of weights from 1 file(s)" in output, output
 
 
+def test_weights_staged_through_the_ring_give_the_tokens_of_safetensors(
+    llama: Path, reference: list[list[int]]
+) -> None:
+    # what a GPU model gets by default (device tensors filled through the staged ring, a bounded
+    # window ahead of the weight loaders), forced here on the CPU: the same code, CPU tensors
+    extra = {"staged": True, "window": "8MiB"}
+    (tokens,), output = _tokens([llama], load_format="fastload", model_loader_extra_config=extra)
+    assert tokens == reference, output
+    shards = len(list(llama.glob("*.safetensors")))
+    assert f"of weights from {shards} file(s)" in output, output
+
+
 def test_weights_read_from_s3_give_the_tokens_of_safetensors(
     llama: Path, reference: list[list[int]], tmp_path: Path
 ) -> None:

@@ -156,3 +156,100 @@ def test_the_weights_option_takes_an_object_storage_url_and_its_storage_options(
     ):
         with pytest.raises(RequestError, match=words):
             parse_options(bad)
+
+
+# --- weights staged into the model's device memory (the same code with CPU destinations) -------
+
+
+def _live_stage_threads() -> int:
+    return sum(
+        Path(f"/proc/self/task/{t}/comm")
+        .read_text()
+        .startswith(("fastload-stage", "fastload-vllm-s"))
+        for t in os.listdir("/proc/self/task")
+        if Path(f"/proc/self/task/{t}/comm").exists()
+    )
+
+
+def test_staged_weights_are_device_tensors_of_their_own_with_the_stored_values(
+    tmp_path: Path,
+) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    origins: dict[int, object] = {}
+    options = VllmLoadOptions(staged=True, window=64 << 10)  # batches far smaller than the file
+    stream = CheckpointWeights([str(path)], options, origins=origins, device=torch.device("cpu"))
+    assert stream.staged and not stream.mappings
+    seen = {}
+    for name, tensor in stream:
+        seen[name] = tensor
+    stream.close()
+    assert set(seen) == set(tensors)
+    for name, value in tensors.items():
+        assert torch.equal(seen[name], value), name
+    # no two handed-out tensors share memory: a weight loader that keeps one keeps it alone
+    starts = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in seen.values())
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(starts, starts[1:], strict=False))
+    assert _live_stage_threads() == 0
+
+
+def test_staged_batches_stay_within_half_the_window() -> None:
+    from fastload.integrations.vllm.staged import batches
+
+    entries = [(f"t{i}", "F32", [n // 4], 0, n) for i, n in enumerate([10, 30, 25, 70, 5, 5])]
+    cut = batches(entries, 50)
+    assert [[e[0] for e in b] for b in cut] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    assert all(sum(e[4] - e[3] for e in b) <= 50 or len(b) == 1 for b in cut)
+
+
+def test_auto_stages_only_an_accelerators_weights_on_one_rank(tmp_path: Path) -> None:
+    path, _ = _checkpoint(tmp_path)
+    auto = VllmLoadOptions()
+    assert not CheckpointWeights([str(path)], auto, device=torch.device("cpu")).staged
+    assert CheckpointWeights([str(path)], auto, device=torch.device("meta"), tp_size=1).staged
+    assert not CheckpointWeights([str(path)], auto, device=torch.device("meta"), tp_size=2).staged
+    off = VllmLoadOptions(staged=False)
+    assert not CheckpointWeights([str(path)], off, device=torch.device("meta")).staged
+
+
+def test_a_staged_stream_dropped_early_stops_its_helpers(tmp_path: Path) -> None:
+    path, _ = _checkpoint(tmp_path)
+    stream = CheckpointWeights(
+        [str(path)], VllmLoadOptions(staged=True, window=64 << 10), device=torch.device("cpu")
+    )
+    it = iter(stream)
+    next(it)
+    it.close()  # what a failing load_weights does to the generator
+    stream.close()
+    assert _live_stage_threads() == 0
+
+
+def test_a_staged_file_truncated_during_the_load_names_the_file_and_the_tensor(
+    tmp_path: Path,
+) -> None:
+    from fastload import CheckpointError
+
+    path, _ = _checkpoint(tmp_path)
+    stream = CheckpointWeights(
+        [str(path)], VllmLoadOptions(staged=True, window=64 << 10), device=torch.device("cpu")
+    )
+    os.truncate(path, path.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match=rf"{path}: \[file-shrunk\] tensors? '\w+'"):
+        for _ in stream:
+            pass
+    stream.close()
+
+
+def test_the_staged_and_window_options_are_checked_where_they_enter() -> None:
+    from fastload import RequestError
+    from fastload.integrations.vllm.options import parse_options
+
+    assert parse_options({}).staged == "auto" and parse_options({}).window == 1 << 30
+    options = parse_options({"staged": True, "window": "256MiB"})
+    assert options.staged is True and options.window == 256 << 20
+    for bad, words in (
+        ({"staged": "yes"}, "'staged' must be 'auto', true or false"),
+        ({"window": 0}, "window"),
+        ({"window": "lots"}, "window"),
+    ):
+        with pytest.raises(RequestError, match=words):
+            parse_options(bad)

@@ -6,6 +6,8 @@ from os import PathLike
 MAX_HEADER_LEN: int
 CHUNK: int
 MAX_THREADS: int
+#: alignment of direct reads into staging slots (offset, length, address)
+STAGE_ALIGN: int
 
 # (name, data pointer, byte length, safetensors dtype, selection)
 # selection: None (whole tensor), [start, stop] (flat elements) or [dim, start, stop] (a slice).
@@ -107,7 +109,8 @@ class Progress:
     def cancelled(self) -> bool: ...
     def cancel(self) -> None: ...
     def add(self, nbytes: int) -> None:
-        """Count bytes copied outside the engine (pickle files)."""
+        """Count bytes copied outside the engine (pickle files, staged copies to a device) and
+        call the callback with the new total (an exception from it cancels the copies)."""
 
 class ObjectStore:
     """One bucket (container, host) in object storage and the client that reads it (the
@@ -149,6 +152,39 @@ class ObjectStore:
     def open(self, keys: list[str], *, strict: bool = False) -> list[SafetensorsFile]:
         """Objects ``keys`` as safetensors files (mode "ranged-get"), opened in parallel: each
         one's header is read (8 bytes, then the header) and validated before anything else."""
+
+class StagedRead:
+    """A staged read of one file (``fastload.core.streaming``): the tensors' bytes laid out in
+    fills of ``slot_bytes``, read ahead by the engine's own threads into the slots at the raw
+    addresses ``slots`` (kept alive by the caller until ``close()`` or ``finish()`` returns), cold
+    ranges past the page cache when ``direct``. Private to ``fastload.core.streaming``."""
+
+    def __init__(
+        self,
+        file: SafetensorsFile,
+        spans: list[tuple[str, tuple[int, int] | None]],
+        slots: list[int],
+        slot_bytes: int,
+        *,
+        threads: int | None = None,
+        direct: bool = True,
+        chunk: int | None = None,
+        progress: Progress | None = None,
+    ) -> None: ...
+    def fills(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per fill, ``(span index, start, stop, slot offset)`` of each piece it holds."""
+    def wait(self, k: int) -> int:
+        """Waits for fill ``k`` (Ctrl-C honoured); returns its slot. A failed read raises."""
+    def release(self, k: int) -> None:
+        """Gives fill ``k``'s slot back (in order)."""
+    def finish(self) -> tuple[int, int]:
+        """Joins the readers, checks the file is unchanged; ``(direct, cached)`` bytes read."""
+    def close(self) -> None:
+        """Stops and joins the readers; idempotent."""
+    @property
+    def stats(self) -> tuple[int, int]: ...
+    @property
+    def slots(self) -> int: ...
 
 def _copy_files(
     items: list[tuple[SafetensorsFile, list[_Job]]],

@@ -279,8 +279,8 @@ def from_pretrained(
             exactly as a safetensors file's; ``read_mode`` does not apply and the report says
             ``"torch.load(weights_only)"``. Without it such checkpoints raise
             ``PickleRefusedError``. Safetensors files next to a pickle are always preferred.
-        staging_bytes: host memory for staging tensors bound for an accelerator: one pool of
-            pinned buffers (default 128 MiB, two buffers; an int or ``"256MiB"``), allocated on
+        staging_bytes: host memory for staging tensors bound for an accelerator: one ring of
+            pinned slots (default 256 MiB, 16 slots; an int or ``"1GiB"``), allocated on
             first use and shared by every shard and device of the load, so host memory during a
             GPU load stays bounded by it; at most the machine's physical memory. Unused for CPU
             destinations.

@@ -67,3 +67,49 @@ fn store_error(py: Python<'_>, path: &Path, errno: Option<i32>, err: &Error) -> 
         .map(PyErr::from_value);
     made.unwrap_or_else(|e| e)
 }
+
+/// [`to_py`] for a failure while reading `what` (`tensor 'x'`, or the tensors of a staged read),
+/// with `tensor` the one tensor, when known: the message names the file, the rule and what was
+/// being read (an operating-system error keeps its class, its `filename` the file's path).
+pub(super) fn to_py_reading(
+    py: Python<'_>,
+    path: &Path,
+    what: Option<&str>,
+    tensor: Option<&str>,
+    err: Error,
+) -> PyErr {
+    let Some(what) = what else {
+        return to_py(py, path, err);
+    };
+    if let Error::Os { errno, .. } = err {
+        let detail = std::error::Error::source(&err)
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        let made = py
+            .import("fastload.core.errors")
+            .and_then(|m| m.getattr("os_error"))
+            .and_then(|f| {
+                f.call1((
+                    path.display().to_string(),
+                    errno,
+                    format!("{what}: {detail}"),
+                ))
+            })
+            .map(PyErr::from_value);
+        return made.unwrap_or_else(|e| e);
+    }
+    if let (Error::Store { .. }, Some(t)) = (&err, tensor) {
+        return to_py(py, path, err.for_tensor(t));
+    }
+    let text = err.to_string();
+    let rule = format!("[{}] ", err.rule());
+    let rest = text.strip_prefix(&rule).unwrap_or(&text).to_string();
+    if rest.starts_with("tensor '") || matches!(err, Error::Store { .. }) {
+        return to_py(py, path, err);
+    }
+    // The class of the error as `to_py` raises it, the message naming what was being read.
+    let class_of = to_py(py, path, err);
+    let msg = format!("{}: {rule}{what}: {rest}", path.display());
+    let made = class_of.get_type(py).call1((msg,)).map(PyErr::from_value);
+    made.unwrap_or(class_of)
+}

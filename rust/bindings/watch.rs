@@ -138,9 +138,18 @@ impl PyProgress {
         self.inner.cancel();
     }
 
-    /// Counts `nbytes` written by a copy outside the engine (pickle files).
-    fn add(&self, nbytes: u64) {
+    /// Counts `nbytes` written by a copy outside the engine (pickle files, the staged copies to
+    /// a device) and calls the callback with the new total; an exception from it cancels the
+    /// copies given this object and is raised.
+    fn add(&self, py: Python<'_>, nbytes: u64) -> PyResult<()> {
         self.inner.add_external(nbytes);
+        if let Some(cb) = &self.callback {
+            if let Err(e) = cb.call1(py, (self.inner.done(),)) {
+                self.inner.cancel();
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     fn __repr__(&self) -> String {

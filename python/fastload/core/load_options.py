@@ -24,8 +24,8 @@ from fastload.core.dtypes import conversion_dtype
 from fastload.core.engine import READ_MODES
 from fastload.core.errors import RequestError, UnsupportedError
 from fastload.core.sharing import check_mmap_mode
+from fastload.core.staging import StagingPool
 from fastload.core.store_config import check_storage_options
-from fastload.core.streaming import StagingPool
 from fastload.core.threads import check_threads
 
 __all__ = ["DEFAULTS", "LoadOptions", "OPTION_NAMES", "split_load_options"]

@@ -68,7 +68,7 @@ from fastload.core.report import LoadReport
 from fastload.core.sharing import WarmUp
 from fastload.core.skeleton import build_skeleton, forget_constructor_values
 from fastload.core.source import open_source
-from fastload.core.streaming import StagingPool
+from fastload.core.staging import StagingPool
 from fastload.core.tying import tensor_slots
 from fastload.distributed.collective import RankGroup, check_same_checkpoint, read_collectively
 from fastload.distributed.tensor_parallel import TPLayout, layout_for, parallelize
@@ -295,6 +295,9 @@ def load(
                 ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
             )
         report.staging_bytes = pool.peak_bytes
+        report.bytes_staged_direct = pool.direct_bytes
+        report.bytes_staged_cached = pool.cached_bytes
+        pool.release()  # a pinned slab stays with the process for the next load
         resolve_duplicates(load_plan.groups)
 
     with clock.phase("finish"):

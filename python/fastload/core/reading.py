@@ -35,7 +35,7 @@ from fastload.core.dtypes import (
 )
 from fastload.core.engine import READ_MODES, CopyItem, TensorFile, copy_files, copy_into
 from fastload.core.errors import RequestError, UnsupportedError
-from fastload.core.streaming import StagingPool
+from fastload.core.staging import StagingPool
 from fastload.core.threads import check_threads
 
 # (tensor name, destination tensor, selection): selection as the engine takes it (engine.copy_into)

@@ -67,6 +67,10 @@ class LoadReport:
     #: the most host memory the staging pool held (pinned buffers for accelerator destinations;
     #: 0 when nothing was staged)
     staging_bytes: int = 0
+    #: bytes the staged path read past the page cache (direct I/O: cold ranges), and through it
+    #: (ranges already cached, or where the filesystem refuses direct I/O)
+    bytes_staged_direct: int = 0
+    bytes_staged_cached: int = 0
     tensors_loaded: int = 0
     #: wall-clock seconds per phase, in order
     seconds: dict[str, float] = field(default_factory=dict)
@@ -149,7 +153,11 @@ class LoadReport:
                 else []
             ),
             *(
-                [f"  staged through {format_bytes(self.staging_bytes)} of host buffers"]
+                [
+                    f"  staged through {format_bytes(self.staging_bytes)} of host buffers: "
+                    f"{format_bytes(self.bytes_staged_direct)} read past the page cache, "
+                    f"{format_bytes(self.bytes_staged_cached)} through it"
+                ]
                 if self.staging_bytes
                 else []
             ),

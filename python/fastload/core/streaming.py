@@ -1,52 +1,224 @@
-"""The staged copy pipeline: file -> bounded staging buffers -> destination device.
+"""The staged copy pipeline: file -> a ring of staging slots -> destination device.
 
-For accelerator destinations (CUDA), the Rust engine fills one *pinned* host buffer while the
-host-to-device copy of the previous buffer runs on a side stream (double buffering). Peak host
-memory is the pool size (``num_buffers * buffer_bytes``), not the model size. The same code runs
-with CPU destinations (plain buffers, synchronous copies), which is how it is tested on machines
-without a GPU.
+Every destination that is not a CPU tensor goes through here (and CPU destinations, when a caller
+asks: the same code, which is how it is tested and measured without a GPU).
 
-One :class:`StagingPool` serves a whole load: ``from_pretrained`` creates one per call and hands it
-to every file and device, and a ``safe_open`` handle keeps one for its lifetime. Its buffers are
-allocated on first use, so a load that stages nothing allocates nothing, and pinning
-(``cudaHostAlloc``, tens of milliseconds for 128 MiB) is paid once per load instead of once per
-shard, device or tensor.
+The ring (:class:`fastload._core.StagedRead`, in Rust) copies *bytes, not tensors*: the
+destinations' byte spans are laid out in file order into fills, one slot each, and the ring's own
+threads read them ahead, as many reads in flight as it has threads and as far ahead as free slots
+allow. Ranges already in the page cache are read out of it; cold ranges are read with direct I/O
+(``O_DIRECT``), which skips a copy and leaves no model in the page cache of a host whose GPU now
+holds it. This thread takes each fill the moment its reads complete and copies its pieces to their
+destinations: asynchronously on a side stream for CUDA (converting dtype there, on the device),
+synchronously for CPU destinations; a slot goes back to the readers once the copy out of it is done.
+
+What the ring cannot read as plain bytes is gathered by the engine into the slab instead (one call
+per batch, double-buffered): slices along an inner dimension (tensor-parallel columns), packed
+sub-byte types, dtype pairs the engine converts but torch cannot view, and pickle checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
+import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from fastload import _core
-from fastload.core.dtypes import to_st
+from fastload.core.dtypes import CONVERTIBLE, PACKED, ST_TO_TORCH, to_st
 from fastload.core.engine import TensorFile, copy_into
 from fastload.core.errors import RequestError
-from fastload.core.units import MAX_BYTES, parse_bytes
+from fastload.core.staging import Slab, StagingPool
 
-#: Size of one staging buffer: large enough that a host-to-device copy runs at full bandwidth,
-#: small enough that two of them are negligible next to a model.
-DEFAULT_BUFFER_BYTES = 64 << 20
-#: Two buffers: Rust fills one while the other's host-to-device copy runs.
-DEFAULT_NUM_BUFFERS = 2
-#: The default pool size (``staging_bytes`` of ``from_pretrained`` / ``load_file`` / ``safe_open``).
-DEFAULT_STAGING_BYTES = DEFAULT_BUFFER_BYTES * DEFAULT_NUM_BUFFERS
-# Below this a buffer would turn the copy into many tiny host-to-device transfers.
-_MIN_BUFFER_BYTES = 64
+#: (tensor name, destination, selection) as :func:`fastload.core.reading.fill` takes them
+Item = tuple[str, torch.Tensor, "list[int] | None"]
 
 
-def max_staging_bytes() -> int:
-    """The largest ``staging_bytes``: the machine's physical memory (the pool is host memory,
-    pinned for a GPU; more can never be allocated), or :data:`fastload.core.units.MAX_BYTES` where
-    the operating system does not say."""
+@dataclass
+class _Span:
+    """A destination the ring fills: bytes ``[begin, end)`` of tensor ``name`` (relative to the
+    tensor), stored as ``stored``, into the flat destination ``dest``."""
+
+    name: str
+    dest: torch.Tensor
+    stored: torch.dtype
+    begin: int
+    end: int
+
+
+def _ring_span(
+    file: TensorFile, name: str, dest: torch.Tensor, sel: list[int] | None
+) -> _Span | None:
+    """The byte span the ring reads for one destination, or ``None`` where the engine must
+    gather it (see the module docs)."""
+    if not isinstance(file, _core.SafetensorsFile):
+        return None
+    st_dtype, shape, _, _ = file.info(name)
+    stored = ST_TO_TORCH.get(st_dtype)
+    if stored is None or st_dtype in PACKED:
+        return None
+    if dest.dtype != stored and not (st_dtype in CONVERTIBLE and to_st(dest.dtype) in CONVERTIBLE):
+        return None  # the engine's refusal names the pair
+    itemsize = stored.itemsize
+    numel = math.prod(shape)
+    if sel is None:
+        start, stop = 0, numel
+    elif len(sel) == 2:
+        start, stop = sel
+    elif len(sel) == 3 and 0 <= sel[0] < len(shape) and math.prod(shape[: sel[0]]) == 1:
+        inner = math.prod(shape[sel[0] + 1 :])
+        start, stop = sel[1] * inner, sel[2] * inner  # rows: contiguous bytes
+    else:
+        return None
+    if not 0 <= start <= stop <= numel:
+        return None  # the engine's refusal names the selection
+    if dest.numel() != stop - start:
+        raise RequestError(
+            f"{file.path}: tensor {name!r}: destination has "
+            f"{dest.numel() * dest.element_size()} bytes, expected "
+            f"{(stop - start) * dest.element_size()}"
+        )
+    return _Span(name, dest.view(-1), stored, start * itemsize, stop * itemsize)
+
+
+def stream_into(
+    file: TensorFile,
+    items: list[Item],
+    *,
+    pool: StagingPool | None = None,
+    threads: int | None = None,
+    progress: _core.Progress | None = None,
+    direct: bool = True,
+    after: torch.cuda.Stream | None = None,
+) -> int:
+    """Fills destination tensors (any device, one device per call) through ``pool``'s staging
+    slots (a default-sized pool for this call when ``None``); returns destination bytes written.
+    Every destination is filled when it returns.
+
+    CUDA destinations are written on the pool's side stream once the work queued so far on
+    ``after`` (default: the calling thread's current stream) is done: memory a consumer still
+    reads there is not overwritten.
+
+    ``direct=False`` reads cold ranges through the page cache instead of past it. A read error,
+    a truncated or rewritten file names the file and the tensor; a copy that raises stops the
+    ring's threads before the error propagates.
+    """
+    if not items:
+        return 0
+    devices = {t.device for _, t, _ in items}
+    if len(devices) != 1:
+        raise RequestError(f"stream_into takes one destination device per call, got {devices}")
+    device = devices.pop()
+    for name, dest, _ in items:
+        if not dest.is_contiguous():
+            raise RequestError(f"tensor {name!r}: staged destinations must be contiguous")
+    pool = pool if pool is not None else StagingPool()
+    cuda = device.type == "cuda"
+    stream = pool.stream(device) if cuda else None
+    if stream is not None:
+        # Destinations were allocated on the current stream; writes on the side stream must not
+        # overtake work still queued there on memory the caching allocator handed out again.
+        stream.wait_stream(after if after is not None else torch.cuda.current_stream(device))
+    spans: list[_Span] = []
+    gathered: list[Item] = []
+    for name, dest, sel in items:
+        span = _ring_span(file, name, dest, sel)
+        if span is None:
+            gathered.append((name, dest, sel))
+        elif span.end > span.begin:
+            spans.append(span)
+    written = 0
+    if spans:
+        written += _run_ring(file, spans, pool, stream, threads, progress, direct)  # type: ignore[arg-type]
+    if gathered:
+        written += _gather(file, gathered, pool, stream, threads, progress)
+    if stream is not None:
+        stream.synchronize()
+    return written
+
+
+def _deliver(
+    span: _Span,
+    slot: torch.Tensor,
+    start: int,
+    stop: int,
+    offset: int,
+    stream: torch.cuda.Stream | None,
+) -> int:
+    """Copies bytes ``[start, stop)`` of ``span``, at ``offset`` in ``slot``, to the destination
+    (on ``stream`` when given); returns destination bytes written."""
+    src = slot[offset : offset + stop - start]
+    itemsize = span.stored.itemsize
+    if offset % itemsize:
+        src = src.clone()  # a tensor at an odd offset of the file: view needs aligned storage
+    first, last = start // itemsize, stop // itemsize
+    dst = span.dest[first:last]
+    dst.copy_(src.view(span.stored), non_blocking=stream is not None)
+    return dst.numel() * dst.element_size()
+
+
+def _run_ring(
+    file: _core.SafetensorsFile,
+    spans: list[_Span],
+    pool: StagingPool,
+    stream: torch.cuda.Stream | None,
+    threads: int | None,
+    progress: _core.Progress | None,
+    direct: bool,
+) -> int:
+    cuda = stream is not None
+    addresses = pool.slot_addresses(pinned=cuda)
+    ring = _core.StagedRead(
+        file,
+        [(s.name, (s.begin, s.end)) for s in spans],
+        addresses,
+        pool.slot_bytes,
+        threads=threads,
+        direct=direct,
+        progress=progress,
+    )
+    slots = len(addresses)
+    pending: deque[tuple[int, torch.cuda.Event]] = deque()  # fills whose copies may still run
+    written = 0
     try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return MAX_BYTES
-    return min(physical, MAX_BYTES) if physical > 0 else MAX_BYTES
+        fills = ring.fills()
+        for k, pieces in enumerate(fills):
+            # Fill k + slots needs fill k's slot: release what the device has finished with, and
+            # wait for the copy out of the slot the readers need next.
+            while pending and (pending[0][0] <= k - slots or pending[0][1].query()):
+                done, event = pending.popleft()
+                event.synchronize()
+                ring.release(done)
+            slot = pool.slot(ring.wait(k))
+            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+            nbytes = 0
+            with ctx, torch.no_grad():
+                for index, start, stop, offset in pieces:
+                    nbytes += _deliver(spans[index], slot, start, stop, offset, stream)
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    pending.append((k, event))
+            if not cuda:
+                ring.release(k)
+            written += nbytes
+            if progress is not None:
+                progress.add(nbytes)
+        while pending:
+            done, event = pending.popleft()
+            event.synchronize()
+            ring.release(done)
+        direct_bytes, cached_bytes = ring.finish()
+        pool.direct_bytes += direct_bytes
+        pool.cached_bytes += cached_bytes
+    finally:
+        # On any failure (a read, a copy, Ctrl-C) the readers stop before the slots can go.
+        ring.close()
+        if stream is not None:
+            stream.synchronize()
+    return written
 
 
 @dataclass
@@ -58,124 +230,13 @@ class _Piece:
     selection: list[int] | None  # None for whole-tensor reads in one piece
 
 
-class _Buffer:
-    def __init__(self, nbytes: int, pinned: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pinned)
-        self.event: torch.cuda.Event | None = None
-
-    def wait(self) -> None:
-        # The previous host-to-device copy out of this buffer must finish before it is refilled.
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-
-
-class StagingPool:
-    """The staging buffers of one load: ``num_buffers`` buffers of ``buffer_bytes`` each, pinned
-    when they feed a CUDA device, allocated on first use and reused by every staged copy.
-
-    Host memory stays at ``num_buffers * buffer_bytes`` for the whole load, plus, transiently, one
-    buffer for a single tensor-parallel slice larger than a pool buffer (a slice is staged whole).
-    Not thread-safe: one pool per load, used by one thread.
-    """
-
-    def __init__(
-        self, buffer_bytes: int = DEFAULT_BUFFER_BYTES, num_buffers: int = DEFAULT_NUM_BUFFERS
-    ) -> None:
-        for name, value, low in (
-            ("buffer_bytes", buffer_bytes, _MIN_BUFFER_BYTES),
-            ("num_buffers", num_buffers, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise RequestError(f"staging {name} must be an int >= {low}, got {value!r}")
-        self.buffer_bytes = buffer_bytes
-        self.num_buffers = num_buffers
-        self._buffers: list[_Buffer] = []
-        self._pinned = False
-        self._turn = 0
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        #: how many buffers this pool has allocated (pinned or not), for reports and tests
-        self.allocations = 0
-        #: the most host bytes the pool held at once (oversize buffers included)
-        self.peak_bytes = 0
-
-    @classmethod
-    def sized(cls, staging_bytes: int | str | None) -> StagingPool:
-        """A pool of :data:`DEFAULT_NUM_BUFFERS` buffers sharing ``staging_bytes`` (an int or a
-        size string such as ``"256MiB"``; ``None``: :data:`DEFAULT_STAGING_BYTES`), at most
-        :func:`max_staging_bytes` (``RequestError`` naming ``staging_bytes`` otherwise)."""
-        if staging_bytes is None:
-            return cls()
-        total = parse_bytes(
-            staging_bytes,
-            where="staging_bytes",
-            positive=True,
-            maximum=max_staging_bytes(),
-            bound="the memory of this machine (the pool is host memory)",
-        )
-        per = total // DEFAULT_NUM_BUFFERS
-        if per < _MIN_BUFFER_BYTES:
-            raise RequestError(
-                f"staging_bytes must be at least {_MIN_BUFFER_BYTES * DEFAULT_NUM_BUFFERS} bytes, "
-                f"got {staging_bytes!r}"
-            )
-        return cls(per, DEFAULT_NUM_BUFFERS)
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes the pool holds now (0 before first use)."""
-        return sum(b.data.numel() for b in self._buffers)
-
-    def next_buffer(self, pinned: bool) -> _Buffer:
-        """The next buffer in turn, once the copy out of it has finished."""
-        if not self._buffers or (pinned and not self._pinned):
-            # First use, or a CUDA destination after CPU-only staging: (re)allocate, pinned if
-            # needed. Pinned buffers also serve CPU destinations, so this happens at most twice.
-            self.synchronize()
-            self._buffers = [_Buffer(self.buffer_bytes, pinned) for _ in range(self.num_buffers)]
-            self._pinned = pinned
-            self.allocations += self.num_buffers
-            self.peak_bytes = max(self.peak_bytes, self.nbytes)
-        buf = self._buffers[self._turn % len(self._buffers)]
-        self._turn += 1
-        buf.wait()
-        return buf
-
-    def oversize_buffer(self, nbytes: int, pinned: bool) -> _Buffer:
-        """A buffer of its own for one piece larger than a pool buffer (freed by the caller)."""
-        self.allocations += 1
-        self.peak_bytes = max(self.peak_bytes, self.nbytes + nbytes)
-        return _Buffer(nbytes, pinned)
-
-    def stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream of ``device`` for this load (created once)."""
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
-
-    def synchronize(self) -> None:
-        """Waits for every copy out of the pool's buffers."""
-        for buf in self._buffers:
-            buf.wait()
-
-    def release(self) -> None:
-        """Frees the buffers (after waiting for their copies); the pool can be used again."""
-        self.synchronize()
-        self._buffers = []
-        self._pinned = False
-
-
-def _pieces(
-    items: list[tuple[str, torch.Tensor, list[int] | None]], buffer_bytes: int
-) -> list[_Piece]:
+def _pieces(items: list[Item], buffer_bytes: int) -> list[_Piece]:
     out: list[_Piece] = []
     for name, dest, selection in items:
-        if not dest.is_contiguous():
-            raise RequestError(f"tensor {name!r}: staged destinations must be contiguous")
         numel, itemsize = dest.numel(), dest.element_size()
         flat = dest.view(-1)
         if selection is not None:
-            # A slice is staged whole (in a buffer of its own when larger than the pool's).
+            # A slice is gathered whole (in a buffer of its own when larger than the slab).
             out.append(_Piece(name, flat, 0, numel, selection))
             continue
         per = max(1, buffer_bytes // max(1, itemsize))
@@ -189,44 +250,31 @@ def _pieces(
     return out
 
 
-def stream_into(
+def _gather(
     file: TensorFile,
-    items: list[tuple[str, torch.Tensor, list[int] | None]],
-    *,
-    pool: StagingPool | None = None,
-    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    num_buffers: int = DEFAULT_NUM_BUFFERS,
-    threads: int | None = None,
-    progress: _core.Progress | None = None,
+    items: list[Item],
+    pool: StagingPool,
+    stream: torch.cuda.Stream | None,
+    threads: int | None,
+    progress: _core.Progress | None,
 ) -> int:
-    """Fills destination tensors (any device, one device per call) through staging buffers.
-
-    Pieces of consecutive tensors are packed into each buffer; one Rust call fills a buffer
-    (validated first, GIL released), then each piece is copied to its destination, asynchronously
-    on a side stream for CUDA destinations. The buffers are ``pool``'s (shared by the calls of one
-    load), or a pool of ``num_buffers`` x ``buffer_bytes`` made for this call. Returns destination
-    bytes written; every destination is filled when it returns.
-    """
-    if not items:
-        return 0
-    devices = {t.device for _, t, _ in items}
-    if len(devices) != 1:
-        raise RequestError(f"stream_into takes one destination device per call, got {devices}")
-    device = devices.pop()
-    cuda = device.type == "cuda"
-    if pool is None:
-        pool = StagingPool(buffer_bytes, num_buffers)
-    stream = pool.stream(device) if cuda else None
-    if stream is not None:
-        # Destinations were allocated on the current stream; writes on the side stream must not
-        # overtake work still queued there on memory the caching allocator handed out again.
-        stream.wait_stream(torch.cuda.current_stream(device))
-    pieces = _pieces(items, pool.buffer_bytes)
-    oversize: list[_Buffer] = []
+    """The engine gathers (and converts) pieces into one half of the slab while the copies out of
+    the other half run; returns destination bytes written."""
+    cuda = stream is not None
+    slab = pool.slab(pinned=cuda).data
+    half = slab.numel() // 2
+    halves = [slab[:half], slab[half : 2 * half]]
+    events: list[torch.cuda.Event | None] = [None, None]
+    pieces = _pieces(items, half)
+    transient: list[Slab] = []
     written = 0
+    turn = 0
     i = 0
     while i < len(pieces):
-        buf = pool.next_buffer(pinned=cuda)
+        event = events[turn % 2]
+        if event is not None:
+            event.synchronize()  # the copy out of this half must finish before it is refilled
+        buf = halves[turn % 2]
         # Pack as many pieces as fit, each at an offset aligned for its dtype (and 64 bytes).
         batch: list[tuple[_Piece, int, int]] = []
         offset = 0
@@ -234,30 +282,35 @@ def stream_into(
             p = pieces[i]
             nbytes = (p.stop - p.start) * p.dest.element_size()
             offset = (offset + 63) & ~63
-            if batch and offset + nbytes > pool.buffer_bytes:
+            if batch and offset + nbytes > half:
                 break
             batch.append((p, offset, nbytes))
             offset += nbytes
             i += 1
-        if offset > pool.buffer_bytes:
-            # One slice larger than a pool buffer: stage it in a buffer of its own, kept alive
-            # until the stream is synchronized below.
-            buf = pool.oversize_buffer(offset, pinned=cuda)
-            oversize.append(buf)
+        if offset > half:
+            # One slice larger than half the slab: gathered in a buffer of its own, kept alive
+            # until the stream is synchronized.
+            own = pool.transient(offset, pinned=cuda)
+            transient.append(own)
+            buf = own.data
         jobs = []
         for p, off, nbytes in batch:
             sel = p.selection if p.selection is not None else [p.start, p.stop]
-            jobs.append((p.name, buf.data[off : off + nbytes], to_st(p.dest.dtype), sel))
+            jobs.append((p.name, buf[off : off + nbytes], to_st(p.dest.dtype), sel))
         copy_into(file, jobs, threads, progress)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx, torch.no_grad():
             for p, off, nbytes in batch:
-                src = buf.data[off : off + nbytes].view(p.dest.dtype)
+                src = buf[off : off + nbytes].view(p.dest.dtype)
                 p.dest[p.start : p.stop].copy_(src, non_blocking=cuda)
                 written += nbytes
             if stream is not None:
-                buf.event = torch.cuda.Event()
-                buf.event.record(stream)
+                events[turn % 2] = torch.cuda.Event()
+                events[turn % 2].record(stream)  # type: ignore[union-attr]
+        turn += 1
     if stream is not None:
         stream.synchronize()
     return written
+
+
+__all__ = ["Item", "stream_into"]

@@ -29,7 +29,7 @@ from fastload.core.reading import (
     read_tensor,
     resolve_read_mode,
 )
-from fastload.core.streaming import StagingPool
+from fastload.core.staging import StagingPool
 from fastload.safetensors.slices import SafeSlice
 
 
@@ -203,8 +203,8 @@ def safe_open(
     ``backend`` (safetensors' name) or ``read_mode``: ``"pread"`` (fastload's default) or
     ``"mmap"``. ``strict=True`` refuses what fastload otherwise reads as safetensors does (an
     unknown field in a tensor entry, ``"__metadata__": null``). ``staging_bytes`` sizes the host
-    staging pool used for accelerator destinations (default
-    :data:`fastload.core.streaming.DEFAULT_STAGING_BYTES`, 128 MiB, pinned). ``process_group``:
+    staging slots used for accelerator destinations (default
+    :data:`fastload.core.staging.DEFAULT_STAGING_BYTES`, 256 MiB, pinned). ``process_group``:
     collective reads (see :class:`SafeOpen`).
 
     ``path`` may be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
@@ -245,8 +245,8 @@ def load_file(
 
     ``dtype`` converts floating-point tensors (F32/F16/BF16/F64) during the copy; other tensors
     keep their stored dtype. ``backend``/``read_mode`` and ``strict`` as in :func:`safe_open`.
-    Accelerator destinations are staged through one host pool of ``staging_bytes`` (default
-    128 MiB, pinned), so host memory stays bounded by it.
+    Accelerator destinations are staged through one ring of host slots of ``staging_bytes``
+    (default 256 MiB, pinned), so host memory stays bounded by it.
 
     ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``): every rank of
     the group calls this on the same file (or its own copy of it), each reads about 1/N of the
@@ -273,9 +273,13 @@ def load_file(
         total = sum(t.numel() * t.element_size() for t in out.values())
         with byte_progress(total, True) as counter:
             fill(file, [(k, t, None) for k, t in out.items()], threads, pool, counter)
+        pool.release()
         return out
     if process_group is None:
-        return read_all(file, device, want, threads, pool)
+        try:
+            return read_all(file, device, want, threads, pool)
+        finally:
+            pool.release()  # a pinned slab stays with the process for the next load
     from fastload.distributed import collective
 
     group = collective.RankGroup(process_group)

@@ -85,6 +85,8 @@ class FastloadModelLoader(DefaultModelLoader):
         #: the model argument of the load (the primary source; its weights may be remote)
         self._primary: str | None = None
         self._mappings: list[MappingRecord] = []
+        #: the device of the model's parameters (set by load_weights)
+        self._device: torch.device | None = None
 
     # -- which files -----------------------------------------------------------------------------
 
@@ -145,6 +147,7 @@ class FastloadModelLoader(DefaultModelLoader):
             progress=self._start_stream(),
             index=index if use_safetensors and os.path.isfile(index) else None,
             origins=self._origins,
+            device=self._device,
         )
         self._streams.append(stream)
         self._mappings += [MappingRecord.of(m) for m in stream.mappings]
@@ -218,6 +221,8 @@ class FastloadModelLoader(DefaultModelLoader):
                 )
         self._primary = model_config.model
         tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+        # where the weight loaders copy to: an accelerator's weights are staged there
+        self._device = next((t.device for _, t in tensors if t.device.type != "meta"), None)
         watch = CopyWatch(
             self._origins,
             tensors,

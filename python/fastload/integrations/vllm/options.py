@@ -16,6 +16,7 @@ from fastload.core.errors import RequestError
 from fastload.core.object_store import is_url
 from fastload.core.store_config import check_storage_options
 from fastload.core.threads import MAX_THREADS
+from fastload.core.units import parse_bytes
 
 #: the load format's name, as users pass it to ``--load-format``
 LOAD_FORMAT = "fastload"
@@ -33,6 +34,12 @@ KEYS = {
     "checkpoint's page cache instead of a copy (copy-on-write; needs mmap views)",
     "progress": "true/false: the progress bar (default: vLLM's use_tqdm_on_load)",
     "enable_weights_track": "vLLM's check that every parameter was loaded (default: vLLM's)",
+    "staged": "'auto' (default: weights bound for an accelerator are read through fastload's "
+    "staged ring into device memory ahead of the weight loaders, which then copy device to "
+    "device; one rank only), true (also for CPU models: private copies through the ring) or "
+    "false (host tensors, the weight loaders copy them to the device)",
+    "window": "device memory the staged weights take ahead of the weight loaders at most "
+    "(default '1GiB'; an int or a size such as '512MiB')",
     "weights": "an object storage URL (s3://, gs://, az://, http(s)://) of the checkpoint to "
     "read the weights from (the model argument then names only the config and tokenizer)",
     "storage_options": "the object store's options for 'weights' (as fastload.from_pretrained's "
@@ -56,6 +63,10 @@ class VllmLoadOptions:
     share_weights: bool = True
     progress: bool | None = None
     enable_weights_track: bool | None = None
+    #: "auto", True or False: weights staged into the model's device memory (see KEYS)
+    staged: bool | str = "auto"
+    #: bytes of device memory the staged weights take ahead of the weight loaders at most
+    window: int = 1 << 30
     #: the object storage URL the weights are read from, if not from the model's files
     weights: str | None = None
     storage_options: Mapping[str, str] | None = None
@@ -134,7 +145,19 @@ def parse_options(
         raise RequestError(
             "--model-loader-extra-config: 'storage_options' applies to 'weights', which is not set"
         )
+    staged = extra_config.get("staged", "auto")
+    if staged != "auto" and not isinstance(staged, bool):
+        raise RequestError(
+            f"--model-loader-extra-config: 'staged' must be 'auto', true or false, got {staged!r}"
+        )
+    window = parse_bytes(
+        extra_config.get("window", 1 << 30),
+        where="--model-loader-extra-config: 'window'",
+        positive=True,
+    )
     return VllmLoadOptions(
+        staged=staged,
+        window=window,
         mmap=mmap,
         threads=threads,
         read_ahead=_bool("read_ahead", extra_config.get("read_ahead", True)),

@@ -19,7 +19,10 @@ Tensors are then handed out in file order:
 * as private copies made by the engine otherwise (network filesystems, ``mmap='copy'``), on a
   helper thread ahead of the weight loaders, within the budget;
 * ``.bin``/``.pt`` files through fastload's pickle reader (``torch.load(weights_only=True)``,
-  mapped).
+  mapped);
+* for a model on an accelerator (one rank; the ``staged`` option), as device tensors filled
+  through fastload's staged ring ahead of the weight loaders, within the ``window`` of device
+  memory (:mod:`fastload.integrations.vllm.staged`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from fastload.core.memory import memory_budget
 from fastload.core.pickle_file import is_pickle, load_state_dict
 from fastload.core.progress import bar_wanted, binary_unit
 from fastload.core.sharing import WARM_PIECE, SharedMapping, file_sharing
+from fastload.core.staging import StagingPool
 
 from .options import VllmLoadOptions
+from .staged import staged_tensors
 
 _MADV_RANDOM = 1
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -123,7 +128,8 @@ class CheckpointWeights:
 
     ``tp_size``: the tensor-parallel world size (ranks then read only the slices their weight
     loaders take). ``progress``: draw a bar (the caller decides: rank 0 of a load that asks).
-    ``weight_map``: the index's tensor -> shard table, checked against the shards."""
+    ``weight_map``: the index's tensor -> shard table, checked against the shards. ``device``:
+    where the model's parameters are (an accelerator's stages the weights there)."""
 
     def __init__(
         self,
@@ -134,8 +140,15 @@ class CheckpointWeights:
         progress: bool = False,
         index: str | None = None,
         origins: dict[int, Origin] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.options = options
+        self.device = device if device is not None else torch.device("cpu")
+        #: whether tensors are staged into the device's memory (see the ``staged`` option)
+        self.staged = options.staged is True or (
+            options.staged == "auto" and self.device.type != "cpu" and tp_size == 1
+        )
+        self._pool: StagingPool | None = None
         self.tp_size = tp_size
         self.progress = progress
         #: (path, tensor name) of the tensor handed out last
@@ -159,6 +172,8 @@ class CheckpointWeights:
         if index is not None:
             self._check_index_against_shards(index)
         for f in self._files:
+            if self.staged:
+                break  # the ring reads the files itself
             if f.st is not None and options.mmap != "copy" and file_sharing(f.st, options.mmap)[0]:
                 f.mapping = SharedMapping(f.st)
                 if tp_size > 1:
@@ -202,7 +217,7 @@ class CheckpointWeights:
         room. Only into the page cache: the engine copies from there (positioned reads), and a
         view a parameter keeps maps its pages when it is first used, so the server maps no page
         it does not keep."""
-        if not self.options.read_ahead or self.tp_size > 1:
+        if not self.options.read_ahead or self.tp_size > 1 or self.staged:
             return
         pieces: list[tuple[_core.SafetensorsFile, int, int, int]] = []  # (file, start, stop, at)
         at = 0
@@ -261,6 +276,8 @@ class CheckpointWeights:
         if self._reader is not None:
             self._reader.join()
             self._reader = None
+        if self._pool is not None:
+            self._pool.release()
 
     # -- handing tensors out ---------------------------------------------------------------------
 
@@ -318,6 +335,21 @@ class CheckpointWeights:
             state = load_state_dict(f.path)
             for name in list(state):
                 yield name, state.pop(name), Origin(f.path, name)
+            return
+        if self.staged:
+            if self._pool is None:
+                self._pool = StagingPool()
+            staged = staged_tensors(
+                f.st,
+                f.entries or [],
+                self.device,
+                window=self.options.window,
+                pool=self._pool,
+                threads=self.options.threads,
+                stopped=lambda: self._stop,
+            )
+            for name, tensor in staged:
+                yield name, tensor, Origin(f.path, name)
             return
         if f.mapping is None:
             for name, tensor in self._copies(f):
