@@ -11,6 +11,7 @@ module is over 500 lines; the plan's modes and actions are enums.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
@@ -18,18 +19,26 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
 #: each package of the tree and the packages it may import (besides itself and fastload._core)
 MAY_IMPORT: dict[str, set[str]] = {
     "fastload.core": {"fastload.distributed", "fastload.training"},
+    "fastload.families": set(),
     "fastload.distributed": {"fastload.core"},
-    "fastload.training": {"fastload.core"},
-    "fastload.safetensors": {"fastload.core", "fastload.distributed", "fastload.training"},
+    "fastload.training": {"fastload.core", "fastload.families"},
+    "fastload.safetensors": {
+        "fastload.core",
+        "fastload.distributed",
+        "fastload.families",
+        "fastload.training",
+    },
     "fastload.hf": {
         "fastload.core",
         "fastload.distributed",
+        "fastload.families",
         "fastload.training",
         "fastload.safetensors",
     },
     "fastload.integrations": {
         "fastload.core",
         "fastload.distributed",
+        "fastload.families",
         "fastload.training",
         "fastload.safetensors",
     },
@@ -174,6 +183,49 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
     }
     assert {m: d for m, d in offending.items() if d} == {}
     assert sum(1 for m in graph if m.startswith("fastload.core.")) > 30
+
+
+#: what the core's source may not name, comments and docstrings included: the frameworks and
+#: model families it serves through the hooks of the layer above, and that layer itself
+CALLER_NAMES = re.compile(
+    r"(?i:transformers|vllm|sglang|pretrained_?model|hugging ?face|\bhf_|_hf_)|"
+    r"(?i:fastload\.(hf|api|integrations|families)\b)|"
+    # model families: their class names, and their lowercase names as words
+    r"\b(Bert|Llama|Mistral|Mixtral|Qwen|Gemma|GPT|CLIP|Reformer|Sam3|DeepSeek|T5)|"
+    r"\b(bert|llama|mistral|mixtral|qwen|gemma|gpt2|deepseek)\b"
+)
+#: the one exception: the hub client's switch for every progress bar, which fastload's bars
+#: honour in every load, including those that never reach the Hugging Face layer
+ALLOWED_IN_CORE = ("HF_HUB_DISABLE_PROGRESS_BARS",)
+
+
+def caller_names(text: str) -> list[str]:
+    for allowed in ALLOWED_IN_CORE:
+        text = text.replace(allowed, "")
+    return [m.group(0) for m in CALLER_NAMES.finditer(text)]
+
+
+def test_the_name_check_finds_a_family_predicate_and_a_callers_name() -> None:
+    predicate = (
+        "def is_transformers_model(obj):\n"
+        "    return isinstance(obj, sys.modules['transformers'].PreTrainedModel)\n"
+    )
+    assert caller_names(predicate) == ["transformers", "transformers", "PreTrainedModel"]
+    assert caller_names("if 'vllm' in sys.modules: ...  # SGLang too") == ["vllm", "SGLang"]
+    assert caller_names("from fastload.hf.hooks import x; p._is_hf_initialized") == [
+        "fastload.hf",
+        "_hf_",
+    ]
+    assert caller_names("a LlamaForCausalLM, a BertModel, a llama") == ["Llama", "Bert", "llama"]
+    assert caller_names("clipped slices, the hub's HF_HUB_DISABLE_PROGRESS_BARS") == []
+
+
+def test_the_core_names_none_of_its_callers() -> None:
+    found = {
+        str(path.relative_to(PACKAGE)): caller_names(path.read_text(encoding="utf-8"))
+        for path in (PACKAGE / "core").rglob("*.py")
+    }
+    assert {p: names for p, names in found.items() if names} == {}
 
 
 def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:

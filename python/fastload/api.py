@@ -25,7 +25,7 @@ from fastload.core.load_options import DEFAULTS, LoadOptions, split_load_options
 from fastload.core.loading import load, plain_target
 from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
-from fastload.core.skeleton import is_transformers_model
+from fastload.families import is_transformers_model
 from fastload.hf.auto import is_auto_class
 from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
 

@@ -13,7 +13,7 @@ finishing (``finishing``, ``tying``, ``skeleton``) -> the report (``report``, ``
 
 May import: ``fastload._core``, its own modules, and the two packages whose steps a load runs:
 :mod:`fastload.distributed` (collective reads, tensor-parallel slicing) and
-:mod:`fastload.training` (the ``gradient_checkpointing`` option). Never the Hugging Face layer
-(:mod:`fastload.hf`), the integrations, the tools, the safetensors-compatible API or the public
-entry (``fastload.api``): nothing here names transformers, a serving framework or a model family.
+:mod:`fastload.training` (the ``gradient_checkpointing`` option). Never a layer above (the model
+family's layer, the integrations, the tools, the safetensors-compatible API or the public entry):
+nothing here names a framework, a serving engine or a model family.
 """

@@ -23,10 +23,8 @@ Nothing in the model changes before every copy has succeeded, and a failure whil
 initializing puts the original tensors back, so a module passed in is never left half-loaded by a
 bad checkpoint. The steps after that are not rolled back if they fail.
 
-This module knows torch modules only; the model family's behaviour comes through the hooks the
-entry chose (:class:`Target`). :func:`fastload.from_pretrained` (:mod:`fastload.api`) is the
-public entry: it sends Hugging Face model ids, transformers classes and options through
-:mod:`fastload.hf`, which resolves them and then calls :func:`load`.
+This module knows torch modules only and none of its callers: the model family's behaviour comes
+through the hooks the entry chose (:class:`Target`, :mod:`fastload.core.hooks`).
 """
 
 from __future__ import annotations
@@ -152,8 +150,9 @@ def _without_gc_pauses(fn: _F) -> _F:
 
     A load creates thousands of objects that all survive (modules, parameters, plan records),
     which is what makes the collector run: a full collection walks every object of the process,
-    and with torch and transformers imported one took 265-295 ms in the middle of a 0.3 s load of
-    4 GiB here (measured with ``gc.callbacks``). Cycles made meanwhile are collected afterwards.
+    and with torch and a large model library imported one took 265-295 ms in the middle of a
+    0.3 s load of 4 GiB here (measured with ``gc.callbacks``). Cycles made meanwhile are
+    collected afterwards.
     """
 
     @functools.wraps(fn)
@@ -228,8 +227,8 @@ def load(
             check_same_checkpoint(group, ckpt)
         built_here = target.module is None
         if want == "auto":
-            # the model family's rule for a model built for this load (transformers': the
-            # config's dtype); the stored dtypes for any other model, and for a module passed in
+            # the model family's rule for a model built for this load (its hooks' auto_dtype);
+            # the stored dtypes for any other model, and for a module passed in
             hooks_first = target.hooks if built_here else None
             want = hooks_first.auto_dtype(ckpt) if hooks_first is not None else None
         assert not isinstance(want, str)
@@ -254,7 +253,7 @@ def load(
     shards = None
     if built_here:
         hooks.prepare(module)
-        shards = hooks.shard(module)  # the family's own destinations (transformers' DTensors)
+        shards = hooks.shard(module)  # the family's own destinations (its own TP parameters)
     was_training = module.training
 
     with clock.phase("plan"):
@@ -305,6 +304,7 @@ def load(
             report,
             offloaded=offloaded_names(groups) | later,
             family=hooks.initialize,
+            dropped=hooks.dropped_attributes(),
         )
         forget_constructor_values(module)
         if dmap is not None and dmap.has_disk:

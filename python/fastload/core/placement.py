@@ -69,10 +69,10 @@ class Placement:
     * dtype ``"auto"`` (``dtype=None`` here): the stored dtype for loaded tensors, the model's for
       the others;
     * an explicit floating ``dtype``: loaded floating tensors are converted to it during the copy,
-      except where the model decides otherwise: names matching ``keep_fp32`` (transformers'
-      ``_keep_in_fp32_modules``) become float32, and when fastload built the skeleton under that
+      except where the model decides otherwise: names matching ``keep_fp32`` (the family's
+      modules kept in float32) become float32, and when fastload built the skeleton under that
       dtype (``skeleton_dtypes=True``) a float tensor the model created in another dtype keeps it
-      (what transformers does). Tensors stored in a type the copy engine cannot convert (integers,
+      (as the model asked). Tensors stored in a type the copy engine cannot convert (integers,
       float8...) keep the stored type; buffers that are not loaded keep theirs.
     """
 

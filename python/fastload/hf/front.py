@@ -34,7 +34,8 @@ from fastload.core.load_options import LoadOptions
 from fastload.core.loading import Target, load, plain_target
 from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
-from fastload.core.skeleton import build_skeleton, is_transformers_model
+from fastload.core.skeleton import build_skeleton
+from fastload.families import is_transformers_model
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.context import check_not_quantized
