@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
 
 #: each package of the tree and the packages it may import (besides itself and fastload._core)
 MAY_IMPORT: dict[str, set[str]] = {
-    "fastload.core": {"fastload.distributed", "fastload.training"},
+    "fastload.core": set(),
     "fastload.families": set(),
     "fastload.distributed": {"fastload.core"},
     "fastload.training": {"fastload.core", "fastload.families"},
@@ -185,6 +185,59 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
     assert sum(1 for m in graph if m.startswith("fastload.core.")) > 30
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` folded into its packages: package -> the other packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        others = {_package(d) for d in deps} - {_package(module)}
+        out.setdefault(_package(module), set()).update(others)
+    return out
+
+
+def test_the_package_graph_folds_modules_into_their_packages_and_finds_a_loop() -> None:
+    graph = {
+        "fastload.core.loading": {"fastload.distributed.collective", "fastload.core.errors"},
+        "fastload.distributed.collective": {"fastload.core.errors"},
+        "fastload.core.errors": set(),
+    }
+    folded = package_graph(graph)
+    assert folded == {
+        "fastload.core": {"fastload.distributed"},
+        "fastload.distributed": {"fastload.core"},
+    }
+    # no circle of files, but a loop of packages
+    assert cycles(graph) == [] and cycles(folded) == [["fastload.core", "fastload.distributed"]]
+
+
+def test_no_package_reaches_itself_through_its_imports() -> None:
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
+    graph = import_graph()
+    above = {
+        m: sorted(d for d in deps if _package(d) not in ("fastload.core", EXTENSION))
+        for m, deps in graph.items()
+        if _package(m) == "fastload.core"
+    }
+    assert {m: d for m, d in above.items() if d} == {}
+    from fresh import run_script
+
+    # measured from outside: a fresh interpreter that imports the whole core holds none of them
+    out = run_script(
+        """
+        import pkgutil, sys
+        import fastload.core
+        for info in pkgutil.iter_modules(fastload.core.__path__, "fastload.core."):
+            __import__(info.name)
+        names = ("distributed", "training", "hf", "api", "integrations", "safetensors", "families")
+        above = {f"fastload.{n}" for n in names}
+        print(sorted(m for m in sys.modules if ".".join(m.split(".")[:2]) in above))
+        """
+    )
+    assert out.strip() == "[]"
+
+
 #: what the core's source may not name, comments and docstrings included: the frameworks and
 #: model families it serves through the hooks of the layer above, and that layer itself
 CALLER_NAMES = re.compile(
@@ -226,6 +279,44 @@ def test_the_core_names_none_of_its_callers() -> None:
         for path in (PACKAGE / "core").rglob("*.py")
     }
     assert {p: names for p, names in found.items() if names} == {}
+
+
+#: the load's spine: each of its functions reads at a glance
+SPINE = ("api.py", "core/loading.py")
+#: the most lines a function of the spine may have, its docstring not counted (``from_pretrained``
+#: documents every option in its own docstring, which ``help()`` and the API pages show)
+MAX_SPINE_FUNCTION_LINES = 80
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """Lines of each function (nested ones on their own) from ``def`` to its end, less its
+    docstring."""
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                assert first.end_lineno is not None
+                lines -= first.end_lineno - first.lineno + 1
+            out[f"{node.name}:{node.lineno}"] = lines
+    return out
+
+
+def test_function_lengths_count_code_not_docstrings() -> None:
+    source = 'def f():\n    """Doc,\n    two lines."""\n    a = 1\n    return a\n'
+    assert function_lengths(source) == {"f:1": 3}
+
+
+def test_no_function_of_the_loads_spine_is_longer_than_the_limit() -> None:
+    lengths = {
+        f"{module}:{name}": n
+        for module in SPINE
+        for name, n in function_lengths((PACKAGE / module).read_text(encoding="utf-8")).items()
+    }
+    assert any(name.startswith("core/loading.py:load:") for name in lengths)
+    assert {f: n for f, n in lengths.items() if n > MAX_SPINE_FUNCTION_LINES} == {}
 
 
 def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:
