@@ -65,10 +65,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The fastload modules that module ``name`` (at ``path``) imports when it runs."""
+def imports_of(name: str, path: Path, modules: set[str], *, type_only: bool = False) -> set[str]:
+    """The fastload modules that module ``name`` (at ``path``) imports when it runs (with
+    ``type_only``, also those it imports for type checkers only)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if type_only else _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -94,10 +95,12 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
 EXTENSION = "fastload._core"
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     names = set(modules) | {EXTENSION}
-    return {name: imports_of(name, path, names) for name, path in modules.items()}
+    return {
+        name: imports_of(name, path, names, type_only=type_only) for name, path in modules.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -211,6 +214,10 @@ def test_the_package_graph_folds_modules_into_their_packages_and_finds_a_loop() 
 
 def test_no_package_reaches_itself_through_its_imports() -> None:
     assert cycles(package_graph(import_graph())) == []
+
+
+def test_no_file_reaches_itself_even_through_imports_for_type_checkers() -> None:
+    assert cycles(import_graph(type_only=True)) == []
 
 
 def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
