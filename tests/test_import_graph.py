@@ -1,11 +1,15 @@
 """The package's tree, read from the source: dependencies point down only.
 
 Every ``import`` of a fastload module counts, at module level or inside a function (a lazy import
-is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run). The layers,
-bottom up: ``core`` (with ``distributed`` and ``training``, whose steps the core's pipeline runs),
-the safetensors-compatible API, the Hugging Face layer, the integrations, the public entry
-(``fastload``, ``fastload.api``) and the tools. No module reaches itself through its imports; no
-module is over 500 lines; the plan's modes and actions are enums.
+is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run), except for
+the circle check of files, where a type-only import still ties two files together. The layers,
+bottom up: ``core`` (and ``families``, the one place that asks which model family a model
+belongs to, beside it), ``distributed`` and ``training`` (plugged into the core's pipeline
+through the steps the entry passes in, :mod:`fastload.core.steps`), the safetensors-compatible
+API, the Hugging Face layer, the integrations, the public entry (``fastload``, ``fastload.api``)
+and the tools. No module and no package reaches itself through its imports; the core names none
+of its callers; no module is over 500 lines, and no function of the load's spine over 80; the
+plan's modes and actions are enums.
 """
 
 from __future__ import annotations
