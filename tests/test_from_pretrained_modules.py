@@ -510,16 +510,16 @@ def test_a_failed_load_restores_the_collector_and_a_disabled_one_stays_disabled(
 def test_concurrent_loads_resume_the_collector_when_the_last_one_ends():
     import threading
 
-    from fastload.core.loading import _without_gc_pauses
+    from fastload.core.phases import without_gc_pauses
 
     both_in, first_out = threading.Barrier(2), threading.Event()
     seen: dict[str, bool] = {}
 
-    @_without_gc_pauses
+    @without_gc_pauses
     def first() -> None:
         both_in.wait(timeout=30)
 
-    @_without_gc_pauses
+    @without_gc_pauses
     def second() -> None:
         both_in.wait(timeout=30)
         first_out.wait(timeout=30)

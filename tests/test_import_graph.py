@@ -1,35 +1,48 @@
 """The package's tree, read from the source: dependencies point down only.
 
 Every ``import`` of a fastload module counts, at module level or inside a function (a lazy import
-is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run). The layers,
-bottom up: ``core`` (with ``distributed`` and ``training``, whose steps the core's pipeline runs),
-the safetensors-compatible API, the Hugging Face layer, the integrations, the public entry
-(``fastload``, ``fastload.api``) and the tools. No module reaches itself through its imports; no
-module is over 500 lines; the plan's modes and actions are enums.
+is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never run), except for
+the circle check of files, where a type-only import still ties two files together. The layers,
+bottom up: ``core`` (and ``families``, the one place that asks which model family a model
+belongs to, beside it), ``distributed`` and ``training`` (plugged into the core's pipeline
+through the steps the entry passes in, :mod:`fastload.core.steps`), the safetensors-compatible
+API, the Hugging Face layer, the integrations, the public entry (``fastload``, ``fastload.api``)
+and the tools. No module and no package reaches itself through its imports; the core names none
+of its callers; no module is over 500 lines, and no function of the load's spine over 80; the
+plan's modes and actions are enums.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "fastload"
 
 #: each package of the tree and the packages it may import (besides itself and fastload._core)
 MAY_IMPORT: dict[str, set[str]] = {
-    "fastload.core": {"fastload.distributed", "fastload.training"},
+    "fastload.core": set(),
+    "fastload.families": set(),
     "fastload.distributed": {"fastload.core"},
-    "fastload.training": {"fastload.core"},
-    "fastload.safetensors": {"fastload.core", "fastload.distributed", "fastload.training"},
+    "fastload.training": {"fastload.core", "fastload.families"},
+    "fastload.safetensors": {
+        "fastload.core",
+        "fastload.distributed",
+        "fastload.families",
+        "fastload.training",
+    },
     "fastload.hf": {
         "fastload.core",
         "fastload.distributed",
+        "fastload.families",
         "fastload.training",
         "fastload.safetensors",
     },
     "fastload.integrations": {
         "fastload.core",
         "fastload.distributed",
+        "fastload.families",
         "fastload.training",
         "fastload.safetensors",
     },
@@ -56,10 +69,11 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skipped
 
 
-def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The fastload modules that module ``name`` (at ``path``) imports when it runs."""
+def imports_of(name: str, path: Path, modules: set[str], *, type_only: bool = False) -> set[str]:
+    """The fastload modules that module ``name`` (at ``path``) imports when it runs (with
+    ``type_only``, also those it imports for type checkers only)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = _type_checking_nodes(tree)
+    skipped = set() if type_only else _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
@@ -85,10 +99,12 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
 EXTENSION = "fastload._core"
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, type_only: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     names = set(modules) | {EXTENSION}
-    return {name: imports_of(name, path, names) for name, path in modules.items()}
+    return {
+        name: imports_of(name, path, names, type_only=type_only) for name, path in modules.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -174,6 +190,144 @@ def test_each_layer_imports_only_the_layers_below_it() -> None:
     }
     assert {m: d for m, d in offending.items() if d} == {}
     assert sum(1 for m in graph if m.startswith("fastload.core.")) > 30
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` folded into its packages: package -> the other packages its modules import."""
+    out: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        others = {_package(d) for d in deps} - {_package(module)}
+        out.setdefault(_package(module), set()).update(others)
+    return out
+
+
+def test_the_package_graph_folds_modules_into_their_packages_and_finds_a_loop() -> None:
+    graph = {
+        "fastload.core.loading": {"fastload.distributed.collective", "fastload.core.errors"},
+        "fastload.distributed.collective": {"fastload.core.errors"},
+        "fastload.core.errors": set(),
+    }
+    folded = package_graph(graph)
+    assert folded == {
+        "fastload.core": {"fastload.distributed"},
+        "fastload.distributed": {"fastload.core"},
+    }
+    # no circle of files, but a loop of packages
+    assert cycles(graph) == [] and cycles(folded) == [["fastload.core", "fastload.distributed"]]
+
+
+def test_no_package_reaches_itself_through_its_imports() -> None:
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_no_file_reaches_itself_even_through_imports_for_type_checkers() -> None:
+    assert cycles(import_graph(type_only=True)) == []
+
+
+def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
+    graph = import_graph()
+    above = {
+        m: sorted(d for d in deps if _package(d) not in ("fastload.core", EXTENSION))
+        for m, deps in graph.items()
+        if _package(m) == "fastload.core"
+    }
+    assert {m: d for m, d in above.items() if d} == {}
+    from fresh import run_script
+
+    # measured from outside: a fresh interpreter that imports the whole core holds none of them
+    out = run_script(
+        """
+        import pkgutil, sys
+        import fastload.core
+        for info in pkgutil.iter_modules(fastload.core.__path__, "fastload.core."):
+            __import__(info.name)
+        names = ("distributed", "training", "hf", "api", "integrations", "safetensors", "families")
+        above = {f"fastload.{n}" for n in names}
+        print(sorted(m for m in sys.modules if ".".join(m.split(".")[:2]) in above))
+        """
+    )
+    assert out.strip() == "[]"
+
+
+#: what the core's source may not name, comments and docstrings included: the frameworks and
+#: model families it serves through the hooks of the layer above, and that layer itself
+CALLER_NAMES = re.compile(
+    r"(?i:transformers|vllm|sglang|pretrained_?model|hugging ?face|\bhf_|_hf_)|"
+    r"(?i:fastload\.(hf|api|integrations|families)\b)|"
+    # model families: their class names, and their lowercase names as words
+    r"\b(Bert|Llama|Mistral|Mixtral|Qwen|Gemma|GPT|CLIP|Reformer|Sam3|DeepSeek|T5)|"
+    r"\b(bert|llama|mistral|mixtral|qwen|gemma|gpt2|deepseek)\b"
+)
+#: the one exception: the hub client's switch for every progress bar, which fastload's bars
+#: honour in every load, including those that never reach the Hugging Face layer
+ALLOWED_IN_CORE = ("HF_HUB_DISABLE_PROGRESS_BARS",)
+
+
+def caller_names(text: str) -> list[str]:
+    for allowed in ALLOWED_IN_CORE:
+        text = text.replace(allowed, "")
+    return [m.group(0) for m in CALLER_NAMES.finditer(text)]
+
+
+def test_the_name_check_finds_a_family_predicate_and_a_callers_name() -> None:
+    predicate = (
+        "def is_transformers_model(obj):\n"
+        "    return isinstance(obj, sys.modules['transformers'].PreTrainedModel)\n"
+    )
+    assert caller_names(predicate) == ["transformers", "transformers", "PreTrainedModel"]
+    assert caller_names("if 'vllm' in sys.modules: ...  # SGLang too") == ["vllm", "SGLang"]
+    assert caller_names("from fastload.hf.hooks import x; p._is_hf_initialized") == [
+        "fastload.hf",
+        "_hf_",
+    ]
+    assert caller_names("a LlamaForCausalLM, a BertModel, a llama") == ["Llama", "Bert", "llama"]
+    assert caller_names("clipped slices, the hub's HF_HUB_DISABLE_PROGRESS_BARS") == []
+
+
+def test_the_core_names_none_of_its_callers() -> None:
+    found = {
+        str(path.relative_to(PACKAGE)): caller_names(path.read_text(encoding="utf-8"))
+        for path in (PACKAGE / "core").rglob("*.py")
+    }
+    assert {p: names for p, names in found.items() if names} == {}
+
+
+#: the load's spine: each of its functions reads at a glance
+SPINE = ("api.py", "core/loading.py")
+#: the most lines a function of the spine may have, its docstring not counted (``from_pretrained``
+#: documents every option in its own docstring, which ``help()`` and the API pages show)
+MAX_SPINE_FUNCTION_LINES = 80
+
+
+def function_lengths(source: str) -> dict[str, int]:
+    """Lines of each function (nested ones on their own) from ``def`` to its end, less its
+    docstring."""
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                assert first.end_lineno is not None
+                lines -= first.end_lineno - first.lineno + 1
+            out[f"{node.name}:{node.lineno}"] = lines
+    return out
+
+
+def test_function_lengths_count_code_not_docstrings() -> None:
+    source = 'def f():\n    """Doc,\n    two lines."""\n    a = 1\n    return a\n'
+    assert function_lengths(source) == {"f:1": 3}
+
+
+def test_no_function_of_the_loads_spine_is_longer_than_the_limit() -> None:
+    lengths = {
+        f"{module}:{name}": n
+        for module in SPINE
+        for name, n in function_lengths((PACKAGE / module).read_text(encoding="utf-8")).items()
+    }
+    assert any(name.startswith("core/loading.py:load:") for name in lengths)
+    assert {f: n for f, n in lengths.items() if n > MAX_SPINE_FUNCTION_LINES} == {}
 
 
 def test_the_core_imports_nothing_from_the_hugging_face_layer() -> None:

@@ -3,7 +3,10 @@
 It accepts the call shapes users bring (a model id or path alone, a class or Auto class and a
 path, a built module, ``None`` with ``config`` and ``state_dict``) and sends each to the layer that
 serves it: Hugging Face names, classes and options to :mod:`fastload.hf` (imported only then),
-anything else straight to the core loader (:func:`fastload.core.loading.load`).
+anything else straight to the core loader (:func:`fastload.core.loading.load`). Either way the
+entry tells the core what it serves: the model family's hooks (:mod:`fastload.core.hooks`) and
+the steps that :mod:`fastload.distributed` and :mod:`fastload.training` add
+(:data:`LOAD_STEPS`); the core itself names none of them.
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ from fastload.core.load_options import DEFAULTS, LoadOptions, split_load_options
 from fastload.core.loading import load, plain_target
 from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
-from fastload.core.skeleton import is_transformers_model
+from fastload.core.steps import LoadSteps
+from fastload.distributed.steps import RANK_STEPS
+from fastload.families import is_transformers_model
 from fastload.hf.auto import is_auto_class
 from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
+from fastload.training.gradient_checkpointing import gradient_checkpointing_enable
 
 M = TypeVar("M", bound=nn.Module)
 PathArg = str | os.PathLike[str]
@@ -38,6 +44,9 @@ MmapMode = Literal["auto", "shared", "copy"]
 DeviceMapMode = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 
 __all__ = ["from_pretrained"]
+
+#: what fastload.distributed and fastload.training add to a load (the core imports neither)
+LOAD_STEPS = LoadSteps(ranks=RANK_STEPS, gradient_checkpointing=gradient_checkpointing_enable)
 
 
 @overload
@@ -330,7 +339,7 @@ def from_pretrained(
         assert path is not None  # _hugging_face_call takes every call without one
         options = LoadOptions.create(where, **given)
         target = plain_target(model, config, model_kwargs, choose_hooks=_family_hooks)
-        module, report = load(target, path, options)
+        module, report = load(target, path, options, steps=LOAD_STEPS)
     return (module, report) if output_loading_info else module
 
 

@@ -56,7 +56,7 @@ def allocate(
     for group in load_plan.groups:
         if group.action == Action.LOAD and group.pieces is not None:
             # Merged (MoE experts) or split (fused qkv) tensors: each stored piece is read
-            # straight into its slice of the one destination (fastload.hf.conversions).
+            # straight into its slice of the one destination (the family's ``merges`` hook).
             dest = group.sources[0].dest
             tensor = torch.empty(tuple(group.template.shape), dtype=dest.dtype, device=dest.memory)
             for piece in group.pieces:

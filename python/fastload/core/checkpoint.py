@@ -46,7 +46,7 @@ from fastload.core.pickle_file import PickleFile, is_pickle
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-# In the order transformers prefers them.
+# In order of preference (the usual one for these names).
 _PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 _PICKLE_ADVICE = (
     "pass allow_pickle=True to load it with torch.load(weights_only=True), or convert it to "

@@ -9,8 +9,8 @@ what a user passes to ``from_pretrained(device_map=...)`` into a checked :class:
 * a dict ``{prefix: device}``: every prefix must name a module or tensor of the model, and every
   tensor must be covered by one;
 * ``"auto"``: :func:`plan_auto` fills the devices in order, GPUs first (most free memory first),
-  then the CPU, keeping each no-split block (transformers' ``_no_split_modules``, e.g. a decoder
-  layer) whole on one device.
+  then the CPU, keeping each no-split block (a class the model lists in ``_no_split_modules``,
+  e.g. a decoder layer) whole on one device.
 
 The planner is a pure function of module sizes, block boundaries and per-device budgets, so it is
 tested without any GPU. :func:`fastload.core.dispatch.dispatch` lets a model split over devices run:
@@ -177,7 +177,7 @@ class DeviceMap:
         return {k: str(v) for k, v in self.prefixes.items()}
 
     def accelerate_map(self) -> dict[str, int | str]:
-        """The map as accelerate and transformers write it (``hf_device_map``): CUDA devices by
+        """The map as accelerate writes it (a model's recorded device map): CUDA devices by
         index, others by type, ``"disk"``."""
         out: dict[str, int | str] = {}
         for prefix, device in self.prefixes.items():
@@ -195,7 +195,7 @@ class DeviceMap:
 
 def no_split_names(model: nn.Module, classes: Iterable[str] | None = None) -> list[str]:
     """Names of the modules of ``model`` whose class is in ``classes`` (default: the union of
-    ``_no_split_modules`` of the model and its submodules, as transformers declares them)."""
+    ``_no_split_modules`` of the model and its submodules, as the model classes declare them)."""
     wanted = set(no_split_classes(model) if classes is None else classes)
     return [name for name, m in model.named_modules() if type(m).__name__ in wanted and name]
 
@@ -260,7 +260,7 @@ def resolve_device_map(
 
     ``"auto"`` is planned by :func:`plan_auto`; ``"balanced"``, ``"balanced_low_0"`` and
     ``"sequential"`` by accelerate's planner (``infer_auto_device_map``, with
-    ``get_balanced_memory`` for the balanced modes), as transformers does. ``no_split`` names the
+    ``get_balanced_memory`` for the balanced modes). ``no_split`` names the
     module classes kept whole on one device (default: the model's ``_no_split_modules``).
     Raises ``RequestError`` for an unknown device, a prefix that names nothing in the model, a
     tensor no prefix covers, or an "auto" plan that does not fit; ``UnsupportedError`` for

@@ -123,7 +123,7 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _move_in_place(value: Any, device: torch.device) -> Any:
-    """As :func:`_move`, keeping a mapping's own type (transformers' ``ModelOutput``) by setting
+    """As :func:`_move`, keeping a mapping's own type (a model's output class) by setting
     its items rather than building a plain dict."""
     if isinstance(value, dict):
         for k, v in list(value.items()):

@@ -78,8 +78,8 @@ class MemoryBudgetError(FastloadError, MemoryError):
 class UninitializedTensorError(CheckpointError):
     """A tensor the checkpoint lacks that nothing initializes: no init function of its model,
     no ``reset_parameters()``, and no constructor value fastload could keep (too large, or
-    computed from a parameter on ``meta``, as a weight norm's ``original0``). transformers
-    leaves such a tensor as ``torch.empty`` left it; fastload refuses to."""
+    computed from a parameter on ``meta``, as a weight norm's ``original0``). Rather than leave
+    such a tensor as ``torch.empty`` left it, fastload refuses to load."""
 
 
 class PickleRefusedError(CheckpointError):
@@ -95,8 +95,8 @@ class TensorRefusedError(RequestError, RuntimeError):
 class ModelMismatchError(CheckpointError, RuntimeError):
     """``load_model`` found a tensor whose shape differs from the model's, or (``strict=True``)
     missing or unexpected names; ``from_pretrained`` found checkpoint tensors of another shape
-    (without ``ignore_mismatched_sizes=True``). A ``RuntimeError`` too, as ``load_state_dict``,
-    safetensors and transformers raise."""
+    (without ``ignore_mismatched_sizes=True``). A ``RuntimeError`` too, as ``load_state_dict``
+    and safetensors raise."""
 
     #: (model name, checkpoint shape, model shape) of each tensor of another shape, where known
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []

@@ -1,14 +1,14 @@
 """Putting the loaded tensors into the model: all at once, or not at all.
 
 Every member of a tie group gets the same Parameter (a tie stored twice with different values is
-untied, as transformers does); missing tensors are initialized the model's own way; nothing may be
-left on ``meta``. A failure while swapping or initializing puts every original tensor back, so a
-module passed in is never left half-loaded.
-"""
+untied: the checkpoint, not the config, is the truth about the values); missing tensors are
+initialized the model's own way; nothing may be left on ``meta``. A failure while swapping or
+initializing puts every original tensor back, so a module passed in is never left half-loaded."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -43,8 +43,8 @@ class _Swap:
 
 
 def resolve_duplicates(groups: list[Group]) -> None:
-    """A tie group stored more than once: equal copies stay tied; different ones are untied, as
-    transformers does (the checkpoint, not the config, is the truth about the values)."""
+    """A tie group stored more than once: equal copies stay tied; different ones are untied (the
+    checkpoint, not the config, is the truth about the values)."""
     for group in groups:
         if not group.extra or group.new is None:
             continue
@@ -65,15 +65,17 @@ def resolve_duplicates(groups: list[Group]) -> None:
                 group.untied.append(slot)
 
 
-def _as_parameter(tensor: torch.Tensor, template: torch.Tensor) -> nn.Parameter:
+def _as_parameter(
+    tensor: torch.Tensor, template: torch.Tensor, dropped: Collection[str]
+) -> nn.Parameter:
     param = nn.Parameter(tensor, requires_grad=template.requires_grad)
-    extra = {k: v for k, v in template.__dict__.items() if k != "_is_hf_initialized"}
+    extra = {k: v for k, v in template.__dict__.items() if k not in dropped}
     param.__dict__.update(extra)
     return param
 
 
-def _wrap(group: Group, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if group.is_buffer else _as_parameter(tensor, group.template)
+def _wrap(group: Group, tensor: torch.Tensor, dropped: Collection[str]) -> torch.Tensor:
+    return tensor if group.is_buffer else _as_parameter(tensor, group.template, dropped)
 
 
 def swap_in(
@@ -82,20 +84,22 @@ def swap_in(
     report: LoadReport,
     offloaded: set[str] | None = None,
     family: FamilyInit | None = None,
+    dropped: Collection[str] = (),
 ) -> None:
     """Swaps the new tensors in (all together), initializes (the model family's way first,
     ``family``), and checks nothing is on meta; on any failure the model's original tensors are
-    put back."""
+    put back. A loaded parameter takes over the attributes of the skeleton's, except those named
+    in ``dropped`` (:meth:`fastload.core.hooks.ModelHooks.dropped_attributes`)."""
     swap = _Swap()
     try:
         targets: dict[str, torch.Tensor] = {}
         for group in groups:
             if group.new is None:
                 continue
-            value = _wrap(group, group.new)
+            value = _wrap(group, group.new, dropped)
             # An untied member gets its own loaded tensor; names sharing its storage place follow.
             extras = dict((s.name, t) for s, t in group.extra)
-            own = {s.key: _wrap(group, extras[s.name]) for s in group.untied}
+            own = {s.key: _wrap(group, extras[s.name], dropped) for s in group.untied}
             for slot in group.slots:
                 swap.set(slot, own.get(slot.key, value))
             if group.action == Action.INIT:

@@ -1,12 +1,11 @@
 """What a model family adds to the core pipeline, as a small interface, and its vocabulary.
 
-The core loader knows torch modules only. A family of models with conventions of its own
-(transformers models: registered renames, buffers that used to be persistent, finishing steps)
-supplies a :class:`ModelHooks`. The entry of a load chooses it
-(:class:`fastload.core.loading.Target`'s ``hooks``, or its ``choose_hooks`` for a model built from
-a factory): the core never asks which family a model belongs to. A family that assembles model
-tensors from pieces of stored ones describes them as :class:`Merge` records of :class:`Piece` steps.
-"""
+The core loader knows torch modules only. A family of models with conventions of its own (registered
+renames, buffers that used to be persistent, finishing steps) supplies a :class:`ModelHooks`. The
+entry of a load chooses it (:class:`fastload.core.loading.Target`'s ``hooks``, or its
+``choose_hooks`` for a model built from a factory): the core never asks which family a model belongs
+to. A family that assembles model tensors from pieces of stored ones describes them as
+:class:`Merge` records of :class:`Piece` steps."""
 
 from __future__ import annotations
 
@@ -55,11 +54,11 @@ View = Select | Narrow
 
 @dataclass
 class FamilyShards:
-    """Destinations a model family made itself (transformers' tensor-parallel ``DTensor``
-    parameters): by model name, an object with the local ``tensor`` to fill in place and the
-    ``selection`` of the stored tensor it holds (``None``: all of it; else ``[dim, start, stop]``
-    or an object whose ``take(full)`` gives the part). ``later``: names the family fills itself
-    after the load (tied copies), neither missing nor initialized by fastload."""
+    """Destinations a model family made itself (its own tensor-parallel parameters): by model
+    name, an object with the local ``tensor`` to fill in place and the ``selection`` of the
+    stored tensor it holds (``None``: all of it; else ``[dim, start, stop]`` or an object whose
+    ``take(full)`` gives the part). ``later``: names the family fills itself after the load
+    (tied copies), neither missing nor initialized by fastload."""
 
     tensors: dict[str, Any]
     later: set[str] = field(default_factory=set)
@@ -78,7 +77,7 @@ class Piece:
 @dataclass
 class Merge:
     """A model tensor assembled from pieces of stored tensors (a model family's conversions:
-    transformers' merged MoE experts, split fused ``qkv``; see :meth:`ModelHooks.merges`)."""
+    merged MoE experts, split fused ``qkv``; see :meth:`ModelHooks.merges`)."""
 
     target: str
     shape: tuple[int, ...]
@@ -154,6 +153,11 @@ class ModelHooks:
         in the model) it knows how to; returns their names. The rest are reset by their
         modules' ``reset_parameters()`` (:func:`fastload.core.skeleton.initialize`)."""
         return set()
+
+    def dropped_attributes(self) -> frozenset[str]:
+        """Attributes of the skeleton's parameters that the loaded parameters do not take over
+        (a family's own flags of what it initialized itself)."""
+        return frozenset()
 
     def finish(
         self,

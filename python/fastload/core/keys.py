@@ -1,17 +1,17 @@
 """Mapping checkpoint tensor names onto model tensor names, and the key policies.
 
-A checkpoint name goes through, in order: the caller's ``key_map``; the model's own renamings (for
-transformers models, the renamings transformers registers for the architecture); the legacy
+A checkpoint name goes through, in order: the caller's ``key_map``; the model family's own
+renamings (its hooks' ``renames``, e.g. those registered for the architecture); the legacy
 ``gamma``/``beta`` -> ``weight``/``bias`` rename; and the base-model prefix, added or stripped so
-that a ``BertModel`` checkpoint loads into ``BertForMaskedLM`` and back. Legacy renames and prefix
-changes are only applied when they turn a name the model lacks into one it has.
+that a base model's checkpoint loads into the model with a head on it and back. Legacy renames
+and prefix changes are only applied when they turn a name the model lacks into one it has.
 
 The policies decide what happens to names left over: *missing* model tensors (``"error"``,
 ``"warn"``, ``"init"``) and *unexpected* checkpoint tensors (``"error"``, ``"warn"``,
-``"ignore"``). Names the model class declares as expected (transformers'
-``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``), and checkpoint
-tensors of a layer the model deliberately does not build (an attribute set to ``None``, like the
-pooler of ``BertForMaskedLM``, transformers #7272), are *authorized*: handled silently.
+``"ignore"``). Names the model class declares as expected
+(``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected``), and checkpoint
+tensors of a layer the model deliberately does not build (an attribute set to ``None``, like a
+pooler a model with a head leaves out), are *authorized*: handled silently.
 """
 
 from __future__ import annotations
@@ -184,8 +184,8 @@ def map_keys(
     source, computed, collision_order = rules.source, rules.computed, rules.collision_order
     checkpoint_keys = list(checkpoint_keys)
     if callable(renames):
-        # Building an architecture's registered renames is costly (transformers compiles about a
-        # thousand regexes); a checkpoint whose names all match the model needs none of them.
+        # Building an architecture's registered renames is costly (it may compile about
+        # a thousand regexes); a checkpoint whose names all match the model needs none of them.
         known = model_keys.union(computed)
         direct = all((key_map(k) if key_map is not None else k) in known for k in checkpoint_keys)
         renames = () if direct else renames()
@@ -217,8 +217,8 @@ def map_keys(
         elif name not in model_keys:
             name = adjust(name, base_model_prefix, model_keys)
         if name not in model_keys and mapped in model_keys:
-            # A registered rename broad enough to hit a name the model already has (DeepSeek-V4
-            # renames `.norm.` to `.kv_norm.`, also in `model.norm.weight`): transformers keeps it.
+            # A registered rename broad enough to hit a name the model already has (one
+            # renaming `.norm.` to `.kv_norm.` also hits `model.norm.weight`): the name is kept.
             name = mapped
         if name not in model_keys:
             out.unmatched[original] = name
@@ -270,7 +270,7 @@ def recorded_aliases(records: Iterable[tuple[str, object]]) -> dict[str, str]:
 
 
 def compile_patterns(patterns: Iterable[str] | None) -> re.Pattern[str] | None:
-    """One regex searching for any of ``patterns`` (transformers' convention), or ``None``."""
+    """One regex searching for any of ``patterns`` (searched, not matched), or ``None``."""
     patterns = [p for p in (patterns or ()) if p]
     if not patterns:
         return None
@@ -280,7 +280,7 @@ def compile_patterns(patterns: Iterable[str] | None) -> re.Pattern[str] | None:
 def declined_layer(model: nn.Module, name: str) -> bool:
     """Whether ``name`` lies under an attribute the model set to ``None``.
 
-    Such a layer is one the model chose not to build (``BertModel(add_pooling_layer=False)`` sets
+    Such a layer is one the model chose not to build (a model built without its pooler sets
     ``pooler = None``), so a checkpoint that still carries its weights is expected.
     """
     module: nn.Module = model
@@ -311,9 +311,9 @@ class Authorization:
 
     def unexpected_declared(self, name: str, mapped: str) -> bool:
         """Whether the model class declares checkpoint tensor ``name`` (model-side ``mapped``)
-        as expected to be unused. The patterns are searched in the model-side name, as
-        transformers searches them (Sam3Model's ``^tracker_model.`` does not cover
-        ``tracker_model.mask_decoder.*``, which its renames turn into ``mask_decoder.*``)."""
+        as expected to be unused. The patterns are searched in the model-side name (a
+        pattern ``^tracker_model.`` does not cover ``tracker_model.mask_decoder.*`` when the
+        renames turn it into ``mask_decoder.*``)."""
         return self.unexpected is not None and self.unexpected.search(mapped) is not None
 
     def unexpected_ok(self, model: nn.Module, name: str, mapped: str, prefix: str | None) -> bool:

@@ -4,8 +4,8 @@
 :func:`fastload.from_pretrained` spells them), checks each one and the ways they combine, and
 fills in the defaults. Downstream code reads parsed values (a ``torch.device``, a dtype, resolved
 policies) and never re-validates. ``given`` records which options the caller passed, so a layer
-that maps other spellings onto these (transformers' ``torch_dtype``, ``disable_mmap``, an ambient
-device) can tell an explicit default from an omitted option.
+that maps other spellings onto these (another library's name for an option, an ambient device)
+can tell an explicit default from an omitted option.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class LoadOptions:
 
     def with_defaults(self, where: str = "from_pretrained", **values: Any) -> LoadOptions:
         """These options, with ``values`` for the options the caller did not pass (validated as
-        in :meth:`create`): how another spelling of an option (transformers' ``torch_dtype``) or
+        in :meth:`create`): how another spelling of an option (a caller's own name for it) or
         the surroundings (an ambient device) fill in what the caller left out."""
         raw = {k: v for k, v in values.items() if k not in self.given}
         if not raw:

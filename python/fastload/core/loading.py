@@ -23,25 +23,20 @@ Nothing in the model changes before every copy has succeeded, and a failure whil
 initializing puts the original tensors back, so a module passed in is never left half-loaded by a
 bad checkpoint. The steps after that are not rolled back if they fail.
 
-This module knows torch modules only; the model family's behaviour comes through the hooks the
-entry chose (:class:`Target`). :func:`fastload.from_pretrained` (:mod:`fastload.api`) is the
-public entry: it sends Hugging Face model ids, transformers classes and options through
-:mod:`fastload.hf`, which resolves them and then calls :func:`load`.
+This module knows torch modules only and none of its callers: the model family's behaviour comes
+through the hooks the entry chose (:class:`Target`, :mod:`fastload.core.hooks`), and the steps
+across ranks and gradient checkpointing through the steps it supplies
+(:class:`~fastload.core.steps.LoadSteps`). Each phase is one named function below :func:`load`.
 """
 
 from __future__ import annotations
 
-import functools
-import gc
 import logging
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,29 +45,27 @@ from fastload.core import reading as reader
 from fastload.core.allocation import Fill, allocate
 from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.device_map import DeviceMap, resolve_device_map
-from fastload.core.devices import cpu_by_default
 from fastload.core.dispatch import dispatch
 from fastload.core.dtypes import CONVERTIBLE, parse_dtype
 from fastload.core.errors import RequestError, UnsupportedError, from_os_error
 from fastload.core.finishing import resolve_duplicates, swap_in
-from fastload.core.hooks import ModelHooks
+from fastload.core.hooks import FamilyShards, ModelHooks
 from fastload.core.load_options import LoadOptions
-from fastload.core.memory import check_owned_memory, memory_budget
+from fastload.core.memory import MemoryBudget, check_owned_memory, memory_budget
 from fastload.core.object_store import is_remote
 from fastload.core.offload import dispatch_offloaded, offloaded_names, require_accelerate
+from fastload.core.phases import Clock, device_explicit, without_gc_pauses
 from fastload.core.pickle_file import StateDictFile
 from fastload.core.placement import Destination, Placement, selected_shape
-from fastload.core.planning import plan
+from fastload.core.planning import LoadPlan, plan
 from fastload.core.progress import byte_progress
 from fastload.core.report import LoadReport
 from fastload.core.sharing import WarmUp
 from fastload.core.skeleton import build_skeleton, forget_constructor_values
 from fastload.core.source import open_source
 from fastload.core.staging import StagingPool
+from fastload.core.steps import NO_STEPS, LoadSteps, RankGroup, TensorParallelLayout
 from fastload.core.tying import tensor_slots
-from fastload.distributed.collective import RankGroup, check_same_checkpoint, read_collectively
-from fastload.distributed.tensor_parallel import TPLayout, layout_for, parallelize
-from fastload.training.gradient_checkpointing import gradient_checkpointing_enable
 
 logger = logging.getLogger("fastload")
 
@@ -127,222 +120,278 @@ def plain_target(
     return target
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+@dataclass
+class _Opened:
+    """The checkpoint opened, the dtype decided, the read-ahead started (phase "resolve")."""
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+    ckpt: OpenCheckpoint
+    group: RankGroup | None
+    #: the dtype asked for (``None``: each tensor's stored one), and the checkpoint's main one
+    want: torch.dtype | None
+    stored: torch.dtype | None
+    budget: MemoryBudget
+    warm_up: WarmUp
 
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-_gc_lock = threading.Lock()
-_gc_paused = 0  # loads under way that paused the cyclic garbage collector
-_gc_was_enabled = False
-
-
-def _without_gc_pauses(fn: _F) -> _F:
-    """Runs ``fn`` with Python's cyclic garbage collector paused (reference counting still frees
-    memory), restored when the last concurrent load ends.
-
-    A load creates thousands of objects that all survive (modules, parameters, plan records),
-    which is what makes the collector run: a full collection walks every object of the process,
-    and with torch and transformers imported one took 265-295 ms in the middle of a 0.3 s load of
-    4 GiB here (measured with ``gc.callbacks``). Cycles made meanwhile are collected afterwards.
-    """
-
-    @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
-        global _gc_paused, _gc_was_enabled
-        with _gc_lock:
-            if _gc_paused == 0:
-                _gc_was_enabled = gc.isenabled()
-                gc.disable()
-            _gc_paused += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            with _gc_lock:
-                _gc_paused -= 1
-                if _gc_paused == 0 and _gc_was_enabled:
-                    gc.enable()
-
-    return paused  # type: ignore[return-value]
+    @property
+    def source(self) -> str:
+        location = self.ckpt.location
+        return str(location.index or location.files[0])
 
 
-def _device_explicit(fn: _F) -> _F:
-    """Runs ``fn`` with torch's factory functions allocating on the CPU unless told otherwise.
+@dataclass
+class _Family:
+    """The model family's part in this load: its hooks, and the destinations it made itself."""
 
-    The load's devices are its arguments (``device``, ``device_map``): an ambient device context
-    of the caller (``with torch.device("meta")``, ``torch.set_default_device("cuda")``) must not
-    leak into the skeleton's buffers, the family's finishing code or any temporary, as it would
-    put tensors on a device nobody asked for (a meta buffer in a loaded model, a CPU mapping
-    viewed as a meta tensor). fastload's own allocations name their device as well."""
+    hooks: ModelHooks
+    built_here: bool
+    shards: FamilyShards | None
 
-    @functools.wraps(fn)
-    def explicit(*args: Any, **kwargs: Any) -> Any:
-        with cpu_by_default():
-            return fn(*args, **kwargs)
-
-    return explicit  # type: ignore[return-value]
+    @property
+    def later(self) -> set[str]:
+        return self.shards.later if self.shards is not None else set()
 
 
-@_device_explicit
-@_without_gc_pauses
+@dataclass
+class _Planned:
+    """The plan and what it was made under (phase "plan")."""
+
+    load_plan: LoadPlan
+    dmap: DeviceMap | None
+    tp: TensorParallelLayout | None
+
+
+@device_explicit
+@without_gc_pauses
 def load(
     target: Target,
     checkpoint: str | os.PathLike[str] | Mapping[str, torch.Tensor],
     options: LoadOptions,
     *,
+    steps: LoadSteps = NO_STEPS,
     seconds: dict[str, float] | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target`` with ``options``
-    (:class:`~fastload.core.load_options.LoadOptions`, validated by the entry). ``seconds`` are
-    phases already spent by the caller (resolving a model id), put first in the report."""
-    clock = _Clock()
+    (:class:`~fastload.core.load_options.LoadOptions`, validated by the entry). ``steps`` are
+    those the entry supplies (:class:`~fastload.core.steps.LoadSteps`: a collective read,
+    tensor parallelism, gradient checkpointing); ``seconds`` are phases already spent by the
+    caller (resolving a model id), put first in the report."""
+    steps.check(options)
+    clock = Clock()
     clock.seconds.update(seconds or {})
-    want = options.dtype
-
     with clock.phase("resolve"):
-        ckpt = open_source(
-            checkpoint,
-            options.read_mode,
-            options.mmap,
-            options.allow_pickle,
-            options.storage_options,
-        )
-        group = None
-        if options.collective and any(is_remote(f) for f in ckpt.files):
-            raise UnsupportedError(
-                f"{ckpt.location.files[0]}: a collective load (process_group, tp_plan) reads "
-                "local files; load a checkpoint in object storage without them"
-            )
-        if options.collective:
-            where = "tp_plan" if options.tp_plan is not None else "process_group"
-            group = RankGroup(options.process_group, where=where)
-            check_same_checkpoint(group, ckpt)
-        built_here = target.module is None
-        if want == "auto":
-            # the model family's rule for a model built for this load (transformers': the
-            # config's dtype); the stored dtypes for any other model, and for a module passed in
-            hooks_first = target.hooks if built_here else None
-            want = hooks_first.auto_dtype(ckpt) if hooks_first is not None else None
-        assert not isinstance(want, str)
-        stored = _main_dtype(ckpt)
-        # the disk starts on the files now, and their pages are mapped, while the skeleton is
-        # built and the load planned; only where the tensors will be views of the mappings
-        views = options.views_possible and want in (None, stored) and options.read_ahead
-        # what this process may still make resident (its cgroup's limit): read-ahead stays within
-        # it, and a load that must own more is refused before it allocates (fastload.core.memory)
-        budget = memory_budget()
-        warm_up = WarmUp(ckpt.files, options.mmap, views=views, budget=budget)
-    location = ckpt.location
-    source = str(location.index or location.files[0])
-
+        opened = _open(target, checkpoint, options, steps)
     with clock.phase("skeleton"):
-        if target.module is not None:
-            module = target.module
-        else:
-            assert target.build is not None
-            module = target.build(stored if want is None else want)
+        module = _skeleton(target, opened)
+    family = _family(target, module)
+    was_training = module.training
+    with clock.phase("plan"):
+        planned = _plan(module, opened, family, options, steps)
+    report = planned.load_plan.report
+    with clock.phase("allocate"):
+        by_file = allocate(
+            planned.load_plan,
+            opened.ckpt,
+            opened.warm_up.mappings,
+            threads=options.threads,
+            budget=opened.budget,
+            paced=options.read_ahead,
+        )
+    with clock.phase("read"):
+        _read_phase(opened, by_file, report, options, steps)
+        resolve_duplicates(planned.load_plan.groups)
+    with clock.phase("finish"):
+        _finish(module, opened, family, planned, options, steps)
+        # a model fastload built is ready for inference; a module passed in keeps its mode
+        module.train(options.gradient_checkpointing or (was_training and not family.built_here))
+        _join_read_ahead(opened, report)
+    report.seconds = dict(clock.seconds)
+    _describe(report, module, opened, planned, options)
+    logger.info("%s", report.summary())
+    return module, report
+
+
+def _open(
+    target: Target,
+    checkpoint: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+    options: LoadOptions,
+    steps: LoadSteps,
+) -> _Opened:
+    """Opens the checkpoint (every header read), joins the group of a collective load, decides
+    the dtype, and starts reading the files ahead where the tensors will be views of them."""
+    ckpt = open_source(
+        checkpoint, options.read_mode, options.mmap, options.allow_pickle, options.storage_options
+    )
+    group = None
+    if options.collective and any(is_remote(f) for f in ckpt.files):
+        raise UnsupportedError(
+            f"{ckpt.location.files[0]}: a collective load (process_group, tp_plan) reads "
+            "local files; load a checkpoint in object storage without them"
+        )
+    if options.collective:
+        where = "tp_plan" if options.tp_plan is not None else "process_group"
+        group = steps.across_ranks.join(options.process_group, where, ckpt)
+    want = options.dtype
+    if want == "auto":
+        # the model family's rule for a model built for this load (its hooks' auto_dtype); the
+        # stored dtypes for any other model, and for a module passed in
+        hooks_first = target.hooks if target.module is None else None
+        want = hooks_first.auto_dtype(ckpt) if hooks_first is not None else None
+    assert not isinstance(want, str)
+    stored = _main_dtype(ckpt)
+    # the disk starts on the files now, and their pages are mapped, while the skeleton is
+    # built and the load planned; only where the tensors will be views of the mappings
+    views = options.views_possible and want in (None, stored) and options.read_ahead
+    # what this process may still make resident (its cgroup's limit): read-ahead stays within
+    # it, and a load that must own more is refused before it allocates (fastload.core.memory)
+    budget = memory_budget()
+    warm_up = WarmUp(ckpt.files, options.mmap, views=views, budget=budget)
+    return _Opened(ckpt, group, want, stored, budget, warm_up)
+
+
+def _skeleton(target: Target, opened: _Opened) -> nn.Module:
+    """The module passed in, or the skeleton built under the dtype of the load."""
+    if target.module is not None:
+        return target.module
+    assert target.build is not None
+    return target.build(opened.stored if opened.want is None else opened.want)
+
+
+def _family(target: Target, module: nn.Module) -> _Family:
+    """The hooks the entry chose for ``module``; for a model built here, the family prepares
+    it and may make its own destinations (its own tensor-parallel parameters)."""
     hooks = target.hooks or target.choose_hooks(module)
+    built_here = target.module is None
     shards = None
     if built_here:
         hooks.prepare(module)
-        shards = hooks.shard(module)  # the family's own destinations (transformers' DTensors)
-    was_training = module.training
+        shards = hooks.shard(module)
+    return _Family(hooks, built_here, shards)
 
-    with clock.phase("plan"):
-        dmap = _device_map(module, options)
-        tp = None
-        if options.tp_plan is not None and shards is None:
-            tp = layout_for(options.tp_plan, module, options.process_group)
-        placement = Placement(
-            device=options.device,
-            dtype=want,
-            keep_fp32=hooks.keep_fp32(module, want),
-            skeleton_dtypes=built_here,
-            device_map=dmap,
-            tp=tp,
-            provided=shards.tensors if shards is not None else None,
-        )
-        later = shards.later if shards is not None else set()
-        load_plan = plan(module, ckpt, placement, options, source=source, hooks=hooks, later=later)
-        report = load_plan.report
-        check_owned_memory(load_plan, options.mmap, options.staging, budget)
 
-    with clock.phase("allocate"):
-        by_file = allocate(
-            load_plan,
-            ckpt,
-            warm_up.mappings,
-            threads=options.threads,
-            budget=budget,
-            paced=options.read_ahead,
-        )
+def _plan(
+    module: nn.Module, opened: _Opened, family: _Family, options: LoadOptions, steps: LoadSteps
+) -> _Planned:
+    """The device map, the tensor-parallel layout and the placement they make, then the plan
+    (:func:`fastload.core.planning.plan`), checked against the memory budget."""
+    dmap = _device_map(module, options)
+    tp = None
+    if options.tp_plan is not None and family.shards is None:
+        tp = steps.across_ranks.layout(options.tp_plan, module, options.process_group)
+    placement = Placement(
+        device=options.device,
+        dtype=opened.want,
+        keep_fp32=family.hooks.keep_fp32(module, opened.want),
+        skeleton_dtypes=family.built_here,
+        device_map=dmap,
+        tp=tp,
+        provided=family.shards.tensors if family.shards is not None else None,
+    )
+    load_plan = plan(
+        module,
+        opened.ckpt,
+        placement,
+        options,
+        source=opened.source,
+        hooks=family.hooks,
+        later=family.later,
+    )
+    check_owned_memory(load_plan, options.mmap, options.staging, opened.budget)
+    return _Planned(load_plan, dmap, tp)
 
-    with clock.phase("read"):
-        pool = options.staging
-        if group is not None and group.world_size > 1:
-            _read_collectively(group, ckpt, by_file, report, threads=options.threads)
-        else:
-            report.bytes_written = _read(
-                ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
-            )
-        report.staging_bytes = pool.peak_bytes
-        report.bytes_staged_direct = pool.direct_bytes
-        report.bytes_staged_cached = pool.cached_bytes
-        pool.release()  # a pinned slab stays with the process for the next load
-        resolve_duplicates(load_plan.groups)
 
-    with clock.phase("finish"):
-        groups = load_plan.groups
-        swap_in(
-            module,
-            groups,
-            report,
-            offloaded=offloaded_names(groups) | later,
-            family=hooks.initialize,
+def _read_phase(
+    opened: _Opened,
+    by_file: dict[int, list[Fill]],
+    report: LoadReport,
+    options: LoadOptions,
+    steps: LoadSteps,
+) -> None:
+    """Fills every destination: with the group in a collective load, else from storage."""
+    group, pool = opened.group, options.staging
+    if group is not None and group.world_size > 1:
+        fills = [(f.name, f.tensor, f.selection) for i in sorted(by_file) for f in by_file[i]]
+        exchange = steps.across_ranks.read(group, opened.ckpt, fills, options.threads)
+        report.bytes_written = sum(t.numel() * t.element_size() for _, t, _ in fills)
+        report.bytes_read = exchange.storage_bytes
+        report.bytes_received = exchange.received_bytes
+        report.rank, report.world_size = group.rank, group.world_size
+    else:
+        report.bytes_written = _read(
+            opened.ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
         )
-        forget_constructor_values(module)
-        if dmap is not None and dmap.has_disk:
-            dispatch_offloaded(module, dmap, groups, ckpt)
-        elif dmap is not None:
-            dispatch(module, dmap)
-        if tp is not None:
-            _finish_tensor_parallel(module, tp, options.process_group, report)
-        # a local checkpoint's directory (not a state dict's label, nor a prefix in object
-        # storage: the entry that resolved one gives the family its own directory, if any)
-        local = isinstance(location.directory, Path) and not isinstance(
-            ckpt.files[0], StateDictFile
-        )
-        directory = location.directory if local else None
-        hooks.finish(
-            module, directory=directory, built_here=built_here, device_map=dmap, report=report
-        )
-        if options.gradient_checkpointing:
-            gradient_checkpointing_enable(module)
-            module.train()
-        else:
-            # A model fastload built is ready for inference; a module passed in keeps its mode.
-            module.train(was_training and not built_here)
-        # Last: nothing above reads a view's bytes, so the pages were read and mapped beside it
-        warm_up.join()
-        report.bytes_read_ahead += warm_up.mapped
-        if warm_up.mappings:
-            report.read_ahead = "the whole files, beside the skeleton build (they fit the budget)"
-        report.memory_budget, report.memory_source = budget.available, budget.source
+    report.staging_bytes = pool.peak_bytes
+    report.bytes_staged_direct = pool.direct_bytes
+    report.bytes_staged_cached = pool.cached_bytes
+    pool.release()  # a pinned slab stays with the process for the next load
 
-    report.seconds = dict(clock.seconds)
+
+def _finish(
+    module: nn.Module,
+    opened: _Opened,
+    family: _Family,
+    planned: _Planned,
+    options: LoadOptions,
+    steps: LoadSteps,
+) -> None:
+    """Swaps the loaded tensors in and initializes the missing ones (all or nothing), then
+    dispatches over the device map, adapts tensor-parallel modules, runs the family's own
+    finishing and switches gradient checkpointing on when asked."""
+    groups, hooks, report = planned.load_plan.groups, family.hooks, planned.load_plan.report
+    swap_in(
+        module,
+        groups,
+        report,
+        offloaded=offloaded_names(groups) | family.later,
+        family=hooks.initialize,
+        dropped=hooks.dropped_attributes(),
+    )
+    forget_constructor_values(module)
+    dmap = planned.dmap
+    if dmap is not None and dmap.has_disk:
+        dispatch_offloaded(module, dmap, groups, opened.ckpt)
+    elif dmap is not None:
+        dispatch(module, dmap)
+    if planned.tp is not None:
+        _finish_tensor_parallel(module, planned.tp, options.process_group, report, steps)
+    # a local checkpoint's directory (not a state dict's label, nor a prefix in object
+    # storage: the entry that resolved one gives the family its own directory, if any)
+    location = opened.ckpt.location
+    local = isinstance(location.directory, Path) and not isinstance(
+        opened.ckpt.files[0], StateDictFile
+    )
+    directory = location.directory if local else None
+    hooks.finish(
+        module, directory=directory, built_here=family.built_here, device_map=dmap, report=report
+    )
+    if options.gradient_checkpointing:
+        assert steps.gradient_checkpointing is not None  # LoadSteps.check
+        steps.gradient_checkpointing(module)
+
+
+def _join_read_ahead(opened: _Opened, report: LoadReport) -> None:
+    """Waits for the read-ahead, last: nothing before reads a view's bytes, so the pages were
+    read and mapped beside the load."""
+    warm_up = opened.warm_up
+    warm_up.join()
+    report.bytes_read_ahead += warm_up.mapped
+    if warm_up.mappings:
+        report.read_ahead = "the whole files, beside the skeleton build (they fit the budget)"
+    report.memory_budget, report.memory_source = opened.budget.available, opened.budget.source
+
+
+def _describe(
+    report: LoadReport,
+    module: nn.Module,
+    opened: _Opened,
+    planned: _Planned,
+    options: LoadOptions,
+) -> None:
+    """The report's account of how the load went: modes, files, devices, dtype, class."""
+    ckpt, dmap, want = opened.ckpt, planned.dmap, opened.want
     # Each file's way of reading: read_mode, or "torch.load(weights_only)" for a pickle file.
     modes = "+".join(dict.fromkeys(f.mode for f in ckpt.files))
     report.read_mode = f"{modes}+shared-mmap" if report.bytes_shared else modes
-    report.files = [str(f) for f in location.files]
+    report.files = [str(f) for f in ckpt.location.files]
     report.device = (
         str(options.device)
         if dmap is None
@@ -351,8 +400,6 @@ def load(
     report.device_map = None if dmap is None else dmap.as_strings()
     report.dtype = "stored" if want is None else str(want).removeprefix("torch.")
     report.model_class = type(module).__name__
-    logger.info("%s", report.summary())
-    return module, report
 
 
 def _device_map(module: nn.Module, options: LoadOptions) -> DeviceMap | None:
@@ -380,9 +427,13 @@ def _device_map(module: nn.Module, options: LoadOptions) -> DeviceMap | None:
 
 
 def _finish_tensor_parallel(
-    module: nn.Module, tp: TPLayout, process_group: Any, report: LoadReport
+    module: nn.Module,
+    tp: TensorParallelLayout,
+    process_group: Any,
+    report: LoadReport,
+    steps: LoadSteps,
 ) -> None:
-    parallelize(module, tp, process_group)
+    steps.across_ranks.parallelize(module, tp, process_group)
     unused = tp.unused_patterns(s.name for s in tensor_slots(module))
     if unused:
         logger.warning("tp_plan: patterns %s match no parameter of the model", unused)
@@ -399,25 +450,6 @@ def _main_dtype(ckpt: OpenCheckpoint) -> torch.dtype | None:
     if not totals:
         return None
     return parse_dtype(max(totals, key=lambda k: totals[k]))
-
-
-def _read_collectively(
-    group: RankGroup,
-    ckpt: OpenCheckpoint,
-    by_file: dict[int, list[Fill]],
-    report: LoadReport,
-    *,
-    threads: int | None,
-) -> None:
-    """The read of a collective load: this rank reads its part of the bytes from storage and
-    receives the rest from the group (:mod:`fastload.distributed.collective`); the report counts
-    each."""
-    fills = [(f.name, f.tensor, f.selection) for index in sorted(by_file) for f in by_file[index]]
-    exchange = read_collectively(group, ckpt, fills, threads=threads)
-    report.bytes_written = sum(t.numel() * t.element_size() for _, t, _ in fills)
-    report.bytes_read = exchange.storage_bytes
-    report.bytes_received = exchange.received_bytes
-    report.rank, report.world_size = group.rank, group.world_size
 
 
 def _read(

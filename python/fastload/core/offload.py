@@ -2,7 +2,7 @@
 
 They are neither allocated nor read at load time; they stay on ``meta`` in the model, and
 accelerate's offload hooks (``dispatch_model`` with an ``offload_index`` naming each one's
-safetensors file and stored name, as transformers builds it for safetensors checkpoints) read them
+safetensors file and stored name) read them
 onto the execution device when their module runs: the first GPU of the map, or the CPU when there
 is none. Parameters under a disk prefix that the checkpoint lacks (initialized) or that a module
 passed in already holds are served from memory instead. Only safetensors files can be offloaded.

@@ -14,7 +14,7 @@ import torch
 from fastload.core.checkpoint import StoredTensor
 from fastload.core.device_map import DISK, DeviceMap, Place
 from fastload.core.dtypes import CONVERTIBLE, to_st
-from fastload.distributed.tensor_parallel import TPLayout
+from fastload.core.steps import TensorParallelLayout
 
 Selection = list[int] | None
 
@@ -64,15 +64,15 @@ class Placement:
     * device: ``device`` for every tensor, or with a ``device_map`` the device of the longest
       module prefix containing its name (:mod:`fastload.core.device_map`);
     * selection: with a tensor-parallel layout ``tp``, the rows or columns this rank owns of a
-      parameter the plan shards, taken from the model's full shape
-      (:mod:`fastload.distributed.tensor_parallel`);
+      parameter the plan shards, taken from the model's full shape (the layout the entry's
+      steps make, :class:`fastload.core.steps.TensorParallelLayout`);
     * dtype ``"auto"`` (``dtype=None`` here): the stored dtype for loaded tensors, the model's for
       the others;
     * an explicit floating ``dtype``: loaded floating tensors are converted to it during the copy,
-      except where the model decides otherwise: names matching ``keep_fp32`` (transformers'
-      ``_keep_in_fp32_modules``) become float32, and when fastload built the skeleton under that
+      except where the model decides otherwise: names matching ``keep_fp32`` (the family's
+      modules kept in float32) become float32, and when fastload built the skeleton under that
       dtype (``skeleton_dtypes=True``) a float tensor the model created in another dtype keeps it
-      (what transformers does). Tensors stored in a type the copy engine cannot convert (integers,
+      (as the model asked). Tensors stored in a type the copy engine cannot convert (integers,
       float8...) keep the stored type; buffers that are not loaded keep theirs.
     """
 
@@ -84,7 +84,7 @@ class Placement:
         keep_fp32: Any | None = None,
         skeleton_dtypes: bool = False,
         device_map: DeviceMap | None = None,
-        tp: TPLayout | None = None,
+        tp: TensorParallelLayout | None = None,
         provided: dict[str, Any] | None = None,
     ) -> None:
         self.device = device

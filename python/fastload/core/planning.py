@@ -104,7 +104,7 @@ class StoredPiece:
 
 
 def _authorization(model: nn.Module, extra_unexpected: list[str]) -> keymod.Authorization:
-    # The attribute names are transformers', but any model class may declare them.
+    # Conventional attribute names that any model class may declare.
     unexpected = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
     unexpected += extra_unexpected
     return keymod.Authorization(

@@ -21,7 +21,7 @@ from fastload import _core
 #: loads above this size show a progress bar even when stderr is not a terminal
 PROGRESS_MIN_BYTES = 64 << 20
 
-#: environment variables that turn progress bars off (fastload's own, huggingface_hub's, tqdm's)
+#: environment variables that turn progress bars off (fastload's own, the hub client's, tqdm's)
 DISABLE_VARS = ("FASTLOAD_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")
 
 

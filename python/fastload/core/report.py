@@ -23,8 +23,8 @@ class LoadReport:
     """What :func:`fastload.from_pretrained` did.
 
     Names in ``missing`` are model names; names in ``unexpected`` are checkpoint names. The
-    ``authorized_*`` lists hold the names the model class declares as expected (transformers'
-    ``_keys_to_ignore_on_load_*``, layers the model does not build, buffers it computes itself):
+    ``authorized_*`` lists hold the names the model class declares as expected
+    (``_keys_to_ignore_on_load_*``, layers the model does not build, buffers it computes itself):
     they are handled silently and never trigger a policy.
     """
 
@@ -40,10 +40,10 @@ class LoadReport:
     authorized_unexpected: list[str] = field(default_factory=list)
     #: the authorized unexpected names the model class does not declare, found expected by
     #: fastload: tensors of layers the model does not build (``add_pooling_layer=False``),
-    #: buffers it computes itself; transformers lists these as unexpected
+    #: buffers it computes itself; ``to_dict`` lists these as unexpected
     inferred_unexpected: list[str] = field(default_factory=list)
     #: checkpoint name -> its name after the ``key_map`` and the model family's renames, for
-    #: unused checkpoint tensors where they differ (the names transformers lists)
+    #: unused checkpoint tensors where they differ (the names ``to_dict`` lists)
     unexpected_renamed: dict[str, str] = field(default_factory=dict)
     #: checkpoint name -> model name, where they differ (prefix, legacy names, key_map)
     renamed: dict[str, str] = field(default_factory=dict)
@@ -102,10 +102,10 @@ class LoadReport:
         return sum(self.seconds.values())
 
     def to_dict(self) -> dict[str, Any]:
-        """The keys and types transformers' ``output_loading_info`` dict has, for code written
-        against it: sets of names (and of ``(name, checkpoint shape, model shape)``), a list of
-        error messages. The names are the ones transformers lists: unused checkpoint tensors
-        under their renamed names, those of layers the model does not build included."""
+        """The report as an ``output_loading_info`` dict, for code written against that shape:
+        sets of names (and of ``(name, checkpoint shape, model shape)``), a list of error
+        messages. Unused checkpoint tensors are listed under their renamed names, those of
+        layers the model does not build included."""
         unused = [*self.unexpected, *self.inferred_unexpected]
         return {
             "missing_keys": set(self.missing),

@@ -7,9 +7,9 @@ parameter memory is written before the loader knows where each parameter goes. (
 ``torch.empty`` storage exists for an instant before it moves to ``meta``; it is never written, so
 the operating system does not back it with memory.)
 
-Missing parameters are initialised the model's own way: the model family's (its hooks: for
-transformers models ``initialize_weights``, :mod:`fastload.hf.initialize`), then
-``reset_parameters()`` of their modules.
+Missing parameters are initialised the model's own way: the model family's first (its hooks'
+``initialize``, :class:`fastload.core.hooks.ModelHooks`), then ``reset_parameters()`` of their
+modules.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -31,7 +30,7 @@ from fastload.core.errors import RequestError, UninitializedTensorError
 logger = logging.getLogger("fastload")
 
 #: parameters up to this many elements keep the value their constructor gave them, for a
-#: parameter no initialization function covers (CLIP's logit_scale, Reformer's lm_head.bias)
+#: parameter no initialization function covers (a learned scalar scale, a head's bias)
 CONSTRUCTOR_VALUE_MAX_ELEMENTS = 1 << 16
 
 # module -> {attribute: the value its constructor gave the parameter}, for skeleton modules
@@ -40,21 +39,9 @@ _CONSTRUCTED: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = (
 )
 
 # A skeleton build patches process-wide state (nn.Module.register_parameter, torch's default dtype,
-# transformers' init switches), so builds run one at a time: unserialized, two threads restore each
-# other's patch and leave register_parameter patched for good.
+# a model family's init switches), so builds run one at a time: unserialized, two threads restore
+# each other's patch and leave register_parameter patched for good.
 _BUILD_LOCK = threading.RLock()
-
-
-def is_transformers_model(obj: Any) -> bool:
-    """Whether ``obj`` (a class or an instance) is a transformers ``PreTrainedModel``.
-
-    Never imports transformers: a transformers class can only exist if it is already imported.
-    """
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None:
-        return False
-    base = modeling.PreTrainedModel
-    return isinstance(obj, base) or (isinstance(obj, type) and issubclass(obj, base))
 
 
 @contextlib.contextmanager
@@ -140,8 +127,8 @@ def build_skeleton(
 ) -> nn.Module:
     """Calls ``factory`` with parameters going to ``meta`` and the default dtype set to ``dtype``.
 
-    ``contexts`` are entered around the call too (a model family's own switches: transformers'
-    ``no_init_weights``, :mod:`fastload.hf.initialize`). Builds are serialized by a lock, as they
+    ``contexts`` are entered around the call too (a model family's own switches, such as one
+    that turns its weight initialization off). Builds are serialized by a lock, as they
     patch process-wide state (``nn.Module.register_parameter``, the default dtype) while
     ``factory`` runs.
     """

@@ -1,8 +1,8 @@
 """Tied weights: finding tie groups on a model and re-tying them after a meta-device load.
 
-Loading onto the meta device breaks ties (transformers #29024): ``a.weight = b.weight`` aliasing on
+Loading onto the meta device breaks ties: ``a.weight = b.weight`` aliasing on
 meta does not survive replacing one parameter with a loaded one. This module finds the groups (by
-Parameter identity, before loading); :func:`fastload.core.loading.from_pretrained` points every
+Parameter identity, before loading); :func:`fastload.core.finishing.swap_in` points every
 member at the loaded canonical Parameter after.
 """
 

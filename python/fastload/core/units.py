@@ -7,7 +7,7 @@ import re
 from fastload.core.errors import RequestError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-# Decimal units as transformers' max_shard_size ("5GB" = 5 * 10**9), binary with "i".
+# Decimal units as the usual max_shard_size spelling ("5GB" = 5 * 10**9), binary with "i".
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

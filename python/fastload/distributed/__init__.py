@@ -3,6 +3,7 @@ the ranks exchange the rest (``collective``), and fastload's own tensor-parallel
 (``tensor_parallel``). transformers' DTensor tensor parallelism is transformers-specific and lives
 in :mod:`fastload.hf.dtensor_tp`.
 
-May import: the leaves of :mod:`fastload.core` (checkpoint, dtypes, errors); the core's pipeline
-runs these as steps of a load, so nothing here imports the pipeline back.
+May import: :mod:`fastload.core` (its leaves: checkpoint, dtypes, errors, the steps' interface).
+The core never imports this package: the entry of a load passes ``steps.RANK_STEPS`` in, and the
+core's pipeline runs them where a load needs them (:mod:`fastload.core.steps`).
 """

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastload.core import json_text
 from fastload.core.errors import CheckpointError, UnsupportedError
-from fastload.core.skeleton import is_transformers_model
+from fastload.families import is_transformers_model
 
 logger = logging.getLogger("fastload")
 

@@ -34,16 +34,25 @@ from fastload.core.load_options import LoadOptions
 from fastload.core.loading import Target, load, plain_target
 from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
-from fastload.core.skeleton import build_skeleton, is_transformers_model
+from fastload.core.skeleton import build_skeleton
+from fastload.core.steps import LoadSteps
+from fastload.distributed.steps import RANK_STEPS
+from fastload.families import is_transformers_model
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.context import check_not_quantized
 from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
-from fastload.training.gradient_checkpointing import drop_legacy_config_key
+from fastload.training.gradient_checkpointing import (
+    drop_legacy_config_key,
+    gradient_checkpointing_enable,
+)
 
 logger = logging.getLogger("fastload")
+
+#: what fastload.distributed and fastload.training add to a load (the core imports neither)
+LOAD_STEPS = LoadSteps(ranks=RANK_STEPS, gradient_checkpointing=gradient_checkpointing_enable)
 
 
 def load_hf(
@@ -147,7 +156,7 @@ def load_hf(
     checkpoint: Any = state_dict if resolved is None else resolved.weights
     seconds = {"resolve": time.perf_counter() - start}
     try:
-        return load(target, checkpoint, options, seconds=seconds)
+        return load(target, checkpoint, options, steps=LOAD_STEPS, seconds=seconds)
     finally:
         if side_files is not None:
             side_files.cleanup()

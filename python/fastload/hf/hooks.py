@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from fastload.core.hooks import FamilyShards, ModelHooks
-from fastload.core.skeleton import is_transformers_model
+from fastload.families import is_transformers_model
 from fastload.hf.conversions import transformers_merges
 from fastload.hf.dtype_rules import auto_dtype, cast_kept_integers, keep_fp32_pattern
 from fastload.hf.finish import finish_transformers
-from fastload.hf.initialize import initialize_missing, prepare, recompute_buffers
+from fastload.hf.initialize import HF_FLAG, initialize_missing, prepare, recompute_buffers
 from fastload.hf.renames import transformers_prefix_rule, transformers_renames
 
 if TYPE_CHECKING:
@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from fastload.core.keys import KeyRules
     from fastload.core.report import LoadReport
     from fastload.core.tying import Slot
+
+
+#: transformers' flag on a parameter it initialized or loaded (``_is_hf_initialized``): a
+#: skeleton's flag is not carried over to the parameter that replaces it
+TRANSFORMERS_FLAGS = frozenset({HF_FLAG})
 
 
 class TransformersHooks(ModelHooks):
@@ -119,6 +124,9 @@ class TransformersHooks(ModelHooks):
     def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
         return initialize_missing(model, targets)
 
+    def dropped_attributes(self) -> frozenset[str]:
+        return TRANSFORMERS_FLAGS
+
     def shard(self, model: nn.Module) -> FamilyShards | None:
         if self.tp is None:
             return None
@@ -167,6 +175,9 @@ class ContainerHooks(ModelHooks):
 
     def initialize(self, model: nn.Module, targets: dict[str, torch.Tensor]) -> set[str]:
         return initialize_missing(model, targets)
+
+    def dropped_attributes(self) -> frozenset[str]:
+        return TRANSFORMERS_FLAGS
 
 
 def family_hooks(module: nn.Module) -> ModelHooks:

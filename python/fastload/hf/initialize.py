@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from fastload.core.keys import within
-from fastload.core.skeleton import is_transformers_model
+from fastload.families import is_transformers_model
 
-_HF_FLAG = "_is_hf_initialized"
+#: transformers' flag on a tensor (or module) already initialized: its init functions skip it
+HF_FLAG = "_is_hf_initialized"
 
 
 def build_contexts() -> list[Callable[[], contextlib.AbstractContextManager[Any]]]:
@@ -126,19 +127,19 @@ def _initialize_transformers(
                 continue
             param = module._parameters[attr]
             stand_in = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-            setattr(stand_in, _HF_FLAG, True)
+            setattr(stand_in, HF_FLAG, True)
             stand_ins.append((module._parameters, attr, param))
             module._parameters[attr] = stand_in
     try:
         for module in root.modules():
             for tensor in _own_tensors(module):
                 if id(tensor) in ids:
-                    tensor.__dict__.pop(_HF_FLAG, None)
+                    tensor.__dict__.pop(HF_FLAG, None)
                 else:
-                    tensor.__dict__[_HF_FLAG] = True
+                    tensor.__dict__[HF_FLAG] = True
         if every_module:
             for module in root.modules():
-                module.__dict__.pop(_HF_FLAG, None)
+                module.__dict__.pop(HF_FLAG, None)
         else:
             _flag_loaded_subtrees(root, ids)
         root.initialize_weights()
@@ -160,9 +161,9 @@ def _flag_loaded_subtrees(root: nn.Module, ids: set[int]) -> bool:
         has = _flag_loaded_subtrees(child, ids) or has
     # through __dict__: nn.Module.__setattr__ costs ~8 us of checks per call, the same effect
     if has:
-        root.__dict__.pop(_HF_FLAG, None)
+        root.__dict__.pop(HF_FLAG, None)
     else:
-        root.__dict__[_HF_FLAG] = True
+        root.__dict__[HF_FLAG] = True
     return has
 
 
@@ -202,5 +203,5 @@ def mark_initialized(model: nn.Module) -> None:
     for _, root in _transformers_roots(model):
         for module in root.modules():  # one walk, flags set through __dict__ (see above)
             for tensor in _own_tensors(module):
-                tensor.__dict__[_HF_FLAG] = True
-            module.__dict__[_HF_FLAG] = True
+                tensor.__dict__[HF_FLAG] = True
+            module.__dict__[HF_FLAG] = True

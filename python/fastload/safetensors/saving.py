@@ -35,10 +35,10 @@ from fastload.core.checkpoint import SINGLE_FILE as WEIGHTS_NAME
 from fastload.core.dtypes import st_shape, to_st
 from fastload.core.errors import FastloadError, RequestError, TensorRefusedError, from_os_error
 from fastload.core.keys import TIED_KEY
-from fastload.core.skeleton import is_transformers_model
 from fastload.core.threads import check_threads
 from fastload.core.tying import find_tie_groups
 from fastload.core.units import parse_bytes
+from fastload.families import is_transformers_model
 from fastload.safetensors import publish
 from fastload.training.gradient_checkpointing import LEGACY_CONFIG_KEY, drop_legacy_config_key
 

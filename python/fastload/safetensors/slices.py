@@ -26,15 +26,14 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 
+from fastload import _core
 from fastload.core.dtypes import PACKED, to_torch
 from fastload.core.errors import RequestError
-
-if TYPE_CHECKING:
-    from fastload.safetensors.files import SafeOpen
 
 
 class SliceIndexError(RequestError, IndexError):
@@ -269,10 +268,27 @@ def _own(result: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     return result
 
 
+class OpenFile(Protocol):
+    """What a slice reads through: an open file (:class:`fastload.safetensors.files.SafeOpen`,
+    which hands itself to each slice it makes, so this module needs nothing of it)."""
+
+    path: str
+    device: torch.device
+
+    @property
+    def file(self) -> _core.SafetensorsFile: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name``, on :attr:`device`."""
+
+    def fill(self, items: Iterable[tuple[str, torch.Tensor, list[int] | None]]) -> int:
+        """Fills ``(name, destination, selection)`` items from the file."""
+
+
 class SafeSlice:
     """A tensor of an open file, read only when indexed (``safetensors``' ``PySafeSlice``)."""
 
-    def __init__(self, opened: SafeOpen, name: str) -> None:
+    def __init__(self, opened: OpenFile, name: str) -> None:
         self._opened = opened
         self.name = name
         st_dtype, shape, _, _ = opened.file.info(name)  # TensorNotFoundError for a wrong name
@@ -340,6 +356,7 @@ class SafeSlice:
 
 
 __all__ = [
+    "OpenFile",
     "SafeSlice",
     "SliceIndexError",
     "SliceRuntimeError",

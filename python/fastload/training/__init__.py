@@ -2,6 +2,8 @@
 never stored in a saved config (``gradient_checkpointing``), and training readiness: the
 parameters a forward leaves without gradient, which DDP needs to know of (``readiness``).
 
-May import: the leaves of :mod:`fastload.core` (arguments, errors, keys, skeleton); the core's
-pipeline applies the ``gradient_checkpointing=`` option through this package.
+May import: :mod:`fastload.core` (its leaves: arguments, errors, keys) and
+:mod:`fastload.families` (transformers models keep their own switch). The core never imports this
+package: the entry of a load passes ``gradient_checkpointing_enable`` in as a step
+(:mod:`fastload.core.steps`) for ``gradient_checkpointing=True``.
 """

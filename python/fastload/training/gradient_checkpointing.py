@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from fastload.core.arguments import check_bool, check_module
 from fastload.core.errors import UnsupportedError
 from fastload.core.keys import within
-from fastload.core.skeleton import is_transformers_model
+from fastload.families import is_transformers_model
 
 # Instance attributes fastload sets; their presence marks fastload's own changes.
 _STATE_ATTR = "_fastload_checkpointing"

@@ -1,0 +1,117 @@
+"""The steps of a load that packages beside the core supply, passed in by the entry of the load.
+
+A collective load reads with the other ranks of a group, a tensor-parallel load slices by a plan
+and adapts the modules afterwards (both :mod:`fastload.distributed`), and
+``gradient_checkpointing=True`` switches checkpointing on (:mod:`fastload.training`). Those
+packages use the core's leaves (errors, checkpoint records, dtypes, arguments); the core never
+imports them back. The entry of a load hands them in as :class:`LoadSteps`, as it hands in a model
+family's hooks (:mod:`fastload.core.hooks`), so dependencies between the packages point one way.
+A load that asks for a step its entry did not supply is refused before anything is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from fastload.core.errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from fastload.core.checkpoint import OpenCheckpoint
+    from fastload.core.load_options import LoadOptions
+
+#: one destination of a collective read: (stored name, destination tensor, selection)
+Fill = tuple[str, torch.Tensor, Any]
+
+
+class RankGroup(Protocol):
+    """This process's place in the group of a collective load."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+class Exchange(Protocol):
+    """What a collective read did: bytes this rank read from storage, bytes it received."""
+
+    @property
+    def storage_bytes(self) -> int: ...
+
+    @property
+    def received_bytes(self) -> int: ...
+
+
+class TensorParallelLayout(Protocol):
+    """This rank's part of every tensor under a tensor-parallel plan."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    def selection(self, name: str, shape: Sequence[int]) -> Any:
+        """The part of the full-size tensor ``name`` this rank holds (``None``: all of it)."""
+
+    def unused_patterns(self, names: Iterable[str]) -> list[str]:
+        """The plan's patterns that match none of ``names``."""
+
+
+class RankSteps(Protocol):
+    """The steps of a load across ranks (:class:`fastload.distributed.steps.DistributedSteps`)."""
+
+    def join(self, process_group: Any, where: str, ckpt: OpenCheckpoint) -> RankGroup:
+        """This rank's group, once every rank is known to have opened the same checkpoint
+        (``where``: the option that made the load collective, for error messages)."""
+
+    def read(
+        self, group: RankGroup, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
+    ) -> Exchange:
+        """Fills ``fills`` with the group: this rank reads its share of the bytes from storage
+        and receives the rest."""
+
+    def layout(self, tp_plan: Any, model: nn.Module, process_group: Any) -> TensorParallelLayout:
+        """This rank's layout under ``tp_plan`` for the full-size ``model``."""
+
+    def parallelize(
+        self, model: nn.Module, layout: TensorParallelLayout, process_group: Any
+    ) -> None:
+        """Adapts the modules holding shards, once they are loaded, to compute their part."""
+
+
+@dataclass(frozen=True)
+class LoadSteps:
+    """The steps an entry supplies (``None``: not available to its loads)."""
+
+    #: the collective read and tensor-parallel slicing (``process_group=``, ``tp_plan=``)
+    ranks: RankSteps | None = None
+    #: switches gradient checkpointing on for a loaded model (``gradient_checkpointing=True``)
+    gradient_checkpointing: Callable[[nn.Module], object] | None = None
+
+    def check(self, options: LoadOptions) -> None:
+        """``UnsupportedError`` when ``options`` ask for a step this entry did not supply."""
+        if options.collective and self.ranks is None:
+            raise UnsupportedError(
+                "process_group and tp_plan: this entry of a load supplies no collective read"
+            )
+        if options.gradient_checkpointing and self.gradient_checkpointing is None:
+            raise UnsupportedError(
+                "gradient_checkpointing: this entry of a load cannot switch it on"
+            )
+
+    @property
+    def across_ranks(self) -> RankSteps:
+        """:attr:`ranks`, known to be supplied (:meth:`check`)."""
+        assert self.ranks is not None
+        return self.ranks
+
+
+#: an entry that supplies none of the steps (loads on one process, without checkpointing)
+NO_STEPS = LoadSteps()

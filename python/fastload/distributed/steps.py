@@ -1,0 +1,44 @@
+"""This package as steps of the core's pipeline (:class:`fastload.core.steps.RankSteps`): the
+entry of a load passes :data:`RANK_STEPS` in, so the core runs a collective read and
+tensor-parallel slicing without importing this package."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, cast
+
+from torch import nn
+
+from fastload.core.checkpoint import OpenCheckpoint
+from fastload.core.steps import Fill
+from fastload.distributed.collective import (
+    Exchange,
+    RankGroup,
+    check_same_checkpoint,
+    read_collectively,
+)
+from fastload.distributed.tensor_parallel import TPLayout, layout_for, parallelize
+
+
+class DistributedSteps:
+    """Joins a group, reads collectively, lays out and adapts tensor-parallel modules."""
+
+    def join(self, process_group: Any, where: str, ckpt: OpenCheckpoint) -> RankGroup:
+        group = RankGroup(process_group, where=where)
+        check_same_checkpoint(group, ckpt)
+        return group
+
+    def read(
+        self, group: Any, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
+    ) -> Exchange:
+        return read_collectively(cast(RankGroup, group), ckpt, fills, threads=threads)
+
+    def layout(self, tp_plan: Any, model: nn.Module, process_group: Any) -> TPLayout:
+        return layout_for(tp_plan, model, process_group)
+
+    def parallelize(self, model: nn.Module, layout: Any, process_group: Any) -> None:
+        parallelize(model, cast(TPLayout, layout), process_group)
+
+
+#: the steps every entry of a load passes to the core (:class:`fastload.core.steps.LoadSteps`)
+RANK_STEPS = DistributedSteps()
