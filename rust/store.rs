@@ -30,6 +30,7 @@ use url::Url;
 use crate::error::{Error, Result, StoreFailure};
 
 mod config;
+mod values;
 
 pub use config::{
     Settings, DEFAULT_INIT_BACKOFF, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_RETRIES,
@@ -88,9 +89,22 @@ fn runtime() -> Result<Arc<Runtime>> {
     Ok(rt)
 }
 
-/// Runs `future` to completion on the store runtime, blocking this thread.
+/// Runs `future` to completion on the store runtime, blocking this thread. A panic in the client
+/// (it unwraps what it takes to be valid, e.g. a header built from a configured value) is an
+/// error here, never a Rust panic across the Python boundary.
 fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
-    Ok(runtime()?.block_on(future))
+    let rt = runtime()?;
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(future))).map_err(|p| {
+        let what = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        config_error(format!(
+            "the object storage client cannot make a request with this configuration ({})",
+            redact(&what)
+        ))
+    })
 }
 
 /// `detail` without the query of any URL in it (an Azure SAS token or a presigned signature
@@ -137,6 +151,14 @@ fn failure(e: object_store::Error) -> Error {
             StoreFailure::Config
         }
         E::NotImplemented { .. } => StoreFailure::Config,
+        // a configured value the client parses only when it first needs it
+        E::Generic {
+            store: "Config", ..
+        } => {
+            return config_error(
+                "a store option has a value the client cannot use (check the options' values)",
+            )
+        }
         _ => StoreFailure::Unavailable,
     };
     Error::Store {

@@ -148,3 +148,19 @@ fn options_are_checked_by_key_and_durations_parsed() {
     let err = Store::from_url("ftp://host/x", &settings(&[])).unwrap_err();
     assert_eq!(err.rule(), "store-config");
 }
+
+#[test]
+fn a_panic_in_the_client_is_a_config_error_not_a_panic() {
+    let err = block_on(async { panic!("called `Result::unwrap()` on an `Err` value") })
+        .map(|()| ())
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Store {
+            failure: StoreFailure::Config,
+            ..
+        }
+    ));
+    // and the runtime still serves requests
+    assert_eq!(block_on(async { 7 }).unwrap(), 7);
+}
