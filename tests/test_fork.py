@@ -108,4 +108,3 @@ def test_a_forked_child_loads_from_object_storage_after_its_parent_did(tmp_path,
     finally:
         server.stop()
     assert out.strip().endswith("ok")
-

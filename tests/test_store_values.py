@@ -53,9 +53,7 @@ def _no_aws_files(monkeypatch: pytest.MonkeyPatch) -> None:
         ("allow_http", "SECRETVALUE", "not true or false"),
     ],
 )
-def test_an_unusable_option_value_is_a_config_error_naming_the_key_never_the_value(
-    key, value, why
-):
+def test_an_unusable_option_value_is_a_config_error_naming_the_key_never_the_value(key, value, why):
     with pytest.raises(RequestError) as caught:
         fastload.load_file("s3://models/m.safetensors", storage_options={**BASE, key: value})
     message = str(caught.value)
