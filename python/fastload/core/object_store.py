@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from fastload import _core
+from fastload.core import new_files
 from fastload.core.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -45,14 +46,13 @@ from fastload.core.checkpoint import (
 )
 from fastload.core.errors import CheckpointError, FastloadFileNotFoundError, RequestError
 from fastload.core.pickle_file import is_pickle
+from fastload.core.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
 from fastload.core.store_config import aws_profile_defaults, check_storage_options
 
 #: URL schemes read from object storage (as ``object_store`` recognizes them)
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
 #: the largest index or side file (config, tokenizer) read whole
 MAX_SMALL_FILE = 64 << 20
-#: what :func:`download_files` fetches by default: what a model needs besides its weights
-DEFAULT_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
 
 
 def is_url(path: object) -> bool:
@@ -206,25 +206,32 @@ def fetch_files(
     """Copies the objects ``names`` under the prefix ``url`` that exist (``config.json``,
     ``generation_config.json`` ...) into the local directory ``destination``, by name, without
     listing the prefix (read-only buckets often refuse listing). Each is at most
-    :data:`MAX_SMALL_FILE` bytes. Returns the files written."""
+    :data:`MAX_SMALL_FILE` bytes. Returns the files written (all of them, or none: see
+    :func:`_write_all`)."""
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
+    keys = [(name, posixpath.join(prefix, name) if prefix else name) for name in names]
+    return _write_all(store, destination, [(n, k) for n, k in keys if store.head(k)])
+
+
+def _write_all(
+    store: _core.ObjectStore, destination: str | os.PathLike[str], items: list[tuple[str, str]]
+) -> list[Path]:
+    """Objects ``items`` (name, key) as ``destination / name``: each read whole and written to a
+    new temporary (:mod:`fastload.core.new_files`: never through a link, a short name whatever
+    the final one's length), then renamed into place once every one is written, so a failure
+    leaves no file of this fetch behind."""
     dest = Path(os.fspath(destination))
     dest.mkdir(parents=True, exist_ok=True)
-    keys = [(name, posixpath.join(prefix, name) if prefix else name) for name in names]
-    return [
-        _write(dest, name, store.get(key, MAX_SMALL_FILE)) for name, key in keys if store.head(key)
-    ]
-
-
-def _write(dest: Path, name: str, data: bytes) -> Path:
-    """``data`` as ``dest / name``, written under a temporary name and renamed."""
-    target = dest / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.fastload-partial")
-    partial.write_bytes(data)
-    os.replace(partial, target)
-    return target
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, key in items:
+            data = store.get(key, MAX_SMALL_FILE)
+            staged.append((new_files.write_temporary(dest, data), dest / name))
+    except BaseException:
+        new_files.discard(tmp for tmp, _ in staged)
+        raise
+    return [new_files.publish(tmp, target) for tmp, target in staged]
 
 
 def download_files(
@@ -232,32 +239,36 @@ def download_files(
     destination: str | os.PathLike[str],
     *,
     patterns: Sequence[str] = DEFAULT_PATTERNS,
-    ignore: Sequence[str] = ("*.safetensors", "*.bin", "*.pt", "*.pth"),
+    ignore: Sequence[str] = WEIGHT_PATTERNS,
     storage_options: Mapping[str, object] | None = None,
 ) -> list[Path]:
     """Copies the small files directly under the prefix ``url`` whose names match ``patterns``
-    (and none of ``ignore``) into the local directory ``destination``: what a model needs
-    besides its weights (``config.json``, ``generation_config.json``, tokenizer files). Each is
-    at most :data:`MAX_SMALL_FILE` bytes, written to a temporary name and renamed. Returns the
-    files written."""
+    (and none of ``ignore``: by default every weight format, :data:`WEIGHT_PATTERNS`) into the
+    local directory ``destination``: what a model needs besides its weights (``config.json``,
+    ``generation_config.json``, tokenizer files). Each is at most :data:`MAX_SMALL_FILE` bytes;
+    all are written, or none (:func:`_write_all`). Returns the files written."""
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
-    dest = Path(os.fspath(destination))
-    dest.mkdir(parents=True, exist_ok=True)
-    written = []
+    items = []
     for key, _size in store.list(prefix):
         name = posixpath.basename(key)
         wanted = any(fnmatch.fnmatch(name, p) for p in patterns)
-        if not wanted or any(fnmatch.fnmatch(name, p) for p in ignore) or name in (".", ".."):
+        if not wanted or _ignored(name, ignore) or name in ("", ".", ".."):
             continue
-        written.append(_write(dest, name, store.get(key, MAX_SMALL_FILE)))
-    return written
+        items.append((name, key))
+    return _write_all(store, destination, items)
+
+
+def _ignored(name: str, ignore: Sequence[str]) -> bool:
+    """Whether ``name`` matches one of ``ignore``, in any letter case (``MODEL.GGUF``)."""
+    return any(fnmatch.fnmatchcase(name.lower(), p.lower()) for p in ignore)
 
 
 __all__ = [
     "DEFAULT_PATTERNS",
     "ObjectUrl",
     "SCHEMES",
+    "WEIGHT_PATTERNS",
     "download_files",
     "fetch_files",
     "is_remote",
