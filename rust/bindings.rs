@@ -417,6 +417,13 @@ fn default_threads() -> usize {
     pool::default_threads()
 }
 
+/// `text` with the query and the user-info of every URL in it hidden: the one redaction of the
+/// package (`fastload.core.redaction`).
+#[pyfunction]
+fn redact_urls(text: &str) -> String {
+    crate::redact::urls(text)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
@@ -428,6 +435,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(redact_urls, m)?)?;
     m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
     m.add("CHUNK", copy::CHUNK)?;
     m.add("MAX_THREADS", pool::MAX_THREADS)?;

@@ -10,6 +10,7 @@
 //! * [`convert`]: F32 / F16 / BF16 / F64 conversion.
 //! * [`copy`]: planning and running the parallel copy.
 //! * [`pool`]: thread counts and the shared worker pools.
+//! * [`redact`]: secrets (a URL's query and user-info) hidden from every message.
 //! * [`readahead`]: filesystem detection and parallel read-ahead of mappings (zero-copy loads).
 //! * [`write`]: writing safetensors files.
 //! * [`store`] (feature `store`): object storage (S3, GCS, Azure, HTTP) as a source of bytes.
@@ -23,6 +24,7 @@ pub mod file;
 pub mod header;
 pub mod pool;
 pub mod readahead;
+pub mod redact;
 pub mod sniff;
 #[cfg(feature = "store")]
 pub mod store;

@@ -30,6 +30,7 @@ use url::Url;
 use crate::error::{Error, Result, StoreFailure};
 
 mod config;
+mod credentials;
 mod values;
 
 pub use config::{
@@ -107,42 +108,28 @@ fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
     })
 }
 
-/// `detail` without the query of any URL in it (an Azure SAS token or a presigned signature
-/// would otherwise be shown), on one line, at most 600 characters.
+/// `detail` without the query or the user-info of any URL in it (an Azure SAS token, a
+/// presigned signature, `user:password@`), on one line, at most 600 characters
+/// ([`crate::redact::one_line`]).
 pub fn redact(detail: &str) -> String {
-    let mut out = String::with_capacity(detail.len());
-    let mut rest = detail;
-    while let Some(at) = rest.find("://") {
-        // copy up to the end of the URL's path, then skip its query (to whitespace or a closing
-        // bracket or quote)
-        let (head, tail) = rest.split_at(at);
-        out.push_str(head);
-        let end = tail
-            .find(|c: char| c.is_whitespace() || matches!(c, ')' | '"' | '\'' | '>' | ']'))
-            .unwrap_or(tail.len());
-        let url = &tail[..end];
-        match url.find('?') {
-            Some(q) => {
-                out.push_str(&url[..q]);
-                out.push_str("?<query hidden>");
-            }
-            None => out.push_str(url),
-        }
-        rest = &tail[end..];
-    }
-    out.push_str(rest);
-    let one_line = out.split_whitespace().collect::<Vec<_>>().join(" ");
-    let one_line = one_line.trim_end_matches([':', ' ']).to_string();
-    if one_line.chars().count() > 600 {
-        let cut: String = one_line.chars().take(600).collect();
-        return format!("{cut}...");
-    }
-    one_line
+    crate::redact::one_line(detail)
+}
+
+/// The HTTP status an error the client gave up on reports, where its text has one: a request
+/// `object_store` does not sort by status itself (a listing) still says "status code: 403".
+fn status_in(text: &str) -> Option<u16> {
+    let at = text.find("status code: ")? + "status code: ".len();
+    text[at..].get(..3)?.parse().ok()
 }
 
 /// An `object_store` error as fastload's, sorted by who can do something about it.
 fn failure(e: object_store::Error) -> Error {
     use object_store::Error as E;
+    let text = match &e {
+        // a credentials failure (see `credentials`) says itself what is wrong
+        E::Unauthenticated { path, source } if path.is_empty() => source.to_string(),
+        _ => e.to_string(),
+    };
     let failure = match &e {
         E::NotFound { .. } => StoreFailure::NotFound,
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => StoreFailure::Denied,
@@ -151,6 +138,8 @@ fn failure(e: object_store::Error) -> Error {
             StoreFailure::Config
         }
         E::NotImplemented { .. } => StoreFailure::Config,
+        _ if matches!(status_in(&text), Some(404)) => StoreFailure::NotFound,
+        _ if matches!(status_in(&text), Some(401 | 403)) => StoreFailure::Denied,
         // a configured value the client parses only when it first needs it
         E::Generic {
             store: "Config", ..
@@ -164,7 +153,7 @@ fn failure(e: object_store::Error) -> Error {
     Error::Store {
         failure,
         tensor: None,
-        detail: redact(&e.to_string()),
+        detail: redact(&text),
     }
 }
 

@@ -15,6 +15,7 @@ use object_store::{
 };
 use url::Url;
 
+use super::credentials;
 use super::values::{self, Given};
 use super::{config_error, failure, redact};
 use crate::error::Result;
@@ -235,6 +236,10 @@ pub(super) fn build(
                     AmazonS3ConfigKey::Client(ClientConfigKey::AllowHttp),
                     "true",
                 );
+            }
+            if credentials::from_instance(&b) {
+                let provider = credentials::instance(&b).map_err(failure)?;
+                b = b.with_credentials(provider);
             }
             Arc::new(b.with_retry(retry).build().map_err(failure)?)
         }

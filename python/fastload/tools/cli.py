@@ -30,6 +30,7 @@ from typing import Any, NoReturn, TextIO
 
 from fastload.core import json_text
 from fastload.core.errors import CheckpointError, FastloadError, RequestError
+from fastload.core.redaction import redact
 from fastload.core.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
 from fastload.core.units import format_bytes
 
@@ -60,8 +61,9 @@ def _escaped(text: str) -> str:
 
 
 def _emit(*values: object, file: TextIO | None = None) -> None:
-    """``print`` for everything the CLI shows: one line per call, control characters escaped."""
-    print(_escaped(" ".join(str(v) for v in values)), file=file)
+    """``print`` for everything the CLI shows: one line per call, control characters escaped,
+    no URL's query or user-info (:mod:`fastload.core.redaction`)."""
+    print(_escaped(redact(" ".join(str(v) for v in values))), file=file)
 
 
 class _Parser(argparse.ArgumentParser):
