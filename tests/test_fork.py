@@ -94,6 +94,7 @@ def test_a_forked_child_loads_from_object_storage_after_its_parent_did(tmp_path,
 
     path = tmp_path / "model.safetensors"
     fastload.save_file(_tensors(), path)
+    (tmp_path / "s3-root").mkdir()
     server = S3Server(tmp_path / "s3-root")
     try:
         server.bucket("models")

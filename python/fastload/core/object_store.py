@@ -125,7 +125,7 @@ def resolve(
     if found is not None:
         _refuse_pickle(url, key)
         if key.endswith(".index.json"):
-            return _resolve_index(store, key)
+            return _resolve_index(store, key, found[0])
         prefix = posixpath.dirname(key)
         location = CheckpointFiles(
             directory=ObjectUrl(store.url_of(prefix)), files=(ObjectUrl(store.url_of(key)),)
@@ -139,8 +139,9 @@ def resolve(
         )
         return store, location, [single]
     index = posixpath.join(prefix, INDEX_FILE) if prefix else INDEX_FILE
-    if store.head(index) is not None:
-        return _resolve_index(store, index)
+    found = store.head(index)
+    if found is not None:
+        return _resolve_index(store, index, found[0])
     raise FastloadFileNotFoundError(
         f"{url}: no checkpoint there: neither an object of that name nor "
         f"{store.url_of(single)} or {store.url_of(index)} exists"
@@ -148,11 +149,11 @@ def resolve(
 
 
 def _resolve_index(
-    store: _core.ObjectStore, index_key: str
+    store: _core.ObjectStore, index_key: str, size: int
 ) -> tuple[_core.ObjectStore, CheckpointFiles, list[str]]:
     index = ObjectUrl(store.url_of(index_key))
     weight_map, shards, metadata = parse_index(
-        store.get(index_key, MAX_SMALL_FILE), index, allow_pickle=False
+        _get_small(store, index_key, size), index, allow_pickle=False
     )
     prefix = posixpath.dirname(index_key)
     keys = [posixpath.join(prefix, shard) if prefix else shard for shard in shards]
@@ -164,6 +165,18 @@ def _resolve_index(
         index_metadata=metadata,
     )
     return store, location, keys
+
+
+def _get_small(store: _core.ObjectStore, key: str, size: int) -> bytes:
+    """The whole of object ``key`` (an index, a config, a tokenizer file), of ``size`` bytes as
+    listed or asked: a ``CheckpointError`` naming the limit, unread, beyond
+    :data:`MAX_SMALL_FILE` (such a file is read into memory whole)."""
+    if size > MAX_SMALL_FILE:
+        raise CheckpointError(
+            f"{store.url_of(key)}: {size} bytes, more than the {MAX_SMALL_FILE} bytes an index, "
+            "config or tokenizer file read from object storage may have [file-too-large]"
+        )
+    return bytes(store.get(key, MAX_SMALL_FILE))
 
 
 def open_checkpoint(
@@ -181,6 +194,12 @@ def open_checkpoint(
             f"{location.index}: a shard it lists is missing (looked for {e.filename}) "
             "[missing-shard]"
         ) from e
+    except RequestError as e:
+        # The store read the index with this configuration: what it cannot use now is a shard
+        # name the index gave, a fault of the checkpoint as it would be of a local one.
+        if location.index is None:
+            raise
+        raise CheckpointError(f"{location.index}: a shard name it lists is not usable ({e})") from e
     # each file's name in the index: its key below the index's prefix
     names = list(location.weight_map.values()) if location.weight_map is not None else []
     names = list(dict.fromkeys(names)) or [posixpath.basename(k) for k in keys]
@@ -211,13 +230,17 @@ def fetch_files(
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
     keys = [(name, posixpath.join(prefix, name) if prefix else name) for name in names]
-    return _write_all(store, destination, [(n, k) for n, k in keys if store.head(k)])
+    found = [(name, key, store.head(key)) for name, key in keys]
+    return _write_all(store, destination, [(n, k, f[0]) for n, k, f in found if f is not None])
 
 
 def _write_all(
-    store: _core.ObjectStore, destination: str | os.PathLike[str], items: list[tuple[str, str]]
+    store: _core.ObjectStore,
+    destination: str | os.PathLike[str],
+    items: list[tuple[str, str, int]],
 ) -> list[Path]:
-    """Objects ``items`` (name, key) as ``destination / name``: each read whole and written to a
+    """Objects ``items`` (name, key, size) as ``destination / name``: each read whole
+    (:func:`_get_small`) and written to a
     new temporary (:mod:`fastload.core.new_files`: never through a link, a short name whatever
     the final one's length), then renamed into place once every one is written, so a failure
     leaves no file of this fetch behind."""
@@ -225,8 +248,8 @@ def _write_all(
     dest.mkdir(parents=True, exist_ok=True)
     staged: list[tuple[Path, Path]] = []
     try:
-        for name, key in items:
-            data = store.get(key, MAX_SMALL_FILE)
+        for name, key, size in items:
+            data = _get_small(store, key, size)
             staged.append((new_files.write_temporary(dest, data), dest / name))
     except BaseException:
         new_files.discard(tmp for tmp, _ in staged)
@@ -250,12 +273,12 @@ def download_files(
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
     items = []
-    for key, _size in store.list(prefix):
+    for key, size in store.list(prefix):
         name = posixpath.basename(key)
         wanted = any(fnmatch.fnmatch(name, p) for p in patterns)
         if not wanted or _ignored(name, ignore) or name in ("", ".", ".."):
             continue
-        items.append((name, key))
+        items.append((name, key, size))
     return _write_all(store, destination, items)
 
 
