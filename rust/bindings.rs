@@ -325,7 +325,8 @@ fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>, workers: usize) -> Result<S
 }
 
 /// Runs planned copies of one or more files as one copy, GIL released; watched (Ctrl-C,
-/// `progress`'s callback) when given `progress` or when large.
+/// `progress`'s callback) when given `progress`, when large, or when it reads object storage
+/// (a stalled store makes any copy long).
 fn run_copy(
     py: Python<'_>,
     work: Vec<(&SafetensorsFile, SendPlan)>,
@@ -335,7 +336,9 @@ fn run_copy(
     let bytes: u64 = work.iter().map(|(_, p)| p.0.dst_bytes()).sum();
     let progress = match progress {
         Some(p) => Some(p),
-        None if bytes >= WATCH_BYTES => Some(Bound::new(py, PyProgress::create(None))?),
+        None if bytes >= WATCH_BYTES || work.iter().any(|(f, _)| f.is_remote()) => {
+            Some(Bound::new(py, PyProgress::create(None))?)
+        }
         None => None,
     };
     let Some(progress) = progress else {

@@ -9,6 +9,7 @@
 //! * [`file`]: opening a file and reading its bytes (pread or mmap).
 //! * [`convert`]: F32 / F16 / BF16 / F64 conversion.
 //! * [`copy`]: planning and running the parallel copy.
+//! * [`cancel`]: the flag that abandons blocking requests when a copy or call is cancelled.
 //! * [`pool`]: thread counts and the shared worker pools.
 //! * [`redact`]: secrets (a URL's query and user-info) hidden from every message.
 //! * [`readahead`]: filesystem detection and parallel read-ahead of mappings (zero-copy loads).
@@ -16,6 +17,7 @@
 //! * [`store`] (feature `store`): object storage (S3, GCS, Azure, HTTP) as a source of bytes.
 //! * `bindings` (feature `python`): the `fastload._core` extension module.
 
+pub mod cancel;
 pub mod convert;
 pub mod copy;
 pub mod dtype;

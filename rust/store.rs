@@ -93,9 +93,30 @@ fn runtime() -> Result<Arc<Runtime>> {
 /// Runs `future` to completion on the store runtime, blocking this thread. A panic in the client
 /// (it unwraps what it takes to be valid, e.g. a header built from a configured value) is an
 /// error here, never a Rust panic across the Python boundary.
+///
+/// With a cancellation flag on this thread ([`crate::cancel`]: a copy's, or a call the bindings
+/// watch for Ctrl-C), the request is abandoned within [`CANCEL_POLL`] of the flag being raised,
+/// as [`Error::Cancelled`], whatever its timeouts and retries would still allow.
 fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
     let rt = runtime()?;
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(future))).map_err(|p| {
+    let flag = crate::cancel::current();
+    let run = async move {
+        let Some(flag) = flag else {
+            return Ok(future.await);
+        };
+        let cancelled = async {
+            while !crate::cancel::raised(&flag) {
+                tokio::time::sleep(CANCEL_POLL).await;
+            }
+        };
+        futures_util::pin_mut!(future, cancelled);
+        match futures_util::future::select(future, cancelled).await {
+            futures_util::future::Either::Left((out, _)) => Ok(out),
+            futures_util::future::Either::Right(_) => Err(Error::Cancelled),
+        }
+    };
+    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(run)));
+    done.map_err(|p| {
         let what = p
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
@@ -105,8 +126,11 @@ fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
             "the object storage client cannot make a request with this configuration ({})",
             redact(&what)
         ))
-    })
+    })?
 }
+
+/// How often a request waiting on the store looks at its cancellation flag.
+const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// `detail` without the query or the user-info of any URL in it (an Azure SAS token, a
 /// presigned signature, `user:password@`), on one line, at most 600 characters
