@@ -104,3 +104,28 @@ def test_a_fetch_that_fails_leaves_none_of_its_files(env, tmp_path, monkeypatch,
     assert "c.json" in capsys.readouterr().err
     assert os.listdir(out) == []  # neither a.json nor b.json, nor a temporary
     assert not any(p.startswith(new_files.PREFIX) for p in os.listdir(out))
+
+
+def test_an_http_server_that_cannot_list_says_what_to_do(tmp_path, capsys):
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # its log would be in stderr too
+            pass
+
+    (tmp_path / "config.json").write_text("{}")
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        assert main(["fetch", url, str(tmp_path / "out"), "-o", "max_retries=0"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "does not list its files" in err and "PROPFIND" in err, err
+    assert "<html" not in err.lower()

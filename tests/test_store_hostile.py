@@ -54,3 +54,20 @@ def test_the_parsed_key_is_checked_whatever_the_spelling():
         hub._check_inside("s3://models/pre/%2e%2e/evil/", "s3://models/pre/", "x", OPTIONS)
     with pytest.raises(FastloadIOError, match="leads outside"):
         hub._check_inside("s3://models/pre/a/%2e%2e/", "s3://models/pre/", "x", OPTIONS)
+
+
+def test_read_mode_mmap_is_refused_for_a_url_by_from_pretrained_as_by_load_file():
+    from torch import nn
+
+    for call in (
+        lambda: fastload.load_file("s3://models/m.safetensors", read_mode="mmap"),
+        lambda: fastload.from_pretrained(
+            lambda: nn.Linear(2, 2),
+            "s3://models/pre/model.safetensors",
+            read_mode="mmap",
+            storage_options=OPTIONS,
+            progress=False,
+        ),
+    ):
+        with pytest.raises(fastload.RequestError, match=r"read_mode='mmap' needs (a )?local file"):
+            call()

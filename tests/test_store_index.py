@@ -75,3 +75,16 @@ def test_a_config_over_the_limit_is_a_checkpoint_error(env, tmp_path, monkeypatc
     monkeypatch.setattr(object_store, "MAX_SMALL_FILE", size - 1)
     with pytest.raises(CheckpointError, match=r"config\.json: .*\[file-too-large\]"):
         fastload.from_pretrained(url, progress=False)
+
+
+def test_a_malformed_config_is_named_by_its_url_not_a_temporary_path(env, tmp_path):
+    pytest.importorskip("transformers")
+    from tiny_models import make_model, save_checkpoint
+
+    local = save_checkpoint(make_model("LlamaForCausalLM"), tmp_path / "llama")
+    (local / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], ')
+    url = env.upload(local, "models", "bad-config")
+    with pytest.raises(CheckpointError) as caught:
+        fastload.from_pretrained(url, progress=False)
+    message = str(caught.value)
+    assert f"{url}config.json" in message and "fastload-side-files" not in message, message

@@ -44,7 +44,12 @@ from fastload.core.checkpoint import (
     build_table,
     parse_index,
 )
-from fastload.core.errors import CheckpointError, FastloadFileNotFoundError, RequestError
+from fastload.core.errors import (
+    CheckpointError,
+    FastloadError,
+    FastloadFileNotFoundError,
+    RequestError,
+)
 from fastload.core.pickle_file import is_pickle
 from fastload.core.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
 from fastload.core.store_config import aws_profile_defaults, check_storage_options
@@ -273,13 +278,33 @@ def download_files(
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
     items = []
-    for key, size in store.list(prefix):
+    for key, size in _listing(store, url, prefix):
         name = posixpath.basename(key)
         wanted = any(fnmatch.fnmatch(name, p) for p in patterns)
         if not wanted or _ignored(name, ignore) or name in ("", ".", ".."):
             continue
         items.append((name, key, size))
     return _write_all(store, destination, items)
+
+
+def _listing(store: _core.ObjectStore, url: str, prefix: str) -> list[tuple[str, int]]:
+    """``store.list(prefix)``; an HTTP server that cannot list (an HTTP listing is a WebDAV
+    ``PROPFIND``, which plain web servers refuse) is a ``RequestError`` saying what to do, not
+    the server's answer."""
+    try:
+        return list(store.list(prefix))
+    except FastloadError as e:
+        refused = any(f"status code: {code}" in str(e) for code in (400, 405, 501))
+        if url.split("://", 1)[0].lower() not in ("http", "https") or "PROPFIND" not in str(e):
+            raise
+        if not refused:
+            raise
+        raise RequestError(
+            f"{url}: this HTTP server does not list its files (a listing over HTTP is a WebDAV "
+            "PROPFIND request, which it refused), and fetching by pattern needs one: serve "
+            "the prefix from a store that lists (s3://, gs://, az://, a WebDAV server), or "
+            "copy the files by name"
+        ) from None
 
 
 def _ignored(name: str, ignore: Sequence[str]) -> bool:
