@@ -1,7 +1,8 @@
-"""An object replaced during a load, on stores that send no ETag: never a mix of two versions.
+"""Plain HTTP stores: an object replaced during a load, on stores that send no ETag, is never a
+mix of two versions; ``fastload verify`` reads a checkpoint of many tensors in a few requests.
 The store is a plain HTTP server on 127.0.0.1 (an ``http://`` URL) that serves ranges, ignores
-conditional headers (as some do), and can replace the object, same size, after its first data
-request."""
+conditional headers (as some do), counts its GETs, and can replace the object, same size, after
+its first data request."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class VersionedStore:
 
     def __init__(self, versions: list[bytes], *, etag: bool, dated: bool, replace: bool) -> None:
         self.data_requests = 0
+        self.gets = 0
         lock = threading.Lock()
         store = self
 
@@ -61,6 +63,8 @@ class VersionedStore:
                 self._send(200, self._version(False), len(versions[0]), {})
 
             def do_GET(self) -> None:
+                with lock:
+                    store.gets += 1
                 size = len(versions[0])
                 spec = self.headers.get("Range", "bytes=0-").removeprefix("bytes=")
                 first, _, last = spec.partition("-")
@@ -122,3 +126,18 @@ def test_an_object_with_no_validator_is_refused_saying_why(versions):
             fastload.load_file(store.url)
     finally:
         store.close()
+
+
+def test_verify_reads_many_small_tensors_in_a_few_requests(tmp_path, capsys):
+    from fastload.tools.cli import main
+
+    path = tmp_path / "many.safetensors"
+    fastload.save_file({f"t{i:04d}": torch.full((16,), float(i)) for i in range(2000)}, path)
+    store = _store([path.read_bytes()], etag=True, dated=True, replace=False)
+    try:
+        assert main(["verify", store.url]) == 0
+    finally:
+        store.close()
+    assert "2000 tensors" in capsys.readouterr().out
+    # the header (one or two requests), then the data: 128 KiB in one buffer, not 2,000 GETs
+    assert store.gets <= 10, store.gets
