@@ -151,9 +151,8 @@ fn options_are_checked_by_key_and_durations_parsed() {
 
 #[test]
 fn a_panic_in_the_client_is_a_config_error_not_a_panic() {
-    let err = block_on(async { panic!("called `Result::unwrap()` on an `Err` value") })
-        .map(|()| ())
-        .unwrap_err();
+    let got: Result<()> = block_on(async { panic!("called `Result::unwrap()` on an `Err` value") });
+    let err = got.unwrap_err();
     assert!(matches!(
         err,
         Error::Store {
