@@ -336,3 +336,22 @@ def test_a_sharded_cuda_load_stages_every_shard_through_one_bounded_pool(tmp_pat
     assert report.staging_bytes == 1 << 14  # four 4 KiB slots for every shard
     for key, value in layers.state_dict().items():
         assert torch.equal(model.state_dict()[key].cpu(), value), key
+
+
+def test_an_accelerator_load_counts_its_staging_slots_against_the_memory_budget() -> None:
+    # the budget check runs before anything is allocated, for any device: here a plan whose one
+    # tensor goes to an accelerator, against a budget smaller than the pool
+    from types import SimpleNamespace
+
+    from fastload.core.actions import Action, Mode
+    from fastload.core.memory import MemoryBudget, check_owned_memory
+
+    dest = SimpleNamespace(device=torch.device("cuda", 0), tensor=None, dtype=torch.bfloat16)
+    source = SimpleNamespace(mode=Mode.COPY, dest=dest, stored=None, nbytes=1 << 20)
+    plan = SimpleNamespace(
+        groups=[SimpleNamespace(action=Action.LOAD, pieces=None, sources=[source])]
+    )
+    pool = StagingPool.sized("64MiB")
+    with pytest.raises(fastload.MemoryBudgetError, match=r"64\.0 MiB.*pinned staging slots"):
+        check_owned_memory(plan, "auto", pool, MemoryBudget(available=32 << 20, source="test"))
+    check_owned_memory(plan, "auto", pool, MemoryBudget(available=128 << 20, source="test"))
