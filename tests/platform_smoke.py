@@ -32,7 +32,7 @@ import torch
 import fastload
 from tensor_samples import assert_bitwise_equal, every_dtype_tensors, raw_bytes
 
-FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 
 
 def _random_bits(dtype: torch.dtype, n: int, gen: torch.Generator) -> torch.Tensor:
@@ -85,7 +85,8 @@ def check_safe_open(work: Path) -> None:
                 note = _compare_conversion(src, got, want)
                 if note:
                     nan_notes.append(f"{src.dtype} -> {dst}: {note}")
-    print(f"safe_open: get_tensor, {len(slices)} slices, 6 conversions of random bits: bitwise ok")
+    pairs = len(FLOATS) * (len(FLOATS) - 1)
+    print(f"safe_open: get_tensor, {len(slices)} slices, {pairs} conversions of random bits: ok")
     for note in nan_notes:
         print(f"  NaN bits differ from this torch's (docs: Reliability, Conversions): {note}")
 
@@ -94,7 +95,7 @@ def _compare_conversion(src: torch.Tensor, got: torch.Tensor, want: torch.Tensor
     """Every value that is not a NaN converts to torch's bits, every NaN to a NaN. Which NaN torch
     writes depends on its CPU kernels (fastload writes x86 torch's): a difference there is
     returned, described, not raised."""
-    bits = {2: torch.int16, 4: torch.int32}[got.element_size()]
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
     g, w = got.reshape(-1).view(bits), want.reshape(-1).view(bits)
     nan, mask = torch.isnan(src.reshape(-1)), (1 << (8 * got.element_size())) - 1
     wrong = ((g != w) & ~nan).nonzero().reshape(-1)
