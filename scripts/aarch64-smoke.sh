@@ -12,12 +12,13 @@
 #     with `dpkg -x` into a sysroot that qemu's -L points at
 #   - torch, safetensors and torch's pure-Python dependencies: PyPI's aarch64 wheels, installed by
 #     this host's pip with --platform/--target (nothing is compiled). torch is pinned to
-#     $FASTLOAD_AARCH64_TORCH (default 2.9.1): PyPI's newer aarch64 torch wheels are CUDA builds
-#     that cannot be imported without ~3 GB of CUDA wheels; 2.9.1 is the newest CPU-only one.
+#     $FASTLOAD_AARCH64_TORCH (default 2.9.1): 2.9.1's aarch64 wheel is a CPU build (its CUDA
+#     requirements are marked x86_64); 2.15's is a CUDA build that does not import without the CUDA
+#     wheels it requires (cuDNN, NCCL, the CUDA toolkit: gigabytes).
 # The sysroot and the dependencies are cached at $FASTLOAD_AARCH64_ROOT
 # (default ~/.cache/fastload/aarch64); the fastload wheel is installed afresh on every run.
 # Runtime here (2 cores): about 1 minute with the cache, plus the cross build of the wheel
-# (scripts/wheels.sh, ~10 minutes) when none is given, plus ~1 minute of downloads the first time.
+# (scripts/wheels.sh, ~9 minutes) when none is given, plus ~1 minute of downloads the first time.
 # Usage: bash scripts/aarch64-smoke.sh [WHEEL]   (default: builds dist/'s aarch64 wheel)
 set -euo pipefail
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -32,6 +33,7 @@ fi
 wheel="$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
 
 if ! command -v qemu-aarch64-static >/dev/null; then
+    apt-get update -q >/dev/null
     apt-get install -y -q qemu-user-static >/dev/null
 fi
 
