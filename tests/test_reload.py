@@ -207,7 +207,9 @@ def test_save_file_writes_digests_only_when_asked(tmp_path):
         want = hashlib.blake2b(t.numpy().tobytes(), digest_size=16).hexdigest()
         assert recorded[name] == f"blake2b-128:{want}"
     with pytest.raises(fastload.RequestError, match="fastload.digests"):
-        fastload.save_file(tensors, tmp_path / "x.safetensors", {"fastload.digests": ""}, digests=True)
+        fastload.save_file(
+            tensors, tmp_path / "x.safetensors", {"fastload.digests": ""}, digests=True
+        )
 
 
 def test_with_digests_only_the_changed_tensors_are_read_and_copied(tmp_path):
