@@ -243,3 +243,18 @@ def test_without_digests_on_either_side_everything_is_read(tmp_path):
     # the model now carries b's digests: reloading b again skips everything
     report = fastload.reload(model, tmp_path / "b")
     assert (report.tensors_read, report.tensors_unchanged) == (0, 10)
+
+
+@pytest.mark.parametrize("class_name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
+def test_a_transformers_model_reloads_to_the_outputs_of_a_fresh_load(class_name, tmp_path):
+    pytest.importorskip("transformers")
+    from tiny_models import assert_same_outputs, example_inputs, make_checkpoint
+
+    a = make_checkpoint(tmp_path / "a", class_name, seed=1, max_shard_size="20KB")
+    b = make_checkpoint(tmp_path / "b", class_name, seed=2, max_shard_size="20KB")
+    model = fastload.from_pretrained(a, progress=False)
+    before = _pointers(model)
+    fastload.reload(model, b)
+    assert _pointers(model) == before
+    fresh = fastload.from_pretrained(b, progress=False)
+    assert_same_outputs(model, fresh, example_inputs(fresh))
