@@ -104,6 +104,7 @@ def run_one(method: str, work: Path, count: int) -> dict[str, Any]:
 
     model_cls = _model_class(count)
     model = fastload.from_pretrained(model_cls, work / "a", mmap="copy", progress=False)
+    assert callable(fastload.reload)  # its module imported before the clock, as after a load
     new = work / ("c" if method == "reload 10% changed" else "b")
     path = new / "model.safetensors"
     out: dict[str, Any] = {}

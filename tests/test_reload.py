@@ -258,3 +258,28 @@ def test_a_transformers_model_reloads_to_the_outputs_of_a_fresh_load(class_name,
     assert _pointers(model) == before
     fresh = fastload.from_pretrained(b, progress=False)
     assert_same_outputs(model, fresh, example_inputs(fresh))
+
+
+def test_arguments_are_checked_before_the_checkpoint_is_opened(two):
+    a, b = two
+    model = fastload.from_pretrained(Tied, a, progress=False)
+    with pytest.raises(TypeError, match="atomic"):
+        fastload.reload(model, b, atomic="yes")  # type: ignore[arg-type]
+    with pytest.raises(fastload.RequestError, match="threads"):
+        fastload.reload(model, b, threads=0)
+    with pytest.raises(fastload.RequestError, match="storage_options"):
+        fastload.reload(model, b, storage_options={"region": "x"})
+
+
+def test_a_model_loaded_with_tensors_offloaded_to_disk_is_refused(tmp_path):
+    pytest.importorskip("accelerate")
+    fastload.save_pretrained(_model(1), tmp_path / "a")
+    model = fastload.from_pretrained(
+        Tied,
+        tmp_path / "a",
+        device_map={"emb": "cpu", "blocks": "disk", "head": "cpu"},
+        offload_folder=tmp_path / "offload",
+        progress=False,
+    )
+    with pytest.raises(fastload.UnsupportedError, match="offloaded to disk"):
+        fastload.reload(model, tmp_path / "a")
