@@ -40,7 +40,7 @@ def bytes_digest(data: torch.Tensor) -> str:
         raise ValueError("bytes_digest needs a contiguous CPU tensor")
     flat = data.detach().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    h = hashlib.blake2b(memoryview(raw.numpy()), digest_size=16)
+    h = hashlib.blake2b(raw.numpy().data, digest_size=16)
     return f"{ALGORITHM}:{h.hexdigest()}"
 
 

@@ -140,7 +140,7 @@ def model_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
         sub = module.get_submodule(owner) if owner else module
     except AttributeError:
         return None
-    tensor = sub._parameters.get(attr)
+    tensor: torch.Tensor | None = sub._parameters.get(attr)
     if tensor is None:
         tensor = sub._buffers.get(attr)
     if tensor is None:
