@@ -16,6 +16,8 @@ cache state once, then again, ``--repeats`` times); the table gives medians. Met
   the storage's floor cold, the page cache's warm;
 * ``reload``: ``fastload.reload(model, b)`` into the loaded model;
 * ``reload atomic``: the same with ``atomic=True`` (read into new tensors, then committed);
+* ``reload atomic verify``: ``atomic=True, verify=True``: the staged bytes are also checked
+  against the files' digests (BLAKE2b) before the commit;
 * ``reload 10% changed``: ``fastload.reload(model, c)``: only the changed tensors are read (their
   digests differ from ``a``'s);
 * ``from_pretrained anew``: ``fastload.from_pretrained(Model, b)``, a new model (defaults: views
@@ -45,6 +47,7 @@ METHODS = [
     "floor: pread",
     "reload",
     "reload atomic",
+    "reload atomic verify",
     "reload 10% changed",
     "from_pretrained anew",
     "load_state_dict(load_file)",
@@ -126,7 +129,8 @@ def run_one(method: str, work: Path, count: int) -> dict[str, Any]:
         os.close(fd)
     elif method.startswith("reload"):
         t0 = time.perf_counter()
-        report = fastload.reload(model, new, atomic=method == "reload atomic")
+        atomic, verify = "atomic" in method, "verify" in method
+        report = fastload.reload(model, new, atomic=atomic, verify=verify)
         seconds = time.perf_counter() - t0
         out["tensors_read"], out["tensors_unchanged"] = (
             report.tensors_read,

@@ -219,5 +219,16 @@ def test_atomic_checks_the_bytes_read_against_the_digests(setup, tmp_path):
     bad = tmp_path / "bad.safetensors"
     fastload.save_file(state, bad, metadata={"fastload.digests": json.dumps(lying)})
     with pytest.raises(fastload.CheckpointError, match="do not match the digest"):
-        fastload.reload(model, bad, atomic=True)
+        fastload.reload(model, bad, atomic=True, verify=True)
     _assert_whole(model, old)
+    with pytest.raises(fastload.RequestError, match="atomic=True"):
+        fastload.reload(model, bad, verify=True)
+    plain = tmp_path / "plain.safetensors"
+    fastload.save_file(state, plain)
+    with pytest.raises(fastload.RequestError, match="record none"):
+        fastload.reload(model, plain, atomic=True, verify=True)
+    _assert_whole(model, old)
+    good = tmp_path / "good.safetensors"
+    fastload.save_file(state, good, digests=True)
+    report = fastload.reload(model, good, atomic=True, verify=True)
+    assert report.tensors_verified == len(state)

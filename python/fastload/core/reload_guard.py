@@ -60,10 +60,11 @@ def verify(
     staged: Sequence[tuple[str, torch.Tensor, Any]],
     ckpt: OpenCheckpoint,
     digests: Mapping[str, str],
-) -> None:
+) -> int:
     """Checks staged tensors (stored name, tensor, selection) against the new checkpoint's
     digests, where they hold the stored bytes as they are (a whole tensor in its stored dtype,
-    on the CPU); ``CheckpointError`` naming every tensor that differs."""
+    on the CPU); ``CheckpointError`` naming every tensor that differs. Returns how many were
+    checked."""
     checks = []
     for name, tensor, selection in staged:
         digest = digests.get(name)
@@ -85,6 +86,7 @@ def verify(
             f"{len(wrong)} tensors read do not match the digest their file records (the file "
             f"changed after it was written, or is corrupt): {format_names(wrong)}"
         )
+    return len(checks)
 
 
 @contextmanager
