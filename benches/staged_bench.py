@@ -11,6 +11,8 @@ touched before the clock. Runs go round robin (every method and cache state once
 
 * ``floor: pread``: ``--threads`` threads (8) reading the whole file in 64 MiB ``pread`` calls, each
   into a buffer of its own (no destination): the storage's floor cold, the page cache's warm.
+* ``floor: pread direct``: the same reads with ``O_DIRECT`` (past the page cache, into aligned
+  buffers): the storage's floor for the staged path, which reads cold ranges that way.
 * ``floor: memcpy``: one parallel copy (torch's ``copy_``, every core) of the same bytes from memory
   into the destinations: what the slots' copy costs when the bytes are already in memory.
 * ``staged``: ``fastload.core.streaming.stream_into`` into the CPU destinations, the default pool:
@@ -39,7 +41,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-METHODS = ["floor: pread", "floor: memcpy", "staged", "staged: slots only", "engine copy"]
+METHODS = [
+    "floor: pread",
+    "floor: pread direct",
+    "floor: memcpy",
+    "staged",
+    "staged: slots only",
+    "engine copy",
+]
 MODES = ["cold", "warm"]
 READ = 64 << 20
 
@@ -60,28 +69,11 @@ def make_file(path: Path, gib: int) -> None:
     os.replace(tmp, path)
 
 
-def resident_fraction(path: Path) -> float:
-    """The fraction of ``path``'s pages in the page cache (``mincore`` on an untouched mapping)."""
-    import ctypes
-    import mmap
-
-    size = path.stat().st_size
-    libc = ctypes.CDLL(None, use_errno=True)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        buf = (ctypes.c_char * size).from_buffer(m)
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
-        del buf
-        if rc:
-            return float("nan")
-        return sum(v & 1 for v in vec) / pages
-
-
 def run_one(method: str, path: Path, threads: int) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     import torch
 
+    from fastload.core.page_cache import resident_fraction
     from fastload.core.reading import allocate_all, fill, open_file
     from fastload.core.streaming import stream_into
 
@@ -108,6 +100,22 @@ def run_one(method: str, path: Path, threads: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(reader, range(threads)))
+        seconds = time.perf_counter() - t0
+        os.close(fd)
+    elif method == "floor: pread direct":
+        import mmap
+
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        offsets = list(range(0, size, READ))
+        bufs = [mmap.mmap(-1, READ) for _ in range(threads)]  # page-aligned
+
+        def direct_reader(i: int) -> None:
+            for off in offsets[i::threads]:
+                os.preadv(fd, [bufs[i]], off)  # the last read is short at the end of the file
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(direct_reader, range(threads)))
         seconds = time.perf_counter() - t0
         os.close(fd)
     elif method == "floor: memcpy":
@@ -155,19 +163,14 @@ def run_one(method: str, path: Path, threads: int) -> dict[str, Any]:
         raise SystemExit(f"unknown method {method!r}")
     out["seconds"] = seconds
     out["gib_per_s"] = size / seconds / 2**30
-    out["resident_after"] = resident_fraction(path)
+    out["resident_after"] = resident_fraction(path)  # from the kernel, not from fastload
     return out
 
 
 def prepare(path: Path, mode: str) -> None:
-    from fastload.core.page_cache import evict
+    from fastload.core.page_cache import evict, warm
 
-    if mode == "cold":
-        evict(path)
-    else:
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
+    (evict if mode == "cold" else warm)(path)
 
 
 def main() -> None:
@@ -232,12 +235,13 @@ def main() -> None:
 
 
 def summarize(runs: list[dict[str, Any]]) -> str:
-    """Medians per size, mode and method, as ratios to the floors of the same run: cold runs to
-    the pread floor, warm ones to both floors."""
+    """Medians per size, mode and method, as ratios to the floors of the same run (floor time /
+    method time: 1.0 is at the floor, below it slower)."""
+    floors = {"pread": "floor: pread", "direct": "floor: pread direct", "memcpy": "floor: memcpy"}
     lines = [
-        "| size | cache | method | median s | GiB/s | x pread floor | x memcpy floor "
-        "| left cached |",
-        "|---|---|---|---|---|---|---|---|",
+        "| size | cache | method | median s | GiB/s | x pread floor | x direct-read floor "
+        "| x memcpy floor | left cached |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r["gib"], r["mode"]) for r in runs}, key=lambda k: (k[0], MODES.index(k[1])))
     for gib, mode in keys:
@@ -250,13 +254,10 @@ def summarize(runs: list[dict[str, Any]]) -> str:
             m: statistics.median(r["resident_after"] for r in rows if r["method"] == m) for m in med
         }
         for m, s in med.items():
-            # a ratio is floor time / method time: 1.0 is at the floor, below is slower
-            pread = med.get("floor: pread", float("nan")) / s
-            memcpy = med.get("floor: memcpy", float("nan")) / s
-            lines.append(
-                f"| {gib} GiB | {mode} | {m} | {s:.3f} | {gib / s:.2f} | {pread:.2f} | "
-                f"{memcpy:.2f} | {cached[m]:.2f} |"
-            )
+            ratios = [med.get(f, float("nan")) / s for f in floors.values()]
+            cells = " | ".join(f"{x:.2f}" for x in ratios)
+            head = f"| {gib} GiB | {mode} | {m} | {s:.3f} | {gib / s:.2f}"
+            lines.append(f"{head} | {cells} | {cached[m]:.2f} |")
     return "\n".join(lines)
 
 

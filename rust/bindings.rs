@@ -326,7 +326,8 @@ fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>, workers: usize) -> Result<S
 }
 
 /// Runs planned copies of one or more files as one copy, GIL released; watched (Ctrl-C,
-/// `progress`'s callback) when given `progress` or when large.
+/// `progress`'s callback) when given `progress`, when large, or when it reads object storage
+/// (a stalled store makes any copy long).
 fn run_copy(
     py: Python<'_>,
     work: Vec<(&SafetensorsFile, SendPlan)>,
@@ -336,7 +337,9 @@ fn run_copy(
     let bytes: u64 = work.iter().map(|(_, p)| p.0.dst_bytes()).sum();
     let progress = match progress {
         Some(p) => Some(p),
-        None if bytes >= WATCH_BYTES => Some(Bound::new(py, PyProgress::create(None))?),
+        None if bytes >= WATCH_BYTES || work.iter().any(|(f, _)| f.is_remote()) => {
+            Some(Bound::new(py, PyProgress::create(None))?)
+        }
         None => None,
     };
     let Some(progress) = progress else {
@@ -418,6 +421,13 @@ fn default_threads() -> usize {
     pool::default_threads()
 }
 
+/// `text` with the query and the user-info of every URL in it hidden: the one redaction of the
+/// package (`fastload.core.redaction`).
+#[pyfunction]
+fn redact_urls(text: &str) -> String {
+    crate::redact::urls(text)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySafetensorsFile>()?;
@@ -431,6 +441,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(validate, m)?)?;
     m.add_function(wrap_pyfunction!(dtype_bits, m)?)?;
     m.add_function(wrap_pyfunction!(default_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(redact_urls, m)?)?;
     m.add("MAX_HEADER_LEN", crate::header::MAX_HEADER_LEN)?;
     m.add("CHUNK", copy::CHUNK)?;
     m.add("MAX_THREADS", pool::MAX_THREADS)?;

@@ -9,7 +9,7 @@
 //! * `planner`: the requests checked and cut into tasks ([`plan`], [`Plan`]).
 //! * `runner`: the tasks run, converting on the way ([`execute`], [`copy`]).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::dtype::Dtype;
 
@@ -36,7 +36,8 @@ pub const MIN_TASK: u64 = 1 << 20;
 #[derive(Debug, Default)]
 pub struct Progress {
     done: AtomicU64,
-    cancelled: AtomicBool,
+    /// Shared with the requests a remote copy has in flight ([`crate::cancel`]).
+    cancelled: crate::cancel::Flag,
 }
 
 impl Progress {
@@ -58,6 +59,11 @@ impl Progress {
     /// Whether [`Progress::cancel`] was called.
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// The flag [`Progress::cancel`] raises, for work that blocks ([`crate::cancel::scoped`]).
+    pub fn flag(&self) -> &crate::cancel::Flag {
+        &self.cancelled
     }
 
     fn add(&self, bytes: u64) {

@@ -1,11 +1,11 @@
 //! The worker threads of the engine: thread counts a caller may ask for, and the rayon pools that
 //! copies (`copy`), read-ahead (`readahead`) and writes (`write`) run on, built once per size and
-//! shared.
+//! shared; built again in a child process after a fork (see [`pool`]).
 //!
 //! A leaf: it knows threads, not files, so every module that runs work in parallel can use it
 //! without the others.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use rayon::ThreadPool;
 
@@ -51,20 +51,37 @@ pub fn check_threads(threads: Option<usize>) -> Result<usize> {
 /// A pool and its thread count.
 type SizedPool = (usize, Arc<ThreadPool>);
 
+/// The cached pools and the process that built them.
+struct Pools {
+    pid: u32,
+    sized: Vec<SizedPool>,
+}
+
 /// A pool with `threads` workers (1..=[`MAX_THREADS`]), built once per size and reused; at most
 /// [`CACHED_POOLS`] sizes are kept (a dropped pool's threads exit once its last user is done).
+///
+/// After `fork()` the child has none of the parent's threads: a pool the parent built would take
+/// work and never run it (a load in a `multiprocessing` or DataLoader worker, a pre-fork server,
+/// hung for ever). The cache remembers the process that built it, and a child starts a new one.
 pub fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
-    static POOLS: OnceLock<Mutex<Vec<SizedPool>>> = OnceLock::new();
+    static POOLS: Mutex<Pools> = Mutex::new(Pools {
+        pid: 0,
+        sized: Vec::new(),
+    });
     let threads = check_threads(Some(threads))?;
-    let mut pools = POOLS
-        .get_or_init(Default::default)
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
-    if let Some(i) = pools.iter().position(|(n, _)| *n == threads) {
+    let mut pools = POOLS.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if pools.pid != pid {
+        // The parent's pools (none before the first use): their threads do not exist here, and
+        // dropping them would signal threads that are gone; they are leaked, once per fork.
+        std::mem::forget(std::mem::take(&mut pools.sized));
+        pools.pid = pid;
+    }
+    if let Some(i) = pools.sized.iter().position(|(n, _)| *n == threads) {
         // Most recently used last.
-        let entry = pools.remove(i);
+        let entry = pools.sized.remove(i);
         let p = entry.1.clone();
-        pools.push(entry);
+        pools.sized.push(entry);
         return Ok(p);
     }
     let p = rayon::ThreadPoolBuilder::new()
@@ -76,9 +93,9 @@ pub fn pool(threads: usize) -> Result<Arc<ThreadPool>> {
             source: None,
         })?;
     let p = Arc::new(p);
-    if pools.len() >= CACHED_POOLS {
-        pools.remove(0);
+    if pools.sized.len() >= CACHED_POOLS {
+        pools.sized.remove(0);
     }
-    pools.push((threads, p.clone()));
+    pools.sized.push((threads, p.clone()));
     Ok(p)
 }

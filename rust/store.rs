@@ -6,9 +6,11 @@
 //! * [`Store`]: one bucket (container, host) and its client, configured from the URL, the
 //!   standard environment variables of its kind (`AWS_*`, `GOOGLE_*`, `AZURE_*`), defaults the
 //!   caller read from configuration files (an AWS profile) and the caller's options.
-//! * [`Object`]: one object of a store, its size and version (ETag) fixed when it was opened.
-//!   Every later read asks for that version (`If-Match`): an object replaced during a load is an
-//!   error ([`StoreFailure::Changed`]), never a mix of two versions.
+//! * [`Object`]: one object of a store, its size and version (ETag, else Last-Modified) fixed
+//!   when it was opened. Every later read asks for that version (`If-Match`, else
+//!   `If-Unmodified-Since`) and is checked to come from it: an object replaced during a load is
+//!   an error ([`StoreFailure::Changed`]), never a mix of two versions; an object with neither
+//!   validator is refused at open ([`ranged`]).
 //!
 //! Reads block the calling thread (the copy engine's workers) while one shared runtime's threads
 //! drive the connections; the bytes of a response go straight into the caller's buffer as they
@@ -18,18 +20,20 @@
 //! here prints or logs: `object_store` reports retries through `tracing`, which stays silent
 //! without a subscriber, and messages never carry credentials or a URL's query.
 
-use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use futures_util::StreamExt;
 use object_store::path::Path as StorePath;
-use object_store::{GetOptions, GetRange, ObjectStore, ObjectStoreExt, ObjectStoreScheme};
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, ObjectStoreScheme};
 use tokio::runtime::Runtime;
 use url::Url;
 
 use crate::error::{Error, Result, StoreFailure};
+use ranged::read_range;
 
 mod config;
+mod credentials;
+mod ranged;
+mod values;
 
 pub use config::{
     Settings, DEFAULT_INIT_BACKOFF, DEFAULT_MAX_BACKOFF, DEFAULT_MAX_RETRIES,
@@ -44,14 +48,14 @@ pub struct Store {
     base: String,
 }
 
-/// One object of a [`Store`], as it was when opened.
+/// One object of a [`Store`], as it was when opened: its size and validators (ETag,
+/// Last-Modified), which every read must match ([`ranged`]).
 #[derive(Debug)]
 pub struct Object {
     store: Arc<dyn ObjectStore>,
     url: String,
     path: StorePath,
-    size: u64,
-    e_tag: Option<String>,
+    meta: ObjectMeta,
 }
 
 /// The runtime every store's requests run on: built on first use, and again in a child process
@@ -88,47 +92,70 @@ fn runtime() -> Result<Arc<Runtime>> {
     Ok(rt)
 }
 
-/// Runs `future` to completion on the store runtime, blocking this thread.
+/// Runs `future` to completion on the store runtime, blocking this thread. A panic in the client
+/// (it unwraps what it takes to be valid, e.g. a header built from a configured value) is an
+/// error here, never a Rust panic across the Python boundary.
+///
+/// With a cancellation flag on this thread ([`crate::cancel`]: a copy's, or a call the bindings
+/// watch for Ctrl-C), the request is abandoned within [`CANCEL_POLL`] of the flag being raised,
+/// as [`Error::Cancelled`], whatever its timeouts and retries would still allow.
 fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
-    Ok(runtime()?.block_on(future))
+    let rt = runtime()?;
+    let flag = crate::cancel::current();
+    let run = async move {
+        let Some(flag) = flag else {
+            return Ok(future.await);
+        };
+        let cancelled = async {
+            while !crate::cancel::raised(&flag) {
+                tokio::time::sleep(CANCEL_POLL).await;
+            }
+        };
+        futures_util::pin_mut!(future, cancelled);
+        match futures_util::future::select(future, cancelled).await {
+            futures_util::future::Either::Left((out, _)) => Ok(out),
+            futures_util::future::Either::Right(_) => Err(Error::Cancelled),
+        }
+    };
+    let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rt.block_on(run)));
+    done.map_err(|p| {
+        let what = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        config_error(format!(
+            "the object storage client cannot make a request with this configuration ({})",
+            redact(&what)
+        ))
+    })?
 }
 
-/// `detail` without the query of any URL in it (an Azure SAS token or a presigned signature
-/// would otherwise be shown), on one line, at most 600 characters.
+/// How often a request waiting on the store looks at its cancellation flag.
+const CANCEL_POLL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// `detail` without the query or the user-info of any URL in it (an Azure SAS token, a
+/// presigned signature, `user:password@`), on one line, at most 600 characters
+/// ([`crate::redact::one_line`]).
 pub fn redact(detail: &str) -> String {
-    let mut out = String::with_capacity(detail.len());
-    let mut rest = detail;
-    while let Some(at) = rest.find("://") {
-        // copy up to the end of the URL's path, then skip its query (to whitespace or a closing
-        // bracket or quote)
-        let (head, tail) = rest.split_at(at);
-        out.push_str(head);
-        let end = tail
-            .find(|c: char| c.is_whitespace() || matches!(c, ')' | '"' | '\'' | '>' | ']'))
-            .unwrap_or(tail.len());
-        let url = &tail[..end];
-        match url.find('?') {
-            Some(q) => {
-                out.push_str(&url[..q]);
-                out.push_str("?<query hidden>");
-            }
-            None => out.push_str(url),
-        }
-        rest = &tail[end..];
-    }
-    out.push_str(rest);
-    let one_line = out.split_whitespace().collect::<Vec<_>>().join(" ");
-    let one_line = one_line.trim_end_matches([':', ' ']).to_string();
-    if one_line.chars().count() > 600 {
-        let cut: String = one_line.chars().take(600).collect();
-        return format!("{cut}...");
-    }
-    one_line
+    crate::redact::one_line(detail)
+}
+
+/// The HTTP status an error the client gave up on reports, where its text has one: a request
+/// `object_store` does not sort by status itself (a listing) still says "status code: 403".
+fn status_in(text: &str) -> Option<u16> {
+    let at = text.find("status code: ")? + "status code: ".len();
+    text[at..].get(..3)?.parse().ok()
 }
 
 /// An `object_store` error as fastload's, sorted by who can do something about it.
 fn failure(e: object_store::Error) -> Error {
     use object_store::Error as E;
+    let text = match &e {
+        // a credentials failure (see `credentials`) says itself what is wrong
+        E::Unauthenticated { path, source } if path.is_empty() => source.to_string(),
+        _ => e.to_string(),
+    };
     let failure = match &e {
         E::NotFound { .. } => StoreFailure::NotFound,
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => StoreFailure::Denied,
@@ -137,12 +164,22 @@ fn failure(e: object_store::Error) -> Error {
             StoreFailure::Config
         }
         E::NotImplemented { .. } => StoreFailure::Config,
+        _ if matches!(status_in(&text), Some(404)) => StoreFailure::NotFound,
+        _ if matches!(status_in(&text), Some(401 | 403)) => StoreFailure::Denied,
+        // a configured value the client parses only when it first needs it
+        E::Generic {
+            store: "Config", ..
+        } => {
+            return config_error(
+                "a store option has a value the client cannot use (check the options' values)",
+            )
+        }
         _ => StoreFailure::Unavailable,
     };
     Error::Store {
         failure,
         tensor: None,
-        detail: redact(&e.to_string()),
+        detail: redact(&text),
     }
 }
 
@@ -219,19 +256,20 @@ impl Store {
     /// The whole object `key` (a small file: an index, a config), refused unread beyond
     /// `max_bytes`.
     pub fn get(&self, key: &str, max_bytes: u64) -> Result<Vec<u8>> {
-        let object = self.open(key)?;
-        if object.size > max_bytes {
+        // one request: its answer is one version, validators or not
+        let object = self.open_as(key, false)?;
+        if object.size() > max_bytes {
             return Err(Error::Store {
                 failure: StoreFailure::Config,
                 tensor: None,
                 detail: format!(
                     "{} is {} bytes, more than the {max_bytes} bytes this file may have",
                     self.url_of(key),
-                    object.size
+                    object.size()
                 ),
             });
         }
-        let mut out = vec![0u8; object.size as usize];
+        let mut out = vec![0u8; object.size() as usize];
         object.read_into(&mut out, 0)?;
         Ok(out)
     }
@@ -267,16 +305,26 @@ impl Store {
     }
 
     /// Opens `key`: its size and version, asked once (a missing object is
-    /// [`StoreFailure::NotFound`]). The object shares this store's client.
+    /// [`StoreFailure::NotFound`]; one without an ETag or a Last-Modified date, whose reads
+    /// could not be pinned to one version, [`StoreFailure::Config`]). The object shares this
+    /// store's client.
     pub fn open(&self, key: &str) -> Result<Object> {
+        self.open_as(key, true)
+    }
+
+    /// [`Store::open`]; `pinned`: refused unless it has a validator (it will be read in pieces).
+    fn open_as(&self, key: &str, pinned: bool) -> Result<Object> {
         let path = self.path(key)?;
         let meta = block_on(self.inner.head(&path))?.map_err(failure)?;
+        let url = self.url_of(key);
+        if pinned {
+            ranged::check_versioned(&meta, &url)?;
+        }
         Ok(Object {
             store: self.inner.clone(),
-            url: self.url_of(key),
+            url,
             path,
-            size: meta.size,
-            e_tag: meta.e_tag,
+            meta,
         })
     }
 }
@@ -295,84 +343,10 @@ fn rustls_provider() -> bool {
     })
 }
 
-/// The version of an object a read must come from.
-#[derive(Clone, Copy)]
-struct Version<'a> {
-    size: u64,
-    e_tag: Option<&'a str>,
-}
-
-/// One ranged GET of `range` of `path`, its bytes handed to `sink` as they arrive; with
-/// `version`, asked for that version (`If-Match`) and checked to come from it (stores that ignore
-/// `If-Match` still say which size and ETag they served).
-fn read_range(
-    store: &dyn ObjectStore,
-    path: &StorePath,
-    url: &str,
-    range: Range<u64>,
-    version: Option<Version<'_>>,
-    sink: &mut dyn FnMut(&[u8]) -> Result<()>,
-) -> Result<()> {
-    let len = range.end - range.start;
-    if len == 0 {
-        return Ok(());
-    }
-    let options = GetOptions {
-        range: Some(GetRange::Bounded(range.clone())),
-        if_match: version.and_then(|v| v.e_tag.map(String::from)),
-        ..Default::default()
-    };
-    let changed = |detail: String| Error::Store {
-        failure: StoreFailure::Changed,
-        tensor: None,
-        detail,
-    };
-    block_on(async {
-        let result = store.get_opts(path, options).await.map_err(failure)?;
-        if let Some(v) = version {
-            let e_tag_differs =
-                matches!((&result.meta.e_tag, v.e_tag), (Some(a), Some(b)) if a != b);
-            if result.meta.size != v.size || e_tag_differs {
-                return Err(changed(format!(
-                    "{url}: opened as {} bytes (ETag {}), now {} bytes (ETag {}): replaced while \
-                     loading",
-                    v.size,
-                    v.e_tag.unwrap_or("none"),
-                    result.meta.size,
-                    result.meta.e_tag.as_deref().unwrap_or("none")
-                )));
-            }
-        }
-        if result.range != range {
-            return Err(changed(format!(
-                "{url}: asked for bytes {range:?}, the store answered {:?}",
-                result.range
-            )));
-        }
-        let mut stream = result.into_stream();
-        let mut got = 0u64;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(failure)?;
-            got += chunk.len() as u64;
-            if got > len {
-                break;
-            }
-            sink(&chunk)?;
-        }
-        if got != len {
-            return Err(changed(format!(
-                "{url}: bytes {}..{} answered with {got} bytes",
-                range.start, range.end
-            )));
-        }
-        Ok(())
-    })?
-}
-
 impl Object {
     /// The object's size in bytes when opened.
     pub fn size(&self) -> u64 {
-        self.size
+        self.meta.size
     }
 
     /// Its URL, for messages.
@@ -390,22 +364,18 @@ impl Object {
         len: u64,
         sink: &mut dyn FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
-        if offset.saturating_add(len) > self.size {
+        if offset.saturating_add(len) > self.meta.size {
             return Err(Error::FileShrunk {
                 expected: offset.saturating_add(len),
-                actual: self.size,
+                actual: self.meta.size,
             });
         }
-        let version = Version {
-            size: self.size,
-            e_tag: self.e_tag.as_deref(),
-        };
         read_range(
             &*self.store,
             &self.path,
             &self.url,
             offset..offset + len,
-            Some(version),
+            Some(&self.meta),
             sink,
         )
     }

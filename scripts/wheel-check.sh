@@ -1,27 +1,23 @@
 #!/usr/bin/env bash
-# Builds the release wheel and checks that it is publishable and installs cleanly:
-#   1. `maturin build --release --zig --compatibility manylinux2014` -> dist/: one abi3 wheel for
-#      CPython >= 3.10. zig (the `ziglang` package) links against glibc 2.17 whatever the host's
-#      glibc is, which is what makes the wheel manylinux2014 without a manylinux container.
-#   2. `auditwheel show` on it: the manylinux policy its symbols satisfy
-#   3. a fresh venv with nothing but the wheel (--no-deps): `import fastload` and its Rust extension
-#   4. a fresh venv that sees the build venv's packages through a .pth file (torch is a
+# Builds the release artifacts and checks that they are publishable and install cleanly:
+#   1. scripts/wheels.sh: the manylinux2014 abi3 wheels for x86_64 and aarch64 (maturin + zig,
+#      each found consistent with its manylinux tag by `auditwheel show`) and the sdist
+#   2. a fresh venv with nothing but the x86_64 wheel (--no-deps): `import fastload` and its Rust
+#      extension
+#   3. a fresh venv that sees the project venv's packages through a .pth file (torch is a
 #      multi-GB download), the wheel installed with --no-index: pip must find every runtime
-#      dependency already there; then a save_file/load_file round trip run outside the clone,
-#      which must not import safetensors, numpy-only code paths or transformers.
+#      dependency already there; then a save/load round trip run outside the clone, which must
+#      not import safetensors or transformers
+#   4. the sdist built from scratch in a clean venv (`pip wheel`: maturin from PyPI, the crates
+#      from crates.io, a fresh target folder), the wheel it makes installed and imported
+# The aarch64 wheel runs under qemu in scripts/aarch64-smoke.sh.
 # Usage: bash scripts/wheel-check.sh [OUT_DIR]   (default: dist/)
 set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 out="${1:-$ROOT/dist}"
-mkdir -p "$out"
-python -c "import auditwheel" 2>/dev/null || pip install -q "auditwheel>=6"
-python -c "import ziglang" 2>/dev/null || pip install -q ziglang
-zig_dir="$(python -c 'import os, ziglang; print(os.path.dirname(ziglang.__file__))')"
-rm -f "$out"/fastload-*.whl
-(cd "$ROOT" && PATH="$zig_dir:$PATH" maturin build --release --zig --compatibility manylinux2014 -o "$out")
-wheel="$(ls "$out"/fastload-*.whl)"
-echo "== $(basename "$wheel")"
-auditwheel show "$wheel"
+bash "$ROOT/scripts/wheels.sh" "$out" x86_64 aarch64 sdist
+wheel="$(ls "$out"/fastload-*-manylinux*_x86_64.whl)"
+sdist="$(ls "$out"/fastload-*.tar.gz)"
 
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
@@ -57,3 +53,13 @@ for module in ("safetensors", "transformers"):
 print("round trip ok:", fastload.__file__)
 PY
 )
+
+echo "== the sdist, built from scratch in a clean venv"
+"$base_python" -m venv "$scratch/sdist"
+# unset: the build must not reuse this clone's target folder
+(cd "$scratch" && env -u CARGO_TARGET_DIR "$scratch/sdist/bin/pip" wheel -q --no-deps \
+    -w "$scratch/from-sdist" "$sdist")
+built="$(ls "$scratch"/from-sdist/fastload-*.whl)"
+echo "built $(basename "$built")"
+"$scratch/sdist/bin/pip" install -q --no-deps --no-index "$built"
+(cd "$scratch" && "$scratch/sdist/bin/python" -c "import fastload, fastload._core; print('import fastload from the sdist ok')")

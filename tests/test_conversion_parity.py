@@ -9,6 +9,7 @@ gives the body's result for every element (see the README, "Conversions")."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -127,7 +128,15 @@ def test_rounding_edge_cases_convert_as_torch_does(src, dst, tmp_path: Path) -> 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=[f"{a}->{b}" for a, b in PAIRS])
 def test_nans_of_any_sign_and_payload_convert_as_torch_does(src, dst, tmp_path: Path) -> None:
-    _assert_bitwise(_nans(src), dst, tmp_path / "n.safetensors")
+    nans = _nans(src)
+    if platform.machine() in ("x86_64", "AMD64") or dst != torch.bfloat16:
+        _assert_bitwise(nans, dst, tmp_path / "n.safetensors")
+        return
+    # fastload writes x86_64 torch's NaN bits everywhere; torch on aarch64 writes others for a
+    # NaN converted to BF16 (docs/reliability.md): there a NaN must stay a NaN, where it was
+    t = _padded(nans)
+    got = _fastload_to(t, dst, tmp_path / "n.safetensors")
+    assert torch.equal(got.isnan(), t.to(dst).isnan())
 
 
 def test_f64_to_bf16_rounds_through_f32_like_torch(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -80,10 +81,60 @@ def test_the_architecture_page_names_every_module_of_the_package() -> None:
     assert {f for f in folders if f not in tree} == set()
 
 
-def test_the_readme_is_a_front_page_whose_links_lead_somewhere() -> None:
+def _mkdocs_setting(name: str) -> str:
+    """A top-level string of mkdocs.yml (read as text: no YAML parser needed)."""
+    found = re.search(rf"^{name}: (\S+)$", (ROOT / "mkdocs.yml").read_text(encoding="utf-8"), re.M)
+    assert found, f"mkdocs.yml has no {name}"
+    return found.group(1)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The heading ids of a page, as Python-Markdown's toc extension makes them (its slugify on
+    the heading's text, or an explicit ``{#id}``)."""
+    ids = set()
+    for heading in re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), re.M):
+        explicit = re.search(r"\{\s*#([\w-]+)\s*\}", heading)
+        if explicit:
+            ids.add(explicit.group(1))
+            continue
+        text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+        text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+        ids.add(re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", text).strip().lower()))
+    return ids
+
+
+def test_the_readme_is_a_front_page_whose_links_work_off_the_repository() -> None:
+    """The README is also the package page (PyPI), where nothing of the repository is beside it:
+    every link is absolute, into the docs site (mkdocs.yml's site_url, a page of docs/ and a
+    heading of it) or the repository (its repo_url, a file of this clone)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 200
+    site, repo = _mkdocs_setting("site_url"), _mkdocs_setting("repo_url")
+    assert site.endswith("/") and not repo.endswith("/")
     links = re.findall(r"\]\(([^)\s]+)\)", readme)
-    local = [link.split("#")[0] for link in links if "://" not in link]
-    assert any(link.startswith("docs/") for link in local)
-    assert [link for link in local if not (ROOT / link).exists()] == []
+    assert [link for link in links if "://" not in link] == []
+    into_site = [link for link in links if link.startswith(site)]
+    assert len(into_site) >= 10
+    broken = []
+    for link in into_site:
+        path, _, anchor = link[len(site) :].partition("#")
+        page = DOCS / (f"{path.rstrip('/')}.md" if path else "index.md")
+        if not page.exists():
+            page = DOCS / path / "index.md"
+        if not page.exists() or (anchor and anchor not in _anchors(page)):
+            broken.append(link)
+    for link in (link for link in links if link.startswith(repo + "/")):
+        path = re.sub(r"^/(blob|tree)/main/", "", link[len(repo) :]).partition("#")[0]
+        if path == link[len(repo) :] or not (ROOT / path).exists():
+            broken.append(link)
+    assert broken == []
+
+
+def test_the_package_metadata_points_at_the_site_the_repository_and_the_changelog() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["urls"]
+    repo = _mkdocs_setting("repo_url")
+    assert urls["Documentation"] == _mkdocs_setting("site_url")
+    assert urls["Repository"] == repo
+    assert urls["Changelog"] == f"{repo}/blob/main/CHANGELOG.md"
+    assert (ROOT / "CHANGELOG.md").read_text(encoding="utf-8").startswith("# Changelog")

@@ -4,8 +4,6 @@ of pinned slots); the CUDA tests skip without a GPU."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import platform
 from pathlib import Path
@@ -17,6 +15,7 @@ from safetensors.torch import save_file as st_save_file
 
 import fastload
 import fastload.core.streaming as streaming
+from fastload.core.page_cache import evict, resident_fraction
 from fastload.core.reading import open_file
 from fastload.core.staging import DEFAULT_STAGING_BYTES, StagingPool
 from fastload.core.streaming import stream_into
@@ -251,30 +250,6 @@ def test_a_file_rewritten_in_place_during_the_load_is_refused(big) -> None:
 # --- the ring: which path the bytes took, seen from outside (the page cache) --------------------
 
 
-def _resident_fraction(path: Path) -> float:
-    """The fraction of ``path``'s pages in the page cache, from ``mincore(2)``."""
-    size = path.stat().st_size
-    libc = ctypes.CDLL(None, use_errno=True)
-    # A private mapping, never touched: mincore reports the file's pages in the page cache.
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        buf = (ctypes.c_char * size).from_buffer(m)
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
-        del buf
-        assert rc == 0, os.strerror(ctypes.get_errno())
-        return sum(v & 1 for v in vec) / pages
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _direct_io_here(path: Path) -> bool:
     try:
         os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
@@ -302,8 +277,8 @@ def large(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_a_cold_file_is_read_past_the_page_cache_and_leaves_none_of_it_resident(large) -> None:
     path, state = large
-    _evict(path)
-    assert _resident_fraction(path) < 0.05, "eviction did not take"
+    evict(path)
+    assert resident_fraction(path) < 0.05, "eviction did not take"
     dest = {k: torch.empty_like(v) for k, v in state.items()}
     pool = StagingPool(1 << 20, 4)
     stream_into(open_file(path), [(k, t, None) for k, t in dest.items()], pool=pool)
@@ -311,7 +286,7 @@ def test_a_cold_file_is_read_past_the_page_cache_and_leaves_none_of_it_resident(
         assert torch.equal(dest[k], v), k
     total = sum(v.numel() * 4 for v in state.values())
     assert pool.direct_bytes >= 0.9 * total, (pool.direct_bytes, pool.cached_bytes)
-    assert _resident_fraction(path) < 0.05
+    assert resident_fraction(path) < 0.05
 
 
 def test_a_cached_file_is_copied_out_of_the_page_cache(large) -> None:
@@ -327,12 +302,12 @@ def test_a_cached_file_is_copied_out_of_the_page_cache(large) -> None:
 
 def test_direct_false_reads_a_cold_file_through_the_page_cache(large) -> None:
     path, state = large
-    _evict(path)
+    evict(path)
     dest = {k: torch.empty_like(v) for k, v in state.items()}
     pool = StagingPool(1 << 20, 4)
     stream_into(open_file(path), [(k, t, None) for k, t in dest.items()], pool=pool, direct=False)
     assert pool.direct_bytes == 0
-    assert _resident_fraction(path) > 0.9
+    assert resident_fraction(path) > 0.9
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
@@ -361,3 +336,22 @@ def test_a_sharded_cuda_load_stages_every_shard_through_one_bounded_pool(tmp_pat
     assert report.staging_bytes == 1 << 14  # four 4 KiB slots for every shard
     for key, value in layers.state_dict().items():
         assert torch.equal(model.state_dict()[key].cpu(), value), key
+
+
+def test_an_accelerator_load_counts_its_staging_slots_against_the_memory_budget() -> None:
+    # the budget check runs before anything is allocated, for any device: here a plan whose one
+    # tensor goes to an accelerator, against a budget smaller than the pool
+    from types import SimpleNamespace
+
+    from fastload.core.actions import Action, Mode
+    from fastload.core.memory import MemoryBudget, check_owned_memory
+
+    dest = SimpleNamespace(device=torch.device("cuda", 0), tensor=None, dtype=torch.bfloat16)
+    source = SimpleNamespace(mode=Mode.COPY, dest=dest, stored=None, nbytes=1 << 20)
+    plan = SimpleNamespace(
+        groups=[SimpleNamespace(action=Action.LOAD, pieces=None, sources=[source])]
+    )
+    pool = StagingPool.sized("64MiB")
+    with pytest.raises(fastload.MemoryBudgetError, match=r"64\.0 MiB.*pinned staging slots"):
+        check_owned_memory(plan, "auto", pool, MemoryBudget(available=32 << 20, source="test"))
+    check_owned_memory(plan, "auto", pool, MemoryBudget(available=128 << 20, source="test"))

@@ -11,7 +11,9 @@ use pyo3::types::PyBytes;
 use rayon::prelude::*;
 
 use super::errors::to_py;
+use super::watch::interruptible;
 use super::{check_strict, PySafetensorsFile};
+use crate::cancel::scoped;
 use crate::error::Result;
 use crate::file::SafetensorsFile;
 use crate::pool::{pool, REMOTE_THREADS};
@@ -75,7 +77,7 @@ impl PyObjectStore {
     /// `(size, etag)` of object `key`, or None if there is none.
     fn head(&self, py: Python<'_>, key: &str) -> PyResult<Option<(u64, Option<String>)>> {
         let store = &*self.inner;
-        py.detach(|| store.head(key))
+        interruptible(py, |_| store.head(key))?
             .map_err(|e| to_py(py, Path::new(&store.url_of(key)), e))
     }
 
@@ -87,8 +89,7 @@ impl PyObjectStore {
         max_bytes: u64,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let store = &*self.inner;
-        let data = py
-            .detach(|| store.get(key, max_bytes))
+        let data = interruptible(py, |_| store.get(key, max_bytes))?
             .map_err(|e| to_py(py, Path::new(&store.url_of(key)), e))?;
         Ok(PyBytes::new(py, &data))
     }
@@ -110,12 +111,12 @@ impl PyObjectStore {
             return Err(PyValueError::new_err("_read_into: a null address"));
         }
         let store = &*self.inner;
-        py.detach(|| {
+        interruptible(py, |_| {
             // SAFETY: the caller (fastload.core.object_store.read_into) holds the tensor whose
             // `length` bytes start at `address` for the duration of the call.
             let dst = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, length) };
             store.read_into(key, offset, dst)
-        })
+        })?
         .map_err(|e| to_py(py, Path::new(&store.url_of(key)), e))?;
         Ok(length as u64)
     }
@@ -123,7 +124,7 @@ impl PyObjectStore {
     /// `(key, size)` of the objects directly under `prefix`.
     fn list(&self, py: Python<'_>, prefix: &str) -> PyResult<Vec<(String, u64)>> {
         let store = &*self.inner;
-        py.detach(|| store.list(prefix))
+        interruptible(py, |_| store.list(prefix))?
             .map_err(|e| to_py(py, Path::new(&store.url_of(prefix)), e))
     }
 
@@ -144,14 +145,15 @@ impl PyObjectStore {
                 .and_then(|f| check_strict(f, strict));
             (key.clone(), opened)
         };
-        let opened: Vec<(String, Result<SafetensorsFile>)> = py
-            .detach(|| {
-                if keys.len() <= 1 {
-                    return Ok(keys.iter().map(open_one).collect());
-                }
-                pool(REMOTE_THREADS).map(|p| p.install(|| keys.par_iter().map(open_one).collect()))
-            })
-            .map_err(|e| to_py(py, Path::new(&store.base().to_string()), e))?;
+        let opened: Vec<(String, Result<SafetensorsFile>)> = interruptible(py, |flag| {
+            if keys.len() <= 1 {
+                return Ok(keys.iter().map(open_one).collect());
+            }
+            // the pool's threads run under the same flag
+            let open_here = |key| scoped(Some(flag), || open_one(key));
+            pool(REMOTE_THREADS).map(|p| p.install(|| keys.par_iter().map(open_here).collect()))
+        })?
+        .map_err(|e| to_py(py, Path::new(&store.base().to_string()), e))?;
         let mut files = Vec::with_capacity(opened.len());
         for (key, result) in opened {
             let file = result.map_err(|e| to_py(py, Path::new(&store.url_of(&key)), e))?;

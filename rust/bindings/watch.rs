@@ -94,6 +94,51 @@ pub(super) fn watched(
     result.map_err(|(index, e)| to_py(py, work[index].0.path(), e))
 }
 
+/// Runs `work` (requests to object storage: a HEAD, a listing, headers) on a thread of its own
+/// while this thread, GIL released, waits: every [`WATCH_EVERY`] it re-takes the GIL to run
+/// Python's signal handlers. An exception from them (Ctrl-C's `KeyboardInterrupt`) raises the
+/// cancellation flag `work` runs under ([`crate::cancel`], also given to it for the threads it
+/// starts), which abandons its requests at once; the exception is raised once `work` returned.
+pub(super) fn interruptible<T: Send>(
+    py: Python<'_>,
+    work: impl FnOnce(&crate::cancel::Flag) -> crate::error::Result<T> + Send,
+) -> PyResult<crate::error::Result<T>> {
+    let flag = crate::cancel::Flag::default();
+    let (result, raised) = py.detach(|| {
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let flag = &flag;
+            s.spawn(move || {
+                let _ = tx.send(crate::cancel::scoped(Some(flag), || work(flag)));
+            });
+            let mut raised: Option<PyErr> = None;
+            loop {
+                match rx.recv_timeout(WATCH_EVERY) {
+                    Ok(result) => return (result, raised),
+                    Err(RecvTimeoutError::Timeout) if raised.is_none() => {
+                        raised = Python::attach(|py| py.check_signals()).err();
+                        if raised.is_some() {
+                            crate::cancel::raise(flag);
+                        }
+                    }
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => {
+                        let lost = Error::Io {
+                            detail: "the request thread stopped without a result".into(),
+                            source: None,
+                        };
+                        return (Err(lost), raised);
+                    }
+                }
+            }
+        })
+    });
+    match raised {
+        Some(e) => Err(e),
+        None => Ok(result),
+    }
+}
+
 /// Progress of copies, shared with Python: `done` bytes so far, `cancel()` to stop them between
 /// pieces (they raise `LoadCancelledError`), and an optional `callback(done)` that a copy calls
 /// with the GIL held after each task of about `CHUNK` bytes and every few tens of milliseconds

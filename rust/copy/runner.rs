@@ -142,7 +142,10 @@ pub unsafe fn execute_many(
         let (file, plan) = work[index];
         let pieces = &plan.tasks[t];
         let ran = if file.is_remote() {
-            run_remote(file, plan, pieces, progress)
+            // a cancel abandons the requests in flight, not only the next ones
+            crate::cancel::scoped(progress.map(Progress::flag), || {
+                run_remote(file, plan, pieces, progress)
+            })
         } else if let Some(progress) = progress {
             pieces.iter().try_for_each(|p| {
                 if progress.is_cancelled() {

@@ -78,6 +78,8 @@ struct Shared {
     progress: Option<Arc<Progress>>,
     direct_bytes: AtomicU64,
     cached_bytes: AtomicU64,
+    /// Raised by [`Ring::close`]: a read blocked on object storage is abandoned at once.
+    cancel: crate::cancel::Flag,
 }
 
 /// A running staged read of one file (see the module docs).
@@ -252,6 +254,7 @@ impl Ring {
             progress,
             direct_bytes: AtomicU64::new(0),
             cached_bytes: AtomicU64::new(0),
+            cancel: crate::cancel::Flag::default(),
         });
         let mut ring = Ring {
             shared,
@@ -261,7 +264,9 @@ impl Ring {
             let shared = ring.shared.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("fastload-stage-{i}"))
-                .spawn(move || shared.work());
+                .spawn(move || {
+                    crate::cancel::scoped(Some(&shared.cancel.clone()), || shared.work())
+                });
             match spawned {
                 Ok(h) => ring.workers.push(h),
                 Err(e) => {
@@ -363,6 +368,7 @@ impl Ring {
     /// Stops the reads (those under way finish) and joins the threads: once this returns, no
     /// slot is written again. Idempotent.
     pub fn close(&mut self) {
+        crate::cancel::raise(&self.shared.cancel);
         self.shared.lock().closed = true;
         self.shared.cv.notify_all();
         for h in self.workers.drain(..) {

@@ -15,6 +15,8 @@ use object_store::{
 };
 use url::Url;
 
+use super::credentials;
+use super::values::{self, Given};
 use super::{config_error, failure, redact};
 use crate::error::Result;
 
@@ -132,32 +134,58 @@ fn environment(prefix: &str) -> Vec<(String, String)> {
 }
 
 /// Builds a cloud store's builder in precedence order (later wins): fastload's client
-/// defaults, configuration-file defaults, the environment, the URL, the caller's options. Unknown keys in the caller's options are
-/// refused; unknown environment variables are skipped, as `from_env` skips them.
+/// defaults, configuration-file defaults, the environment, the URL, the caller's options. Unknown
+/// keys in the caller's options are refused; unknown environment variables are skipped, as
+/// `from_env` skips them. The values that win are checked ([`values::check`]) before the
+/// builder sees them.
 macro_rules! configure {
     ($builder:expr, $key:ty, $prefix:expr, $url:expr, $options:expr, $defaults:expr) => {{
         let mut b = $builder;
+        let mut given: Vec<Given> = Vec::new();
         for (key, value) in DEFAULT_TIMEOUTS {
             b = b.with_config(<$key>::Client(key), value);
         }
         // in order of precedence, lowest first: each later value replaces an earlier one
+        let mut pairs: Vec<($key, String, &str)> = Vec::new();
         for (k, v) in $defaults {
             let key: $key = k
                 .parse()
                 .map_err(|_| config_error(format!("configuration file key '{k}' is unknown")))?;
-            b = b.with_config(key, v.as_str());
+            pairs.push((key, format!("configuration file value '{k}'"), v.as_str()));
         }
-        for (k, v) in environment($prefix) {
+        let env = environment($prefix);
+        for (k, v) in &env {
             if let Ok(key) = k.parse::<$key>() {
-                b = b.with_config(key, v);
+                let source = format!("environment variable {}", k.to_ascii_uppercase());
+                pairs.push((key, source, v.as_str()));
             }
         }
-        b = b.with_url($url);
+        for (key, source, value) in &pairs {
+            given.push(Given {
+                key: key.as_ref().to_string(),
+                source: source.clone(),
+                value: value.to_string(),
+            });
+        }
+        let mut options: Vec<($key, &str)> = Vec::new();
         for (k, v) in $options {
             let key: $key = k.to_ascii_lowercase().parse().map_err(|_| {
                 config_error(format!("unknown option '{k}' for this kind of store"))
             })?;
-            b = b.with_config(key, v.as_str());
+            given.push(Given {
+                key: key.as_ref().to_string(),
+                source: format!("storage option '{k}'"),
+                value: v.clone(),
+            });
+            options.push((key, v.as_str()));
+        }
+        values::check(&given)?;
+        for (key, _, value) in pairs {
+            b = b.with_config(key, value);
+        }
+        b = b.with_url($url);
+        for (key, value) in options {
+            b = b.with_config(key, value);
         }
         b
     }};
@@ -209,6 +237,10 @@ pub(super) fn build(
                     "true",
                 );
             }
+            if credentials::from_instance(&b) {
+                let provider = credentials::instance(&b).map_err(failure)?;
+                b = b.with_credentials(provider);
+            }
             Arc::new(b.with_retry(retry).build().map_err(failure)?)
         }
         ObjectStoreScheme::GoogleCloudStorage => {
@@ -258,13 +290,20 @@ pub(super) fn build(
                 client = client.with_config(key, value);
             }
             client = client.with_allow_http(parsed.scheme() == "http");
+            let mut given = Vec::new();
             for (k, v) in &options {
                 let key: ClientConfigKey = k
                     .to_ascii_lowercase()
                     .parse()
                     .map_err(|_| config_error(format!("unknown option '{k}' for an HTTP store")))?;
+                given.push(Given {
+                    key: key.as_ref().to_string(),
+                    source: format!("storage option '{k}'"),
+                    value: v.clone(),
+                });
                 client = client.with_config(key, v.as_str());
             }
+            values::check(&given)?;
             let b = HttpBuilder::new()
                 .with_url(base.clone())
                 .with_client_options(client)

@@ -148,3 +148,30 @@ fn options_are_checked_by_key_and_durations_parsed() {
     let err = Store::from_url("ftp://host/x", &settings(&[])).unwrap_err();
     assert_eq!(err.rule(), "store-config");
 }
+
+#[test]
+fn a_panic_in_the_client_is_a_config_error_not_a_panic() {
+    let got: Result<()> = block_on(async { panic!("called `Result::unwrap()` on an `Err` value") });
+    let err = got.unwrap_err();
+    assert!(matches!(
+        err,
+        Error::Store {
+            failure: StoreFailure::Config,
+            ..
+        }
+    ));
+    // and the runtime still serves requests
+    assert_eq!(block_on(async { 7 }).unwrap(), 7);
+}
+
+#[test]
+fn a_raised_cancel_flag_abandons_a_request_still_waiting() {
+    let flag = crate::cancel::Flag::default();
+    crate::cancel::raise(&flag);
+    // a request that would wait a minute (the bound, should the flag be ignored)
+    let wait = async { tokio::time::sleep(std::time::Duration::from_secs(60)).await };
+    let got = crate::cancel::scoped(Some(&flag), || block_on(wait));
+    assert_eq!(got, Err(Error::Cancelled));
+    // without a flag, the same thread's requests run as before
+    assert_eq!(block_on(async { 3 }).unwrap(), 3);
+}

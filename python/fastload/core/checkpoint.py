@@ -290,7 +290,9 @@ def _check_shard_name(index: Path | str, shard: object) -> str:
             f"{index}: shard name {shard!r} escapes the checkpoint directory "
             "[shard-outside-directory]"
         )
-    return posixpath.normpath(shard.replace("\\", "/"))
+    if normal == ".":  # the directory itself ("", ".", "sub/.."): no file there
+        raise CheckpointError(f"{index}: shard name {shard!r} is not a file name")
+    return normal
 
 
 def parse_index(

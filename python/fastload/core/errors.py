@@ -11,9 +11,17 @@ import errno as _errno
 import os
 from typing import Any, TypeVar
 
+from fastload.core.redaction import redact
+
 
 class FastloadError(Exception):
-    """Base class of every error fastload raises on purpose."""
+    """Base class of every error fastload raises on purpose.
+
+    Its message never carries a URL's query or user-info (a presigned signature, a password):
+    they are hidden as it is made (:mod:`fastload.core.redaction`), whoever made it."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class CheckpointError(FastloadError, ValueError):
@@ -157,7 +165,7 @@ def os_error(
     err = _OS_ERRORS.get(errno or 0, FastloadIOError)(message)
     err.errno = errno
     err.strerror = strerror
-    err.filename = path
+    err.filename = redact(path)
     return err
 
 
@@ -171,7 +179,7 @@ def store_error(url: str, errno: int | None, message: str) -> FastloadIOError:
     err = _OS_ERRORS.get(errno or 0, FastloadIOError)(message)
     err.errno = errno
     err.strerror = os.strerror(errno) if errno else None
-    err.filename = url
+    err.filename = redact(url)
     return err
 
 

@@ -159,8 +159,8 @@ def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudge
             else:
                 reasons.add(load_plan.sharing[stored.file][1])
     if accelerator:
-        owned += pool.buffer_bytes * pool.num_buffers
-        reasons.add("pinned staging buffers")
+        owned += pool.slot_bytes * pool.num_slots
+        reasons.add("pinned staging slots")
     if owned:
         check_owned(owned, budget, ", ".join(sorted(reasons)))
 

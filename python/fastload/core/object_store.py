@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from fastload import _core
+from fastload.core import new_files
 from fastload.core.checkpoint import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -43,16 +44,20 @@ from fastload.core.checkpoint import (
     build_table,
     parse_index,
 )
-from fastload.core.errors import CheckpointError, FastloadFileNotFoundError, RequestError
+from fastload.core.errors import (
+    CheckpointError,
+    FastloadError,
+    FastloadFileNotFoundError,
+    RequestError,
+)
 from fastload.core.pickle_file import is_pickle
+from fastload.core.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
 from fastload.core.store_config import aws_profile_defaults, check_storage_options
 
 #: URL schemes read from object storage (as ``object_store`` recognizes them)
 SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
 #: the largest index or side file (config, tokenizer) read whole
 MAX_SMALL_FILE = 64 << 20
-#: what :func:`download_files` fetches by default: what a model needs besides its weights
-DEFAULT_PATTERNS = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py")
 
 
 def is_url(path: object) -> bool:
@@ -125,7 +130,7 @@ def resolve(
     if found is not None:
         _refuse_pickle(url, key)
         if key.endswith(".index.json"):
-            return _resolve_index(store, key)
+            return _resolve_index(store, key, found[0])
         prefix = posixpath.dirname(key)
         location = CheckpointFiles(
             directory=ObjectUrl(store.url_of(prefix)), files=(ObjectUrl(store.url_of(key)),)
@@ -139,8 +144,9 @@ def resolve(
         )
         return store, location, [single]
     index = posixpath.join(prefix, INDEX_FILE) if prefix else INDEX_FILE
-    if store.head(index) is not None:
-        return _resolve_index(store, index)
+    found = store.head(index)
+    if found is not None:
+        return _resolve_index(store, index, found[0])
     raise FastloadFileNotFoundError(
         f"{url}: no checkpoint there: neither an object of that name nor "
         f"{store.url_of(single)} or {store.url_of(index)} exists"
@@ -148,11 +154,11 @@ def resolve(
 
 
 def _resolve_index(
-    store: _core.ObjectStore, index_key: str
+    store: _core.ObjectStore, index_key: str, size: int
 ) -> tuple[_core.ObjectStore, CheckpointFiles, list[str]]:
     index = ObjectUrl(store.url_of(index_key))
     weight_map, shards, metadata = parse_index(
-        store.get(index_key, MAX_SMALL_FILE), index, allow_pickle=False
+        _get_small(store, index_key, size), index, allow_pickle=False
     )
     prefix = posixpath.dirname(index_key)
     keys = [posixpath.join(prefix, shard) if prefix else shard for shard in shards]
@@ -164,6 +170,18 @@ def _resolve_index(
         index_metadata=metadata,
     )
     return store, location, keys
+
+
+def _get_small(store: _core.ObjectStore, key: str, size: int) -> bytes:
+    """The whole of object ``key`` (an index, a config, a tokenizer file), of ``size`` bytes as
+    listed or asked: a ``CheckpointError`` naming the limit, unread, beyond
+    :data:`MAX_SMALL_FILE` (such a file is read into memory whole)."""
+    if size > MAX_SMALL_FILE:
+        raise CheckpointError(
+            f"{store.url_of(key)}: {size} bytes, more than the {MAX_SMALL_FILE} bytes an index, "
+            "config or tokenizer file read from object storage may have [file-too-large]"
+        )
+    return bytes(store.get(key, MAX_SMALL_FILE))
 
 
 def open_checkpoint(
@@ -181,6 +199,12 @@ def open_checkpoint(
             f"{location.index}: a shard it lists is missing (looked for {e.filename}) "
             "[missing-shard]"
         ) from e
+    except RequestError as e:
+        # The store read the index with this configuration: what it cannot use now is a shard
+        # name the index gave, a fault of the checkpoint as it would be of a local one.
+        if location.index is None:
+            raise
+        raise CheckpointError(f"{location.index}: a shard name it lists is not usable ({e})") from e
     # each file's name in the index: its key below the index's prefix
     names = list(location.weight_map.values()) if location.weight_map is not None else []
     names = list(dict.fromkeys(names)) or [posixpath.basename(k) for k in keys]
@@ -206,25 +230,36 @@ def fetch_files(
     """Copies the objects ``names`` under the prefix ``url`` that exist (``config.json``,
     ``generation_config.json`` ...) into the local directory ``destination``, by name, without
     listing the prefix (read-only buckets often refuse listing). Each is at most
-    :data:`MAX_SMALL_FILE` bytes. Returns the files written."""
+    :data:`MAX_SMALL_FILE` bytes. Returns the files written (all of them, or none: see
+    :func:`_write_all`)."""
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
+    keys = [(name, posixpath.join(prefix, name) if prefix else name) for name in names]
+    found = [(name, key, store.head(key)) for name, key in keys]
+    return _write_all(store, destination, [(n, k, f[0]) for n, k, f in found if f is not None])
+
+
+def _write_all(
+    store: _core.ObjectStore,
+    destination: str | os.PathLike[str],
+    items: list[tuple[str, str, int]],
+) -> list[Path]:
+    """Objects ``items`` (name, key, size) as ``destination / name``: each read whole
+    (:func:`_get_small`) and written to a
+    new temporary (:mod:`fastload.core.new_files`: never through a link, a short name whatever
+    the final one's length), then renamed into place once every one is written, so a failure
+    leaves no file of this fetch behind."""
     dest = Path(os.fspath(destination))
     dest.mkdir(parents=True, exist_ok=True)
-    keys = [(name, posixpath.join(prefix, name) if prefix else name) for name in names]
-    return [
-        _write(dest, name, store.get(key, MAX_SMALL_FILE)) for name, key in keys if store.head(key)
-    ]
-
-
-def _write(dest: Path, name: str, data: bytes) -> Path:
-    """``data`` as ``dest / name``, written under a temporary name and renamed."""
-    target = dest / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.fastload-partial")
-    partial.write_bytes(data)
-    os.replace(partial, target)
-    return target
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for name, key, size in items:
+            data = _get_small(store, key, size)
+            staged.append((new_files.write_temporary(dest, data), dest / name))
+    except BaseException:
+        new_files.discard(tmp for tmp, _ in staged)
+        raise
+    return [new_files.publish(tmp, target) for tmp, target in staged]
 
 
 def download_files(
@@ -232,32 +267,56 @@ def download_files(
     destination: str | os.PathLike[str],
     *,
     patterns: Sequence[str] = DEFAULT_PATTERNS,
-    ignore: Sequence[str] = ("*.safetensors", "*.bin", "*.pt", "*.pth"),
+    ignore: Sequence[str] = WEIGHT_PATTERNS,
     storage_options: Mapping[str, object] | None = None,
 ) -> list[Path]:
     """Copies the small files directly under the prefix ``url`` whose names match ``patterns``
-    (and none of ``ignore``) into the local directory ``destination``: what a model needs
-    besides its weights (``config.json``, ``generation_config.json``, tokenizer files). Each is
-    at most :data:`MAX_SMALL_FILE` bytes, written to a temporary name and renamed. Returns the
-    files written."""
+    (and none of ``ignore``: by default every weight format, :data:`WEIGHT_PATTERNS`) into the
+    local directory ``destination``: what a model needs besides its weights (``config.json``,
+    ``generation_config.json``, tokenizer files). Each is at most :data:`MAX_SMALL_FILE` bytes;
+    all are written, or none (:func:`_write_all`). Returns the files written."""
     store = open_store(url, storage_options)
     prefix = store.key.rstrip("/")
-    dest = Path(os.fspath(destination))
-    dest.mkdir(parents=True, exist_ok=True)
-    written = []
-    for key, _size in store.list(prefix):
+    items = []
+    for key, size in _listing(store, url, prefix):
         name = posixpath.basename(key)
         wanted = any(fnmatch.fnmatch(name, p) for p in patterns)
-        if not wanted or any(fnmatch.fnmatch(name, p) for p in ignore) or name in (".", ".."):
+        if not wanted or _ignored(name, ignore) or name in ("", ".", ".."):
             continue
-        written.append(_write(dest, name, store.get(key, MAX_SMALL_FILE)))
-    return written
+        items.append((name, key, size))
+    return _write_all(store, destination, items)
+
+
+def _listing(store: _core.ObjectStore, url: str, prefix: str) -> list[tuple[str, int]]:
+    """``store.list(prefix)``; an HTTP server that cannot list (an HTTP listing is a WebDAV
+    ``PROPFIND``, which plain web servers refuse) is a ``RequestError`` saying what to do, not
+    the server's answer."""
+    try:
+        return list(store.list(prefix))
+    except FastloadError as e:
+        refused = any(f"status code: {code}" in str(e) for code in (400, 405, 501))
+        if url.split("://", 1)[0].lower() not in ("http", "https") or "PROPFIND" not in str(e):
+            raise
+        if not refused:
+            raise
+        raise RequestError(
+            f"{url}: this HTTP server does not list its files (a listing over HTTP is a WebDAV "
+            "PROPFIND request, which it refused), and fetching by pattern needs one: serve "
+            "the prefix from a store that lists (s3://, gs://, az://, a WebDAV server), or "
+            "copy the files by name"
+        ) from None
+
+
+def _ignored(name: str, ignore: Sequence[str]) -> bool:
+    """Whether ``name`` matches one of ``ignore``, in any letter case (``MODEL.GGUF``)."""
+    return any(fnmatch.fnmatchcase(name.lower(), p.lower()) for p in ignore)
 
 
 __all__ = [
     "DEFAULT_PATTERNS",
     "ObjectUrl",
     "SCHEMES",
+    "WEIGHT_PATTERNS",
     "download_files",
     "fetch_files",
     "is_remote",

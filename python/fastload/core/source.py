@@ -45,6 +45,11 @@ def open_source(
                 f"{checkpoint}: mmap='shared' needs local files; tensors from object storage "
                 "are copies the engine fills"
             )
+        if read_mode == "mmap":  # as load_file refuses it: never an option silently ignored
+            raise RequestError(
+                f"{checkpoint}: read_mode='mmap' needs local files; object storage is read "
+                "with ranged GETs"
+            )
         return object_store.open_checkpoint(checkpoint, storage_options)
     if storage_options is not None:
         raise RequestError(

@@ -121,45 +121,62 @@ def load_hf(
             allow_pickle=options.allow_pickle,
             remote_code=opts.trust_remote_code,
         )
-    hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
-    if side_files is not None and resolved is not None:
-        hooks.directory = resolved.directory
-    options = _tensor_parallel(options, opts.tp, hooks, contract=contract)
-
-    if isinstance(model, nn.Module):
-        target = plain_target(model, config, kwargs)
-        target.hooks = hooks
-    elif model is None or is_auto_class(model) or is_transformers_model(model):
-        source = resolved.directory if resolved is not None else config
-        if side_files is not None and config is None and not (source / "config.json").is_file():
-            raise FastloadFileNotFoundError(
-                f"{path}: no config.json beside the weights: a transformers model is built from "
-                "it (or pass config=)"
-            )
-        cls, cfg, init_kwargs = resolve_class(
-            model,
-            config,
-            source,
-            kwargs,
-            trust_remote_code=opts.trust_remote_code,
-            code_revision=opts.code_revision,
-        )
-        # never a quantized checkpoint loaded as an unquantized model (fastload.hf.context)
-        check_not_quantized(cfg, path if path is not None else cls.__name__)
-        _prepare_config(cfg, opts.config_attrs, init_kwargs, source)
-        cfg.name_or_path = os.fspath(path) if path is not None else cfg.name_or_path
-        hooks.config = cfg  # dtype="auto" reads the config's dtype
-        target = Target(build=_builder(cls, cfg, init_kwargs), hooks=hooks)
-    else:  # any nn.Module class or factory, its checkpoint found by model id
-        target = plain_target(model, config, kwargs, choose_hooks=family_hooks)
-
-    checkpoint: Any = state_dict if resolved is None else resolved.weights
-    seconds = {"resolve": time.perf_counter() - start}
     try:
+        hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
+        if side_files is not None and resolved is not None:
+            hooks.directory = resolved.directory
+        options = _tensor_parallel(options, opts.tp, hooks, contract=contract)
+
+        if isinstance(model, nn.Module):
+            target = plain_target(model, config, kwargs)
+            target.hooks = hooks
+        elif model is None or is_auto_class(model) or is_transformers_model(model):
+            source = resolved.directory if resolved is not None else config
+            if side_files is not None and config is None and not (source / "config.json").is_file():
+                raise FastloadFileNotFoundError(
+                    f"{path}: no config.json beside the weights: a transformers model is "
+                    "built from it (or pass config=)"
+                )
+            cls, cfg, init_kwargs = resolve_class(
+                model,
+                config,
+                source,
+                kwargs,
+                trust_remote_code=opts.trust_remote_code,
+                code_revision=opts.code_revision,
+            )
+            # never a quantized checkpoint loaded as an unquantized model (fastload.hf.context)
+            check_not_quantized(cfg, path if path is not None else cls.__name__)
+            _prepare_config(cfg, opts.config_attrs, init_kwargs, source)
+            cfg.name_or_path = os.fspath(path) if path is not None else cfg.name_or_path
+            hooks.config = cfg  # dtype="auto" reads the config's dtype
+            target = Target(build=_builder(cls, cfg, init_kwargs), hooks=hooks)
+        else:  # any nn.Module class or factory, its checkpoint found by model id
+            target = plain_target(model, config, kwargs, choose_hooks=family_hooks)
+
+        checkpoint: Any = state_dict if resolved is None else resolved.weights
+        seconds = {"resolve": time.perf_counter() - start}
         return load(target, checkpoint, options, steps=LOAD_STEPS, seconds=seconds)
+    except FastloadError as e:
+        if side_files is not None and resolved is not None:
+            _name_the_url(e, side_files.name, resolved.weights)
+        raise
     finally:
         if side_files is not None:
             side_files.cleanup()
+
+
+def _name_the_url(error: FastloadError, side_files: str, weights: str) -> None:
+    """``error`` naming the object storage prefix where it named the temporary directory the
+    prefix's side files (``config.json`` ...) were fetched into: that directory is gone once the
+    error is seen."""
+    prefix = weights if weights.endswith("/") else weights.rsplit("/", 1)[0] + "/"
+    if error.args and isinstance(error.args[0], str) and side_files in error.args[0]:
+        text = error.args[0].replace(side_files.rstrip("/") + "/", prefix)
+        error.args = (text.replace(side_files, prefix.rstrip("/")), *error.args[1:])
+    filename = getattr(error, "filename", None)
+    if isinstance(filename, str) and side_files in filename:
+        error.filename = filename.replace(side_files.rstrip("/") + "/", prefix)
 
 
 def _tensor_parallel(

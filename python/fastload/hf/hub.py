@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
+from urllib.parse import unquote
 
 from fastload.core.checkpoint import INDEX_FILE, SINGLE_FILE
 from fastload.core.errors import (
@@ -230,8 +231,9 @@ def resolve_remote(
     weights (``use_safetensors=False``) are refused."""
     from fastload.core.object_store import SCHEMES, fetch_files, open_store
 
-    _check_subfolder(subfolder, url)
-    _check_variant(variant, url)
+    # a URL's path is percent-decoded and its dot segments resolved: "%2e%2e" is ".."
+    _check_subfolder(unquote(subfolder), url)
+    _check_variant(unquote(variant) if variant else variant, url)
     if hub.get("revision") not in (None, "main"):
         raise UnsupportedError(
             f"{url}: revision={hub['revision']!r} applies to model ids, not to object storage"
@@ -243,6 +245,8 @@ def resolve_remote(
         )
     assert url.split("://", 1)[0].lower() in SCHEMES
     base = url if not subfolder else f"{url.rstrip('/')}/{subfolder.strip('/')}"
+    if subfolder:
+        _check_inside(base, url, subfolder, storage_options)
     if base.endswith(".safetensors") or base.endswith(".index.json"):  # the weights themselves
         prefix, weights = base.rsplit("/", 1)[0] + "/", base
     else:
@@ -261,6 +265,21 @@ def resolve_remote(
         storage_options=storage_options,
     )
     return Resolved(destination, weights)
+
+
+def _check_inside(base: str, url: str, subfolder: str, storage_options: Any) -> None:
+    """``FastloadIOError`` unless the key ``base`` addresses, as the store's URL parser reads it
+    (percent-decoded, dot segments resolved), lies under the key of ``url``: the check of what
+    is read, whatever the spelling of ``subfolder``."""
+    from fastload.core.object_store import open_store
+
+    inside = open_store(url, storage_options).key.strip("/")
+    key = open_store(base, storage_options).key.strip("/")
+    if inside and not key.startswith(f"{inside}/"):
+        raise FastloadIOError(
+            f"subfolder={subfolder!r} leads outside {url}: a subfolder is a relative path "
+            "inside it, without '..'"
+        )
 
 
 def _local(path: Path) -> bool:

@@ -30,6 +30,8 @@ from typing import Any, NoReturn, TextIO
 
 from fastload.core import json_text
 from fastload.core.errors import CheckpointError, FastloadError, RequestError
+from fastload.core.redaction import redact
+from fastload.core.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
 from fastload.core.units import format_bytes
 
 PROG = "fastload"
@@ -59,8 +61,9 @@ def _escaped(text: str) -> str:
 
 
 def _emit(*values: object, file: TextIO | None = None) -> None:
-    """``print`` for everything the CLI shows: one line per call, control characters escaped."""
-    print(_escaped(" ".join(str(v) for v in values)), file=file)
+    """``print`` for everything the CLI shows: one line per call, control characters escaped,
+    no URL's query or user-info (:mod:`fastload.core.redaction`)."""
+    print(_escaped(redact(" ".join(str(v) for v in values))), file=file)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,9 +87,9 @@ def _one_line_usage_errors() -> Iterator[None]:
 # --------------------------------------------------------------------------------------------
 
 
-def _describe(path: str) -> dict[str, Any]:
+def _describe(path: str, options: dict[str, str] | None = None) -> dict[str, Any]:
     """Everything ``inspect`` shows, as plain data (the ``--json`` document)."""
-    ckpt = _open(path)
+    ckpt = _open(path, options)
     location = ckpt.location
     files = []
     for f in ckpt.files:
@@ -158,18 +161,36 @@ def _print_description(info: dict[str, Any]) -> None:
 _HEADINGS = ("name", "dtype", "shape", "bytes")
 
 
-def _open(path: str) -> Any:
-    """The checkpoint at ``path`` (local, or an object storage URL) with every file opened."""
+def _open(path: str, options: dict[str, str] | None = None) -> Any:
+    """The checkpoint at ``path`` (local, or an object storage URL, read with the store
+    ``options``) with every file opened."""
     from fastload.core import object_store
     from fastload.core.checkpoint import open_checkpoint, resolve
 
     if object_store.is_url(path):
-        return object_store.open_checkpoint(path)
+        return object_store.open_checkpoint(path, options)
     return open_checkpoint(resolve(path))
 
 
+def _storage_options(pairs: list[str] | None) -> dict[str, str] | None:
+    """``--storage-option KEY=VALUE`` arguments as ``storage_options``; a malformed one is a
+    usage error naming it (the value is not shown: it may be a secret)."""
+    if not pairs:
+        return None
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise _UsageError(
+                f"{PROG}: error: --storage-option takes KEY=VALUE, got one without '=' or key "
+                f"(see {PROG} --help)"
+            )
+        options[key.strip()] = value
+    return options
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    info = _describe(args.path)
+    info = _describe(args.path, _storage_options(args.storage_option))
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         _emit()
@@ -189,7 +210,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from fastload.core.reading import validate
 
     if is_url(args.path):  # every header read and validated (one request each), then every byte
-        return _verified(_open(args.path), args.headers_only, [])
+        return _verified(
+            _open(args.path, _storage_options(args.storage_option)), args.headers_only, []
+        )
     location = resolve(args.path)
     if location.index is not None or Path(args.path).is_dir():
         config = location.directory / "config.json"
@@ -244,13 +267,18 @@ def _verified(ckpt: Any, headers_only: bool, stray: list[str]) -> int:
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from fastload.core.object_store import DEFAULT_PATTERNS, download_files, is_url
+    from fastload.core.object_store import download_files, is_url
 
     if not is_url(args.url):
         raise RequestError(
             f"{args.url}: not an object storage URL (s3://, gs://, az://, http(s)://)"
         )
-    written = download_files(args.url, args.directory, patterns=args.pattern or DEFAULT_PATTERNS)
+    written = download_files(
+        args.url,
+        args.directory,
+        patterns=args.pattern or DEFAULT_PATTERNS,
+        storage_options=_storage_options(args.storage_option),
+    )
     if not written:
         raise RequestError(
             f"{args.url}: no file there matches {', '.join(args.pattern or DEFAULT_PATTERNS)}"
@@ -308,6 +336,18 @@ _DELEGATED: dict[str, tuple[Callable[[list[str]], int], str]] = {
 # --------------------------------------------------------------------------------------------
 
 
+def _add_storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="an object storage option, as storage_options= of a load (repeatable): timeouts "
+        "(timeout, connect_timeout, read_timeout), retries (max_retries, retry_timeout), "
+        "aws_endpoint, aws_region ...",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="fastload: Rust-accelerated safetensors loading.")
     from fastload import __version__
@@ -325,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
         "path", metavar="FILE|DIR|URL", help="a .safetensors file, directory, index or URL"
     )
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    _add_storage_option(p)
     p.set_defaults(run=cmd_inspect)
 
     p = sub.add_parser(
@@ -339,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--headers-only", action="store_true", help="skip reading the tensor data (faster)"
     )
+    _add_storage_option(p)
     p.set_defaults(run=cmd_verify)
 
     p = sub.add_parser(
@@ -358,8 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
         "fetch",
         help="copy the config and tokenizer files of an object storage prefix to a directory",
         description="Copy the small files directly under an object storage prefix (config, "
-        "tokenizer, chat template: *.json *.txt *.model *.tiktoken *.jinja *.py by default; "
-        "weights never) into DIR, e.g. for vllm serve DIR --load-format fastload "
+        f"tokenizer, chat template: {' '.join(DEFAULT_PATTERNS)} by default) into DIR, never a "
+        f"weight file ({' '.join(WEIGHT_PATTERNS)}, in any letter case, whatever --pattern "
+        "says), all or none of them, e.g. for vllm serve DIR --load-format fastload "
         '--model-loader-extra-config \'{"weights": "URL"}\'. Credentials and endpoints come '
         "from the standard environment (AWS_*, AWS_ENDPOINT_URL...) and files.",
     )
@@ -368,6 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--pattern", action="append", metavar="GLOB", help="fetch these names instead (repeatable)"
     )
+    _add_storage_option(p)
     p.set_defaults(run=cmd_fetch)
 
     for name, (_, help_text) in _DELEGATED.items():

@@ -6,11 +6,12 @@ stored once."""
 from __future__ import annotations
 
 import json
-import shutil
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastload.core import new_files
 from fastload.core.errors import CheckpointError, RequestError
 
 #: files next to a pickle checkpoint that ``convert`` copies, so the output loads as a model
@@ -72,8 +73,10 @@ def convert(source: Path, out_dir: Path, *, overwrite: bool = False) -> Converte
     copied = []
     for name in COMPANION_FILES:
         companion = files[0].parent / name
-        if companion.is_file() and not (out_dir / name).exists():
-            shutil.copyfile(companion, out_dir / name)
+        # lexists: an entry already there, a link included, is left alone, never written through
+        if companion.is_file() and not os.path.lexists(out_dir / name):
+            staged = new_files.write_temporary(out_dir, companion.read_bytes())
+            new_files.publish(staged, out_dir / name)
             copied.append(name)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return Converted(target, len(tensors), nbytes, aliases, cloned, copied)

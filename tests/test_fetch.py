@@ -1,0 +1,131 @@
+"""``fastload fetch`` against a real S3-compatible server (tests/s3_server.py): never a weight
+file, never through a link planted in the directory, names up to the filesystem's limit, and all
+of the files or none."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastload
+from fastload.core import new_files
+from fastload.core.side_files import WEIGHT_PATTERNS
+from fastload.tools.cli import main
+from s3_server import S3Server
+
+pytest.importorskip("boto3")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    s3 = S3Server(tmp_path_factory.mktemp("s3-root"))
+    s3.bucket("models")
+    yield s3
+    s3.stop()
+
+
+@pytest.fixture
+def env(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    for key, value in server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    return server
+
+
+def _prefix(env: S3Server, tmp_path: Path, key: str, files: dict[str, bytes]) -> str:
+    local = tmp_path / "upload"
+    local.mkdir()
+    for name, data in files.items():
+        (local / name).write_bytes(data)
+    fastload.save_file({"w": torch.ones(4)}, local / "model.safetensors")
+    return env.upload(local, "models", key)
+
+
+def test_every_weight_format_is_left_out_even_for_the_pattern_star(env, tmp_path, capsys):
+    weights = [p.replace("*", "model") for p in WEIGHT_PATTERNS] + ["MODEL.GGUF", "tf_model.H5"]
+    for ext in ("gguf", "h5", "msgpack", "onnx", "ckpt", "npz"):  # the formats seen fetched
+        assert f"*.{ext}" in WEIGHT_PATTERNS
+    url = _prefix(
+        env, tmp_path, "weights-never", {**dict.fromkeys(weights, b"w"), "config.json": b"{}"}
+    )
+    assert main(["fetch", url, str(tmp_path / "out"), "--pattern", "*"]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json"]
+    capsys.readouterr()
+
+
+def test_the_help_and_the_docs_name_every_weight_format_left_out(capsys):
+    with pytest.raises(SystemExit):
+        main(["fetch", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    docs = Path(__file__).parents[1] / "docs" / "cli.md"
+    documented = " ".join(docs.read_text(encoding="utf-8").split())
+    for pattern in WEIGHT_PATTERNS:
+        assert pattern in shown, pattern
+        assert f"`{pattern}`" in documented, pattern
+
+
+def test_a_link_planted_at_the_old_temporary_name_is_never_written_through(env, tmp_path):
+    url = _prefix(env, tmp_path, "planted", {"config.json": b'{"a": 1}'})
+    out = tmp_path / "out"
+    out.mkdir()
+    outside = tmp_path / "outside.json"
+    outside.write_text("precious")
+    (out / ".config.json.fastload-partial").symlink_to(outside)
+    assert main(["fetch", url, str(out)]) == 0
+    assert outside.read_text() == "precious"
+    assert (out / "config.json").read_bytes() == b'{"a": 1}'
+
+
+def test_a_file_whose_name_is_longer_than_a_temporary_name_allows_is_fetched(env, tmp_path):
+    # 240 bytes: the old temporary, 18 bytes longer, was past the 255 bytes a name may have
+    name = "t" * 235 + ".json"
+    local = tmp_path / "long"
+    local.mkdir()
+    (local / name).write_bytes(b"{}")
+    (local / "config.json").write_bytes(b"{}")
+    url = env.place(local, "models", "long-name")  # s3s-fs's own upload cannot take the name
+    assert main(["fetch", url, str(tmp_path / "out")]) == 0
+    assert sorted(os.listdir(tmp_path / "out")) == sorted([name, "config.json"])
+
+
+def test_a_fetch_that_fails_leaves_none_of_its_files(env, tmp_path, monkeypatch, capsys):
+    from fastload.core import object_store
+
+    url = _prefix(
+        env, tmp_path, "too-big", {"a.json": b"{}", "b.json": b"{}", "c.json": b"x" * 4096}
+    )
+    monkeypatch.setattr(object_store, "MAX_SMALL_FILE", 1024)
+    out = tmp_path / "out"
+    assert main(["fetch", url, str(out)]) == 1
+    assert "c.json" in capsys.readouterr().err
+    assert os.listdir(out) == []  # neither a.json nor b.json, nor a temporary
+    assert not any(p.startswith(new_files.PREFIX) for p in os.listdir(out))
+
+
+def test_an_http_server_that_cannot_list_says_what_to_do(tmp_path, capsys):
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # its log would be in stderr too
+            pass
+
+    (tmp_path / "config.json").write_text("{}")
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/"
+        assert main(["fetch", url, str(tmp_path / "out"), "-o", "max_retries=0"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "does not list its files" in err and "PROPFIND" in err, err
+    assert "<html" not in err.lower()
