@@ -227,6 +227,8 @@ def test_with_digests_only_the_changed_tensors_are_read_and_copied(tmp_path):
     report = fastload.reload(model, tmp_path / "b")
     assert (report.tensors_read, report.tensors_unchanged) == (1, 9)
     assert report.bytes_read == 32 * 32 * 4
+    assert json.loads(json.dumps(report.to_dict()))["bytes_unchanged"] == report.bytes_unchanged
+    assert "1 tensors read" in str(report) and "9 unchanged" in str(report)
     assert torch.equal(model.blocks[2].weight, changed.blocks[2].weight)
     assert torch.equal(model.blocks[0].bias, torch.full((32,), 7.0))
     # skip_unchanged=False reads everything

@@ -187,6 +187,13 @@ def test_the_commit_of_an_atomic_reload_holds_a_ctrl_c_back_until_it_is_done():
             os.kill(os.getpid(), signal.SIGINT)
             done.append("after the signal")
     assert done == ["after the signal"]
+    # an interrupt the process ignores stays ignored
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with reload_guard.sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_a_torn_model_is_not_skipped_by_digests_on_the_next_reload(setup, monkeypatch, tmp_path):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -98,6 +98,10 @@ class ReloadReport:
             f"({format_bytes(self.bytes_read)}), {self.tensors_unchanged} unchanged "
             f"({format_bytes(self.bytes_unchanged)}) in {self.seconds:.3f} s ({rate:.2f} GiB/s)"
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (for JSON)."""
+        return asdict(self)
 
     def __str__(self) -> str:
         return self.summary()

@@ -91,8 +91,11 @@ def verify(
 
 @contextmanager
 def sigint_deferred() -> Iterator[None]:
-    """Holds a Ctrl-C back until the block is done (main thread only), then delivers it."""
-    if threading.current_thread() is not threading.main_thread():
+    """Holds a Ctrl-C back until the block is done, then delivers it to the handler it would
+    have reached (Python's: ``KeyboardInterrupt``; ignored; the default: the process ends). Only
+    the main thread can hold it, and only a handler set from Python can be put back."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     caught: list[int] = []
@@ -101,11 +104,8 @@ def sigint_deferred() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if caught:
-        if callable(previous):
-            previous(signal.SIGINT, None)
-        else:
-            raise KeyboardInterrupt
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def fail(
