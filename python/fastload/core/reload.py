@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -439,10 +440,31 @@ def _atomic(
         exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
         raise
     try:
-        with guard.sigint_deferred(), torch.no_grad():
-            for write, tensors in staged:
-                for (_, target, _), tensor in zip(write.parts, tensors, strict=True):
-                    target.copy_(tensor)
+        pairs = [
+            (target, tensor)
+            for write, tensors in staged
+            for (_, target, _), tensor in zip(write.parts, tensors, strict=True)
+        ]
+        with guard.sigint_deferred():
+            _commit(pairs)
     except BaseException as exc:
         names = [w.entry.name for w in writes]
         guard.fail(model, record, names, exc, "committing the staged tensors")
+
+
+def _commit(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each staged tensor into its target: the CPU's on every core (one tensor's copy
+    uses one), an accelerator's on the calling thread, on its current stream (queued, and
+    ordered with the staged memory's allocation)."""
+
+    def copy(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with torch.no_grad():
+            pair[0].copy_(pair[1])
+
+    on_cpu = [p for p in pairs if p[0].device.type == "cpu"]
+    workers = max(1, min(os.cpu_count() or 1, 16, len(on_cpu)))
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(copy, on_cpu))
+    for pair in pairs:
+        if pair[0].device.type != "cpu":
+            copy(pair)
