@@ -21,6 +21,7 @@ from fastload.core.errors import (
     MemoryBudgetError,
     ModelMismatchError,
     PickleRefusedError,
+    ReloadError,
     RequestError,
     SafetensorError,
     TensorNotFoundError,
@@ -37,6 +38,8 @@ _EXPORTS: dict[str, str] = {
     "safe_open": "fastload.safetensors.files",
     "SafeOpen": "fastload.safetensors.files",
     "from_pretrained": "fastload.api",
+    "reload": "fastload.core.reload",
+    "ReloadReport": "fastload.core.reload",
     "LoadReport": "fastload.core.report",
     "gradient_checkpointing_enable": "fastload.training.gradient_checkpointing",
     "gradient_checkpointing_disable": "fastload.training.gradient_checkpointing",
@@ -66,6 +69,7 @@ __all__ = [
     "FastloadNotADirectoryError",
     "TensorRefusedError",
     "ModelMismatchError",
+    "ReloadError",
     "SafetensorError",
     "LoadCancelledError",
     "MemoryBudgetError",
@@ -90,6 +94,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
     from fastload.api import from_pretrained as from_pretrained
+    from fastload.core.reload import ReloadReport as ReloadReport
+    from fastload.core.reload import reload as reload
     from fastload.core.report import LoadReport as LoadReport
     from fastload.hf.patch import patch_transformers as patch_transformers
     from fastload.hf.patch import unpatch_transformers as unpatch_transformers

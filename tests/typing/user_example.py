@@ -52,3 +52,8 @@ def auto_class(name: str) -> tuple[nn.Module, list[str]]:
 def patched(path: str) -> None:
     with fastload.patch_transformers():
         BertModel.from_pretrained(path)
+
+
+def reloaded(model: TwoLayers, path: str) -> int:
+    report: fastload.ReloadReport = fastload.reload(model, path, atomic=True)
+    return report.tensors_read + report.tensors_unchanged

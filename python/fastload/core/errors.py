@@ -110,6 +110,19 @@ class ModelMismatchError(CheckpointError, RuntimeError):
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
 
 
+class ReloadError(FastloadError, RuntimeError):
+    """A reload (:func:`fastload.reload`) failed after it had begun writing into the model: the
+    tensors named (``tensors``) hold new or partly new bytes, the others their old ones, and the
+    model refuses to run forward (this error again) until a reload succeeds. A failure before
+    the first write, or in a reload with ``atomic=True`` before its commit, leaves every tensor as
+    it was and raises the failure itself instead. A ``RuntimeError`` too."""
+
+    def __init__(self, message: str, tensors: list[str] | None = None) -> None:
+        super().__init__(message)
+        #: the model tensors that may hold new bytes
+        self.tensors: list[str] = list(tensors or [])
+
+
 class FastloadFileNotFoundError(FastloadIOError, FileNotFoundError):
     """A path that does not exist (``errno.ENOENT``)."""
 

@@ -59,6 +59,7 @@ from fastload.core.pickle_file import StateDictFile
 from fastload.core.placement import Destination, Placement, selected_shape
 from fastload.core.planning import LoadPlan, plan
 from fastload.core.progress import byte_progress
+from fastload.core.reload_record import remember
 from fastload.core.report import LoadReport
 from fastload.core.sharing import WarmUp
 from fastload.core.skeleton import build_skeleton, forget_constructor_values
@@ -204,6 +205,7 @@ def load(
         # a model fastload built is ready for inference; a module passed in keeps its mode
         module.train(options.gradient_checkpointing or (was_training and not family.built_here))
         _join_read_ahead(opened, report)
+        remember(module, planned.load_plan, opened.ckpt, options, opened.source)  # for reload
     report.seconds = dict(clock.seconds)
     _describe(report, module, opened, planned, options)
     logger.info("%s", report.summary())

@@ -30,8 +30,10 @@ import torch
 from torch import nn
 
 from fastload import _core
+from fastload.core.arguments import check_bool
 from fastload.core.checkpoint import INDEX_FILE as INDEX_NAME
 from fastload.core.checkpoint import SINGLE_FILE as WEIGHTS_NAME
+from fastload.core.digests import DIGESTS_KEY, digest_metadata
 from fastload.core.dtypes import st_shape, to_st
 from fastload.core.errors import FastloadError, RequestError, TensorRefusedError, from_os_error
 from fastload.core.keys import TIED_KEY
@@ -173,6 +175,20 @@ def _write_new(
         raise
 
 
+def _with_digests(
+    meta: dict[str, str] | None, prepared: list[_Prepared], where: str, threads: int | None
+) -> dict[str, str]:
+    """``meta`` plus the digest of every prepared tensor (:mod:`fastload.core.digests`)."""
+    meta = dict(meta or {})
+    if DIGESTS_KEY in meta:
+        raise RequestError(
+            f"{where}: metadata already has the key {DIGESTS_KEY!r}, which digests=True writes; "
+            "drop one of them"
+        )
+    meta[DIGESTS_KEY] = digest_metadata([(name, t) for name, _, _, t in prepared], threads)
+    return meta
+
+
 def _naming(exc: FastloadError, tmp: Path, final: Path) -> FastloadError:
     """``exc``, raised about the hidden temporary file, re-worded to name ``final``: the caller
     never asked for the temporary name."""
@@ -188,8 +204,13 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     *,
     threads: int | None = None,
+    digests: bool = False,
 ) -> None:
     """Saves ``tensors`` to a safetensors file, like ``safetensors.torch.save_file``.
+
+    ``digests=True`` also records a digest of each tensor's bytes in the metadata (key
+    ``fastload.digests``), which lets :func:`fastload.reload` skip the tensors that did not
+    change; without it the file is byte for byte what safetensors writes.
 
     Differences: the bytes are written from Rust with several threads (``threads``, default: the
     copy engine's), the file is written under a temporary name, fsynced and renamed over ``path``
@@ -208,7 +229,10 @@ def save_file(
     where = os.fspath(path)
     check_threads(threads, where)
     meta = _check_metadata(metadata, where)
+    check_bool(digests, "digests", where=where)
     prepared = _prepare(tensors, where)
+    if digests:
+        meta = _with_digests(meta, prepared, where, threads)
     directory = path.parent if str(path.parent) else Path(".")
     # Temporary files of killed saves (their lock is free) go now; live saves' stay.
     publish.remove_stale_temp_files(directory)
@@ -318,8 +342,12 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
     threads: int | None = None,
+    digests: bool = False,
 ) -> None:
     """Saves ``model`` to ``directory`` in the transformers layout (see :func:`_save_pretrained`).
+
+    ``digests=True`` records a digest of each tensor in its file's metadata (see
+    :func:`save_file`), for :func:`fastload.reload` to skip unchanged tensors.
 
     Raises ``TypeError`` when ``model`` is not an ``nn.Module``; an operating-system error (a
     read-only directory ...) is a :class:`FastloadIOError` that is also the matching built-in
@@ -329,7 +357,12 @@ def save_pretrained(
         raise TypeError(f"save_pretrained needs an nn.Module, got {type(model).__name__}")
     try:
         _save_pretrained(
-            model, directory, max_shard_size=max_shard_size, metadata=metadata, threads=threads
+            model,
+            directory,
+            max_shard_size=max_shard_size,
+            metadata=metadata,
+            threads=threads,
+            digests=digests,
         )
     except FastloadError:
         raise
@@ -344,6 +377,7 @@ def _save_pretrained(
     max_shard_size: int | str = "5GB",
     metadata: Mapping[str, str] | None = None,
     threads: int | None = None,
+    digests: bool = False,
 ) -> None:
     """Saves ``model`` to ``directory`` in the transformers layout.
 
@@ -381,6 +415,7 @@ def _save_pretrained(
     if directory.exists() and not directory.is_dir():
         raise RequestError(f"{directory}: save_pretrained needs a directory, this is a file")
     user_meta = _check_metadata(metadata, os.fspath(directory)) or {}
+    check_bool(digests, "digests", where=os.fspath(directory))
     check_threads(threads, os.fspath(directory))
     is_transformers = is_transformers_model(model)
 
@@ -413,7 +448,8 @@ def _save_pretrained(
         for name, keys in zip(names, shards, strict=True):
             # One shard at a time on the CPU: tensors on an accelerator are copied per shard.
             prepared = _prepare({k: state[k] for k in keys}, os.fspath(directory / name))
-            _write_new(staging / name, prepared, file_meta, threads)
+            meta = _with_digests(file_meta, prepared, name, threads) if digests else file_meta
+            _write_new(staging / name, prepared, meta, threads)
             written.append(name)
             del prepared
         if sharded:

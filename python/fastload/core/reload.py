@@ -1,0 +1,470 @@
+"""``fastload.reload``: a new checkpoint into a model fastload loaded, in place.
+
+The reload keeps what the load decided (:mod:`fastload.core.reload_record`): the same stored
+tensor, or part of it, fills the same model tensor, converted to the dtype it has, on the device
+it is on. Every byte goes into the memory the model already holds: each parameter and buffer keeps
+its ``data_ptr`` (CUDA graphs, optimizers, hooks and views stay valid), and a tie stays one tensor.
+
+In order:
+
+1. **check**: the new checkpoint's headers are read and validated, and every tensor the model
+   takes from it is checked by name, shape and dtype against the record and the model's tensor;
+   a checkpoint that does not fit is refused (``CheckpointError``, ``ModelMismatchError``) naming
+   every tensor that does not, before a byte is written;
+2. **skip**: where the model's checkpoint and the new one both carry a digest of a tensor
+   (:mod:`fastload.core.digests`) and the two are equal, it is neither read nor copied;
+3. **read**: each file's tensors are filled by the copy engine (CPU destinations directly,
+   :func:`fastload.core.reading.fill`; others through the staging ring,
+   :func:`fastload.core.streaming.stream_into`): into the model's tensors, or with
+   ``atomic=True`` into new tensors first, checked against the digests, then copied into the
+   model's in one step that a Ctrl-C does not interrupt.
+
+A failure after the first write into the model (a file truncated meanwhile, a read error, an
+interrupt) raises :class:`~fastload.core.errors.ReloadError` naming the tensors that may hold new
+bytes, and marks the model: its forward refuses to run until a reload succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.core import reading as reader
+from fastload.core import reload_guard as guard
+from fastload.core.arguments import check_bool
+from fastload.core.checkpoint import OpenCheckpoint
+from fastload.core.dtypes import CONVERTIBLE, to_st
+from fastload.core.errors import (
+    CheckpointError,
+    ModelMismatchError,
+    RequestError,
+    UnsupportedError,
+)
+from fastload.core.keys import format_names
+from fastload.core.object_store import is_remote, is_url
+from fastload.core.placement import selected_shape
+from fastload.core.reload_record import (
+    Entry,
+    LoadRecord,
+    Part,
+    checkpoint_digests,
+    model_tensor,
+    record_of,
+)
+from fastload.core.source import open_source
+from fastload.core.staging import StagingPool
+from fastload.core.streaming import stream_into
+from fastload.core.threads import check_threads
+from fastload.core.units import format_bytes
+
+__all__ = ["ReloadReport", "reload"]
+
+
+@dataclass
+class ReloadReport:
+    """What a reload did: tensors and bytes read, and those skipped as unchanged (equal
+    digests in both checkpoints)."""
+
+    source: str
+    files: list[str] = field(default_factory=list)
+    #: model tensors (a tie counted once) filled from the new checkpoint
+    tensors_read: int = 0
+    #: model tensors left as they were: their digest is the same in both checkpoints
+    tensors_unchanged: int = 0
+    bytes_read: int = 0
+    bytes_unchanged: int = 0
+    #: bytes written into the model's tensors (their dtype)
+    bytes_written: int = 0
+    atomic: bool = False
+    #: bytes held by the staged copies of ``atomic=True``
+    bytes_staged: int = 0
+    #: tensors whose bytes read were checked against their digest (``verify=True``: those read
+    #: whole in their stored dtype, whose file records a digest)
+    tensors_verified: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        """One line: what was read, skipped and how fast."""
+        rate = self.bytes_read / self.seconds / 2**30 if self.seconds > 0 else 0.0
+        mode = " (atomic)" if self.atomic else ""
+        return (
+            f"reloaded {self.source}{mode}: {self.tensors_read} tensors read "
+            f"({format_bytes(self.bytes_read)}), {self.tensors_unchanged} unchanged "
+            f"({format_bytes(self.bytes_unchanged)}) in {self.seconds:.3f} s ({rate:.2f} GiB/s)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (for JSON)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+@dataclass
+class _Write:
+    """One model tensor to fill: its memory, and each stored part's target within it."""
+
+    entry: Entry
+    dest: torch.Tensor
+    #: (part, the part of ``dest`` it fills, bytes of the file it takes)
+    parts: list[tuple[Part, torch.Tensor, int]]
+    file_of: list[int]
+
+
+def reload(
+    model: nn.Module,
+    source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+    *,
+    atomic: bool = False,
+    skip_unchanged: bool = True,
+    verify: bool = False,
+    threads: int | None = None,
+    storage_options: Mapping[str, object] | None = None,
+) -> ReloadReport:
+    """Writes the checkpoint ``source`` into ``model``, a model :func:`fastload.from_pretrained`
+    loaded, in place: every parameter and buffer keeps its storage (``data_ptr``), ties stay
+    ties, and each tensor is read as the load read it (key mapping, dtype, device,
+    tensor-parallel part).
+
+    Args:
+        model: a module that ``fastload.from_pretrained`` returned (or that a reload refreshed).
+        source: a checkpoint file, directory or sharded index, an object storage URL
+            (``s3://``, ``gs://``, ``az://``, ``http(s)://``), or a state dict.
+        atomic: read every new tensor into memory of its own first (within the memory budget:
+            refused before reading when it does not fit), check it, and only then copy it into
+            the model: any failure leaves the old weights whole.
+        skip_unchanged: skip tensors whose digest (``save_pretrained(..., digests=True)``) is
+            the same in the model's checkpoint and the new one. Pass ``False`` when the model's
+            weights were changed in place since (by training): the digests describe the files.
+        verify: with ``atomic=True``, also check the bytes read against the digests the new
+            files record before committing (a file rewritten in place or corrupted since it was
+            written is refused); hashing costs about 0.6 GB/s per core.
+        threads: the copy engine's threads (default: what the load used).
+        storage_options: for an object storage URL (default: those of the load, when it read
+            one too).
+
+    Returns:
+        a :class:`ReloadReport`.
+
+    Raises:
+        RequestError: ``model`` was not loaded by fastload.
+        UnsupportedError: the load left tensors on disk (``offload_folder``).
+        CheckpointError: a tensor the model takes is missing, of a dtype that cannot convert, or
+            the checkpoint holds tensors the model's did not; ``ModelMismatchError`` for another
+            shape. Nothing was written.
+        MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
+        ReloadError: the reload failed after writing into the model (see its ``tensors``).
+    """
+    start = time.perf_counter()
+    record = record_of(model) if isinstance(model, nn.Module) else None
+    if record is None:
+        raise RequestError(
+            f"reload needs a model that fastload.from_pretrained loaded; got a "
+            f"{type(model).__name__} it did not load (load it once with from_pretrained)"
+        )
+    if record.unsupported is not None:
+        raise UnsupportedError(f"this model cannot be reloaded: {record.unsupported}")
+    check_bool(atomic, "atomic", where="reload")
+    check_bool(skip_unchanged, "skip_unchanged", where="reload")
+    check_bool(verify, "verify", where="reload")
+    if verify and not atomic:
+        raise RequestError(
+            "reload(verify=True) checks the staged bytes before they are committed: pass "
+            "atomic=True too (in place, the bytes would already be in the model)"
+        )
+    threads = record.threads if threads is None else threads
+    if storage_options is None and is_url(source):
+        storage_options = record.storage_options
+    check_threads(threads, "reload")
+    ckpt = open_source(source, record.read_mode, "copy", record.allow_pickle, storage_options)
+    report = ReloadReport(source=_label(ckpt), atomic=atomic)
+    report.files = [str(f) for f in ckpt.location.files]
+    writes = _check(model, record, ckpt)
+    new_digests = checkpoint_digests(ckpt)
+    if verify and not new_digests:
+        raise RequestError(
+            f"{report.source}: reload(verify=True) checks the bytes against the digests the "
+            "files record, and these record none (save them with digests=True)"
+        )
+    if skip_unchanged:
+        writes = _skip_unchanged(writes, record.digests, new_digests, ckpt, report)
+    report.tensors_read = len(writes)
+    report.bytes_read = sum(n for w in writes for _, _, n in w.parts)
+    report.bytes_written = sum(_nbytes(w.dest) for w in writes)
+    if atomic:
+        _atomic(model, record, ckpt, writes, new_digests if verify else {}, threads, report)
+    else:
+        _in_place(model, record, ckpt, writes, threads)
+    guard.unmark(record)
+    record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _label(ckpt: OpenCheckpoint) -> str:
+    location = ckpt.location
+    return str(location.index or location.files[0])
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check(model: nn.Module, record: LoadRecord, ckpt: OpenCheckpoint) -> list[_Write]:
+    """Every model tensor to fill, each checked against the new checkpoint: name, stored shape,
+    dtype, and the shape of the model's tensor. One error names every tensor that does not fit."""
+    shapes: list[str] = []
+    other: list[str] = []
+    writes: list[_Write] = []
+    seen: set[tuple[Any, ...]] = set()
+    for entry in record.entries:
+        dest = model_tensor(model, entry.name)
+        if dest is None or dest.device.type == "meta":
+            other.append(f"the model has no tensor {entry.name!r} any more (it was loaded)")
+            continue
+        key = (dest.device, dest.data_ptr(), dest.dtype, tuple(dest.shape), dest.stride())
+        if key in seen:  # a tie, or an alias loaded into the same memory: filled once
+            continue
+        seen.add(key)
+        write = _Write(entry, dest, [], [])
+        for part in entry.parts:
+            stored = ckpt.tensors.get(part.stored)
+            if stored is None:
+                other.append(f"tensor {part.stored!r} (the model's {entry.name!r}) is missing")
+                continue
+            where = f"{ckpt.file_path(stored)}: tensor {part.stored!r}"
+            if tuple(stored.shape) != part.shape:
+                shapes.append(
+                    f"{where} has shape {list(stored.shape)}, the model's {entry.name!r} was "
+                    f"loaded from shape {list(part.shape)}"
+                )
+                continue
+            model_st = to_st(dest.dtype)
+            if stored.st_dtype != model_st and not (
+                stored.st_dtype in CONVERTIBLE and model_st in CONVERTIBLE
+            ):
+                other.append(
+                    f"{where} is stored as {stored.st_dtype} but the model's {entry.name!r} is "
+                    f"{model_st}; fastload converts only between F32, F16, BF16 and F64"
+                )
+                continue
+            target = dest
+            for view in part.views:
+                target = view.apply(target)
+            want = selected_shape(tuple(stored.shape), part.selection)
+            if tuple(target.shape) != want:
+                shapes.append(
+                    f"{where}: the model's {entry.name!r} now has shape {list(target.shape)} "
+                    f"where the load filled {list(want)}"
+                )
+                continue
+            nbytes = stored.nbytes * max(1, target.numel()) // max(1, _numel(stored.shape))
+            write.parts.append((part, target, nbytes if target.numel() else 0))
+            write.file_of.append(stored.file)
+        writes.append(write)
+    unknown = sorted(set(ckpt.tensors) - record.names)
+    if unknown:
+        other.append(
+            f"{len(unknown)} tensors the model's checkpoint did not have: {format_names(unknown)}"
+        )
+    problems = shapes + other
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else ""
+        cls = ModelMismatchError if shapes else CheckpointError
+        raise cls(
+            f"{_label(ckpt)} does not fit the model it would reload ({record.source}); nothing "
+            f"was written. {len(problems)} problems:\n  {shown}{more}"
+        )
+    return writes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _skip_unchanged(
+    writes: list[_Write],
+    old: Mapping[str, str],
+    new: Mapping[str, str],
+    ckpt: OpenCheckpoint,
+    report: ReloadReport,
+) -> list[_Write]:
+    """The writes whose every part has a digest that differs (or is missing on either side)."""
+    kept = []
+    for write in writes:
+        same = all(
+            old.get(p.stored) is not None
+            and old.get(p.stored) == new.get(p.stored)
+            and ckpt.tensors[p.stored].st_dtype == p.st_dtype
+            for p, _, _ in write.parts
+        )
+        if same and write.parts:
+            report.tensors_unchanged += 1
+            report.bytes_unchanged += sum(n for _, _, n in write.parts)
+        else:
+            kept.append(write)
+    return kept
+
+
+def _staged(device: torch.device) -> bool:
+    """Whether destinations on ``device`` go through the staging ring (all but the CPU's)."""
+    return device.type != "cpu"
+
+
+def _by_file(
+    pairs: list[tuple[_Write, list[torch.Tensor]]],
+) -> dict[int, list[reader.FillItem]]:
+    """The copies to make per file index: each part into its target."""
+    out: dict[int, list[reader.FillItem]] = {}
+    for write, targets in pairs:
+        for (part, _, _), target, index in zip(write.parts, targets, write.file_of, strict=True):
+            out.setdefault(index, []).append((part.stored, target, part.selection))
+    return out
+
+
+def _fill_files(
+    ckpt: OpenCheckpoint,
+    by_file: dict[int, list[reader.FillItem]],
+    threads: int | None,
+    started: list[int],
+) -> None:
+    """Fills every file's items, appending each file index to ``started`` before its first
+    write; the files in object storage in one engine call (their requests in parallel)."""
+    pool = StagingPool()
+    try:
+        deferred: list[int] = []
+        for index in sorted(by_file):
+            file = ckpt.files[index]
+            items = [i for i in by_file[index] if not _staged(i[1].device)]
+            if items and is_remote(file):
+                deferred.append(index)
+                continue
+            started.append(index)
+            if items:
+                reader.fill(file, items, threads, pool)
+            _stream(file, [i for i in by_file[index] if _staged(i[1].device)], threads, pool)
+        if deferred:
+            started.extend(deferred)
+            work = [
+                (ckpt.files[i], [t for t in by_file[i] if not _staged(t[1].device)])
+                for i in deferred
+            ]
+            reader.fill_many(work, threads, pool)
+            for index in deferred:
+                items = [i for i in by_file[index] if _staged(i[1].device)]
+                _stream(ckpt.files[index], items, threads, pool)
+    finally:
+        pool.release()
+
+
+def _stream(file: Any, items: list[reader.FillItem], threads: int | None, pool: Any) -> None:
+    """The staged path, one device per call; a non-contiguous target through a temporary."""
+    by_device: dict[torch.device, list[reader.FillItem]] = {}
+    for item in items:
+        by_device.setdefault(item[1].device, []).append(item)
+    for device_items in by_device.values():
+        after = []
+        ready: list[reader.FillItem] = []
+        for name, target, selection in device_items:
+            if not target.is_contiguous():
+                tmp = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                after.append((target, tmp))
+                target = tmp
+            ready.append((name, target, selection))
+        stream_into(file, ready, pool=pool, threads=threads)
+        with torch.no_grad():
+            for target, tmp in after:
+                target.copy_(tmp)
+
+
+def _in_place(
+    model: nn.Module,
+    record: LoadRecord,
+    ckpt: OpenCheckpoint,
+    writes: list[_Write],
+    threads: int | None,
+) -> None:
+    """Fills the model's tensors directly; a failure after the first write marks the model."""
+    by_file = _by_file([(w, [t for _, t, _ in w.parts]) for w in writes])
+    started: list[int] = []
+    try:
+        _fill_files(ckpt, by_file, threads, started)
+    except BaseException as exc:
+        if not started:
+            raise
+        names = [w.entry.name for w in writes if set(w.file_of) & set(started)]
+        guard.fail(model, record, names, exc, f"reading {_label(ckpt)}")
+
+
+def _atomic(
+    model: nn.Module,
+    record: LoadRecord,
+    ckpt: OpenCheckpoint,
+    writes: list[_Write],
+    new_digests: Mapping[str, str],
+    threads: int | None,
+    report: ReloadReport,
+) -> None:
+    """Reads every new tensor into memory of its own, checks it against ``digests`` (none:
+    no check), then commits."""
+    need: dict[torch.device, int] = {}
+    for write in writes:
+        for _, target, _ in write.parts:
+            need[target.device] = need.get(target.device, 0) + _nbytes(target)
+    guard.check_staging_memory(need, _label(ckpt))
+    staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
+                   for _, t, _ in w.parts]) for w in writes]  # fmt: skip
+    report.bytes_staged = sum(need.values())
+    try:
+        _fill_files(ckpt, _by_file(staged), threads, [])
+        checks = [
+            (part.stored, tensor, part.selection)
+            for write, tensors in staged
+            for (part, _, _), tensor in zip(write.parts, tensors, strict=True)
+        ]
+        if new_digests:
+            report.tensors_verified = guard.verify(checks, ckpt, new_digests)
+    except BaseException as exc:
+        exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
+        raise
+    try:
+        pairs = [
+            (target, tensor)
+            for write, tensors in staged
+            for (_, target, _), tensor in zip(write.parts, tensors, strict=True)
+        ]
+        with guard.sigint_deferred():
+            _commit(pairs)
+    except BaseException as exc:
+        names = [w.entry.name for w in writes]
+        guard.fail(model, record, names, exc, "committing the staged tensors")
+
+
+def _commit(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each staged tensor into its target: the CPU's on every core (one tensor's copy
+    uses one), an accelerator's on the calling thread, on its current stream (queued, and
+    ordered with the staged memory's allocation)."""
+
+    def copy(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
+        with torch.no_grad():
+            pair[0].copy_(pair[1])
+
+    on_cpu = [p for p in pairs if p[0].device.type == "cpu"]
+    workers = max(1, min(os.cpu_count() or 1, 16, len(on_cpu)))
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(copy, on_cpu))
+    for pair in pairs:
+        if pair[0].device.type != "cpu":
+            copy(pair)

@@ -1,0 +1,151 @@
+"""What a load decided, kept beside the model so that :func:`fastload.reload` decides it again
+identically: which stored tensor (and which part of it) fills which model tensor, the options the
+checkpoint was read with, and the digests the checkpoint carried.
+
+The record is made at the end of every load (:func:`remember`, called by
+:func:`fastload.core.loading.load`) and kept in a weak table keyed by the module: the module's own
+attributes, its pickling and ``state_dict`` are untouched, and the record goes with the module.
+It names model tensors, never holds them: a reload finds each tensor by its name in the model as
+it is then (after dispatch, tensor-parallel wrapping or the family's finishing), so the memory a
+reload writes is the memory the model runs on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.core.actions import Action, Mode
+from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
+from fastload.core.digests import file_digests
+from fastload.core.hooks import View
+from fastload.core.load_options import LoadOptions
+from fastload.core.placement import Selection
+from fastload.core.planning import LoadPlan
+
+__all__ = ["Part", "Entry", "LoadRecord", "remember", "record_of", "checkpoint_digests"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stored tensor that fills a model tensor, or the part ``views`` of it (a merge)."""
+
+    stored: str
+    st_dtype: str
+    shape: tuple[int, ...]
+    selection: Selection
+    views: tuple[View, ...] = ()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A model tensor (by name) and the stored tensors that fill it (one, or a merge's pieces)."""
+
+    name: str
+    parts: tuple[Part, ...]
+
+    @property
+    def merged(self) -> bool:
+        return len(self.parts) > 1 or bool(self.parts[0].views)
+
+
+@dataclass
+class LoadRecord:
+    """What the load (or the last successful reload) of a model decided and read."""
+
+    entries: list[Entry]
+    #: every tensor name of the checkpoint that made the model (used or not)
+    names: set[str]
+    #: stored name -> digest, for the tensors whose file carried one
+    digests: dict[str, str]
+    #: how the checkpoint was read: read_mode, allow_pickle, storage_options, threads
+    read_mode: str
+    allow_pickle: bool
+    storage_options: Mapping[str, object] | None
+    threads: int | None
+    source: str
+    #: why this model cannot be reloaded (``None``: it can)
+    unsupported: str | None = None
+    #: set while the model is marked torn: the forward pre-hook's handle and the tensors named
+    torn: tuple[Any, list[str]] | None = field(default=None, repr=False)
+
+
+_RECORDS: weakref.WeakKeyDictionary[nn.Module, LoadRecord] = weakref.WeakKeyDictionary()
+
+
+def record_of(module: nn.Module) -> LoadRecord | None:
+    """The record of ``module``'s load (``None``: fastload did not load it)."""
+    return _RECORDS.get(module)
+
+
+def checkpoint_digests(ckpt: OpenCheckpoint) -> dict[str, str]:
+    """Stored name -> digest for every tensor whose file records one."""
+    out: dict[str, str] = {}
+    for i, file in enumerate(ckpt.files):
+        metadata = getattr(file, "metadata", None)
+        recorded = file_digests(metadata() if callable(metadata) else None)
+        for name, digest in recorded.items():
+            stored = ckpt.tensors.get(name)
+            if stored is not None and stored.file == i:
+                out[name] = digest
+    return out
+
+
+def _part(stored: StoredTensor, selection: Selection, views: tuple[View, ...] = ()) -> Part:
+    return Part(stored.name, stored.st_dtype, tuple(stored.shape), selection, views)
+
+
+def remember(
+    module: nn.Module, load_plan: LoadPlan, ckpt: OpenCheckpoint, options: LoadOptions, source: str
+) -> None:
+    """Records what the load of ``module`` decided (:class:`LoadRecord`)."""
+    entries: list[Entry] = []
+    unsupported = None
+    for group in load_plan.groups:
+        if group.action != Action.LOAD:
+            continue
+        if group.pieces is not None:
+            parts = tuple(_part(p.stored, p.selection, p.views) for p in group.pieces)
+            entries.append(Entry(group.sources[0].slot.name, parts))
+            continue
+        for src in group.sources:
+            if src.mode == Mode.OFFLOAD:
+                unsupported = (
+                    f"tensor {src.slot.name!r} is offloaded to disk (device_map with "
+                    "offload_folder); a reload writes into memory the model holds"
+                )
+            entries.append(Entry(src.slot.name, (_part(src.stored, src.dest.selection),)))
+    _RECORDS[module] = LoadRecord(
+        entries=entries,
+        names=set(ckpt.tensors),
+        digests=checkpoint_digests(ckpt),
+        read_mode=options.read_mode,
+        allow_pickle=options.allow_pickle,
+        storage_options=options.storage_options,
+        threads=options.threads,
+        source=source,
+        unsupported=unsupported,
+    )
+
+
+def model_tensor(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The memory the model runs on under ``name`` (a distributed tensor's local shard)."""
+    owner, _, attr = name.rpartition(".")
+    try:
+        sub = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return None
+    tensor: torch.Tensor | None = sub._parameters.get(attr)
+    if tensor is None:
+        tensor = sub._buffers.get(attr)
+    if tensor is None:
+        return None
+    to_local = getattr(tensor, "to_local", None)  # torch.distributed.tensor.DTensor
+    if callable(to_local) and type(tensor).__name__ == "DTensor":
+        tensor = to_local()
+    return tensor.data if isinstance(tensor, nn.Parameter) else tensor
