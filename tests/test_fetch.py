@@ -19,23 +19,6 @@ from s3_server import S3Server
 pytest.importorskip("boto3")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    s3 = S3Server(tmp_path_factory.mktemp("s3-root"))
-    s3.bucket("models")
-    yield s3
-    s3.stop()
-
-
-@pytest.fixture
-def env(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for key, value in server.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
-    return server
-
-
 def _prefix(env: S3Server, tmp_path: Path, key: str, files: dict[str, bytes]) -> str:
     local = tmp_path / "upload"
     local.mkdir()

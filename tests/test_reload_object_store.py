@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import fastload
-from s3_server import S3Server
 
 pytest.importorskip("boto3")
 
@@ -19,23 +18,6 @@ pytest.importorskip("boto3")
 def _model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(*(nn.Linear(128, 128) for _ in range(4)))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    s3 = S3Server(tmp_path_factory.mktemp("s3-root"))
-    s3.bucket("models")
-    yield s3
-    s3.stop()
-
-
-@pytest.fixture
-def env(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for key, value in server.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
-    return server
 
 
 def test_reload_from_a_url_into_a_model_loaded_from_one(env, tmp_path):

@@ -13,26 +13,8 @@ import torch
 import fastload
 from fastload.core import object_store
 from fastload.core.errors import CheckpointError
-from s3_server import S3Server
 
 pytest.importorskip("boto3")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    s3 = S3Server(tmp_path_factory.mktemp("s3-root"))
-    s3.bucket("models")
-    yield s3
-    s3.stop()
-
-
-@pytest.fixture
-def env(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
-    for key, value in server.env().items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
-    return server
 
 
 def _sharded(directory: Path, shard_name: str) -> Path:
