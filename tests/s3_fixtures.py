@@ -4,9 +4,31 @@ module that needs another server defines its own ``server`` and ``env``, which w
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from s3_server import S3Server
+
+#: options of a store nothing listens on (no retries): a regression that makes a request fails
+#: quickly instead of reaching anything
+UNREACHABLE = {
+    "aws_endpoint": "http://127.0.0.1:9",
+    "aws_region": "us-east-1",
+    "aws_access_key_id": "AKIDEXAMPLE",
+    "aws_secret_access_key": "wJalrXUtnFEMI",
+    "max_retries": "0",
+    "connect_timeout": "2s",
+}
+
+
+def clear_aws_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No AWS variable from the machine, and none of the profile files."""
+    for key in list(os.environ):
+        if key.startswith("AWS_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ and what it says is checked."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 
@@ -14,6 +13,7 @@ import fastload
 from fastload.core.errors import FastloadError, FastloadIOError
 from fastload.core.redaction import redact
 from fastload.tools.cli import main
+from s3_fixtures import clear_aws_environment
 
 SECRETS = ("PASSWORD", "SIGSECRET", "KEYSECRET")
 QUICK = {"max_retries": "0", "connect_timeout": "2s"}
@@ -28,15 +28,11 @@ URLS = [
 
 @pytest.fixture(autouse=True)
 def _no_aws(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
+    clear_aws_environment(monkeypatch)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
 
 
 def _clean(text: str) -> None:

@@ -5,7 +5,6 @@ endpoint), and ``fastload fetch`` reports a denied credential or a missing bucke
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 
@@ -14,16 +13,13 @@ import pytest
 import fastload
 from fastload.core.errors import FastloadFileNotFoundError, FastloadPermissionError
 from fastload.tools.cli import main
+from s3_fixtures import clear_aws_environment
 
 
 @pytest.fixture
 def no_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
     """No AWS credentials anywhere: not in the environment, not in the files."""
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    clear_aws_environment(monkeypatch)
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
 

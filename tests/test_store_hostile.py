@@ -3,31 +3,16 @@ on the endpoint, and none of these cases may get as far as one."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import fastload
 from fastload.core.errors import FastloadIOError
-
-#: an endpoint nothing listens on; no retries, so a regression that does make a request is quick
-OPTIONS = {
-    "aws_endpoint": "http://127.0.0.1:9",
-    "aws_region": "us-east-1",
-    "aws_access_key_id": "AKIDEXAMPLE",
-    "aws_secret_access_key": "wJalrXUtnFEMI",
-    "max_retries": "0",
-    "connect_timeout": "2s",
-}
+from s3_fixtures import UNREACHABLE, clear_aws_environment
 
 
 @pytest.fixture(autouse=True)
 def _no_aws_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    clear_aws_environment(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -39,7 +24,7 @@ def test_a_percent_encoded_dot_dot_subfolder_is_refused_like_dot_dot(subfolder):
     from outside the prefix."""
     with pytest.raises(FastloadIOError, match="leads outside s3://models/pre/") as caught:
         fastload.from_pretrained(
-            "s3://models/pre/", subfolder=subfolder, storage_options=OPTIONS, progress=False
+            "s3://models/pre/", subfolder=subfolder, storage_options=UNREACHABLE, progress=False
         )
     assert "[store-" not in str(caught.value)  # refused, not tried
 
@@ -49,11 +34,11 @@ def test_the_parsed_key_is_checked_whatever_the_spelling():
     prefix, as the store's own parser reads both."""
     from fastload.hf import hub
 
-    hub._check_inside("s3://models/pre/text/", "s3://models/pre/", "text", OPTIONS)
+    hub._check_inside("s3://models/pre/text/", "s3://models/pre/", "text", UNREACHABLE)
     with pytest.raises(FastloadIOError, match="leads outside"):
-        hub._check_inside("s3://models/pre/%2e%2e/evil/", "s3://models/pre/", "x", OPTIONS)
+        hub._check_inside("s3://models/pre/%2e%2e/evil/", "s3://models/pre/", "x", UNREACHABLE)
     with pytest.raises(FastloadIOError, match="leads outside"):
-        hub._check_inside("s3://models/pre/a/%2e%2e/", "s3://models/pre/", "x", OPTIONS)
+        hub._check_inside("s3://models/pre/a/%2e%2e/", "s3://models/pre/", "x", UNREACHABLE)
 
 
 def test_read_mode_mmap_is_refused_for_a_url_by_from_pretrained_as_by_load_file():
@@ -65,7 +50,7 @@ def test_read_mode_mmap_is_refused_for_a_url_by_from_pretrained_as_by_load_file(
             lambda: nn.Linear(2, 2),
             "s3://models/pre/model.safetensors",
             read_mode="mmap",
-            storage_options=OPTIONS,
+            storage_options=UNREACHABLE,
             progress=False,
         ),
     ):

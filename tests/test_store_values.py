@@ -15,25 +15,12 @@ import pytest
 
 import fastload
 from fastload.core.errors import RequestError
-
-#: an endpoint nothing listens on; the retries are kept short so a regression fails quickly
-BASE = {
-    "aws_endpoint": "http://127.0.0.1:9",
-    "aws_region": "us-east-1",
-    "aws_access_key_id": "AKIDEXAMPLE",
-    "aws_secret_access_key": "wJalrXUtnFEMI",
-    "max_retries": "0",
-    "connect_timeout": "2s",
-}
+from s3_fixtures import UNREACHABLE, clear_aws_environment
 
 
 @pytest.fixture(autouse=True)
 def _no_aws_files(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("AWS_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/config")
+    clear_aws_environment(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +42,7 @@ def _no_aws_files(monkeypatch: pytest.MonkeyPatch) -> None:
 )
 def test_an_unusable_option_value_is_a_config_error_naming_the_key_never_the_value(key, value, why):
     with pytest.raises(RequestError) as caught:
-        fastload.load_file("s3://models/m.safetensors", storage_options={**BASE, key: value})
+        fastload.load_file("s3://models/m.safetensors", storage_options={**UNREACHABLE, key: value})
     message = str(caught.value)
     assert "[store-config]" in message and f"'{key}'" in message and why in message, message
     assert "SECRETVALUE" not in message, message
@@ -63,7 +50,7 @@ def test_an_unusable_option_value_is_a_config_error_naming_the_key_never_the_val
 
 def test_an_environment_variable_with_a_newline_is_named_as_the_variable(monkeypatch):
     monkeypatch.setenv("AWS_SESSION_TOKEN", "SECRETVALUE\n")
-    options = {k: v for k, v in BASE.items() if k != "aws_session_token"}
+    options = {k: v for k, v in UNREACHABLE.items() if k != "aws_session_token"}
     with pytest.raises(RequestError, match=r"environment variable AWS_SESSION_TOKEN") as caught:
         fastload.load_file("s3://models/m.safetensors", storage_options=options)
     assert "SECRETVALUE" not in str(caught.value)
