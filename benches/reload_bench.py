@@ -25,7 +25,11 @@ cache state once, then again, ``--repeats`` times); the table gives medians. Met
   on their way when the load returns (read-ahead paced by the first forward), and a reload
   returns with every byte in place;
 * ``load_state_dict(load_file)``: ``model.load_state_dict(safetensors.torch.load_file(b))`` into
-  the loaded model.
+  the loaded model;
+* ``transformers load_sharded_checkpoint``: transformers' own reload path, the one its
+  ``Trainer`` resumes with (``transformers.trainer_utils.load_sharded_checkpoint(model, b)``:
+  each shard read whole with ``safetensors.torch.load_file``, then ``load_state_dict``; ``b``
+  carries a one-shard ``model.safetensors.index.json`` for it).
 
 Ratios are floor time / method time (1.0: at the floor, below 1: slower); the 10% reload reads
 a tenth of the bytes, so it can beat the floor of reading everything. Writes ``reload-cpu.json``
@@ -53,6 +57,7 @@ METHODS = [
     "reload 10% changed",
     "from_pretrained anew",
     "load_state_dict(load_file)",
+    "transformers load_sharded_checkpoint",
 ]
 MODES = ["cold", "warm"]
 READ = 64 << 20
@@ -83,6 +88,7 @@ def make_checkpoints(work: Path, gib: float) -> tuple[int, int]:
     count = max(10, int(gib * 64))
     changed = max(1, round(count / 10))
     if all((work / n / "model.safetensors").exists() for n in "abc"):
+        _index(work / "b", count)
         return count, changed
     model = _model_class(count)()
     gen = torch.Generator().manual_seed(0)
@@ -98,7 +104,19 @@ def make_checkpoints(work: Path, gib: float) -> tuple[int, int]:
         for p in model.parameters():
             p.mul_(0.5)
     fastload.save_pretrained(model, work / "b", max_shard_size="1TB", digests=True)
+    _index(work / "b", count)
     return count, changed
+
+
+def _index(directory: Path, count: int) -> None:
+    """A one-shard ``model.safetensors.index.json`` in ``directory``: transformers'
+    ``load_sharded_checkpoint`` reads only sharded checkpoints (fastload reads the same file
+    through it)."""
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        weight_map = {f"layers.{i}": "model.safetensors" for i in range(count)}
+        size = (directory / "model.safetensors").stat().st_size
+        index.write_text(json.dumps({"metadata": {"total_size": size}, "weight_map": weight_map}))
 
 
 def run_one(method: str, work: Path, count: int) -> dict[str, Any]:
@@ -149,6 +167,12 @@ def run_one(method: str, work: Path, count: int) -> dict[str, Any]:
     elif method == "load_state_dict(load_file)":
         t0 = time.perf_counter()
         model.load_state_dict(safetensors.torch.load_file(path))
+        seconds = time.perf_counter() - t0
+    elif method == "transformers load_sharded_checkpoint":
+        from transformers.trainer_utils import load_sharded_checkpoint
+
+        t0 = time.perf_counter()
+        load_sharded_checkpoint(model, new)
         seconds = time.perf_counter() - t0
     else:
         raise SystemExit(f"unknown method {method!r}")
@@ -227,8 +251,9 @@ def summarize(runs: list[dict[str, Any]], size: int, count: int, changed: int) -
         "other's median time / this method's (above 1: this method is faster).",
         "",
         "| cache | method | median s | GiB/s of the checkpoint | x pread floor "
-        "| x from_pretrained anew | x load_state_dict(load_file) |",
-        "|---|---|---|---|---|---|---|",
+        "| x from_pretrained anew | x load_state_dict(load_file) "
+        "| x transformers load_sharded_checkpoint |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
         rows = [r for r in runs if r["mode"] == mode]
@@ -242,7 +267,8 @@ def summarize(runs: list[dict[str, Any]], size: int, count: int, changed: int) -
                 f"| {mode} | {m} | {s:.3f} | {size / s / 2**30:.2f} | "
                 f"{med.get('floor: pread', nan) / s:.2f} | "
                 f"{med.get('from_pretrained anew', nan) / s:.2f} | "
-                f"{med.get('load_state_dict(load_file)', nan) / s:.2f} |"
+                f"{med.get('load_state_dict(load_file)', nan) / s:.2f} | "
+                f"{med.get('transformers load_sharded_checkpoint', nan) / s:.2f} |"
             )
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 import fastload  # noqa: E402
-from fastload import CheckpointError, FastloadError, UnsupportedError  # noqa: E402
+from fastload import CheckpointError, FastloadError, UnsupportedError, safe_open  # noqa: E402
 from tiny_models import assert_same_tensors, make_checkpoint, model_class  # noqa: E402
 
 
@@ -184,6 +184,18 @@ def test_one_shard_passed_as_a_file_warns_that_its_index_is_beside_it(tmp_path, 
     caplog.set_level(logging.WARNING, logger="fastload")
     load(model_class("BertModel"), shards[0])
     assert any("model.safetensors.index.json" in m for m in warnings_of(caplog))
+
+
+def test_a_file_that_its_one_shard_index_names_alone_has_no_index_warning(tmp_path, caplog):
+    directory = make_checkpoint(tmp_path / "one", "BertModel")
+    file = directory / "model.safetensors"
+    with safe_open(file, "pt") as f:
+        names = list(f.keys())
+    weight_map = dict.fromkeys(names, file.name)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    caplog.set_level(logging.WARNING, logger="fastload")
+    load(model_class("BertModel"), file)
+    assert not any("index" in m for m in warnings_of(caplog))
 
 
 def test_a_single_file_checkpoint_has_no_index_warning(bert, caplog):

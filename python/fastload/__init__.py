@@ -38,7 +38,7 @@ _EXPORTS: dict[str, str] = {
     "safe_open": "fastload.safetensors.files",
     "SafeOpen": "fastload.safetensors.files",
     "from_pretrained": "fastload.api",
-    "reload": "fastload.core.reload",
+    "reload": "fastload.reloading",
     "ReloadReport": "fastload.core.reload",
     "LoadReport": "fastload.core.report",
     "gradient_checkpointing_enable": "fastload.training.gradient_checkpointing",
@@ -95,10 +95,10 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
     from fastload.api import from_pretrained as from_pretrained
     from fastload.core.reload import ReloadReport as ReloadReport
-    from fastload.core.reload import reload as reload
     from fastload.core.report import LoadReport as LoadReport
     from fastload.hf.patch import patch_transformers as patch_transformers
     from fastload.hf.patch import unpatch_transformers as unpatch_transformers
+    from fastload.reloading import reload as reload
     from fastload.safetensors.files import SafeOpen as SafeOpen
     from fastload.safetensors.files import load_file as load_file
     from fastload.safetensors.files import safe_open as safe_open

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -64,7 +64,10 @@ from fastload.core.streaming import stream_into
 from fastload.core.threads import check_threads
 from fastload.core.units import format_bytes
 
-__all__ = ["ReloadReport", "reload"]
+__all__ = ["ReloadReport", "Source", "reload"]
+
+#: what a reload reads: a local path, an object storage URL or a state dict
+Source = str | os.PathLike[str] | Mapping[str, torch.Tensor]
 
 
 @dataclass
@@ -121,48 +124,19 @@ class _Write:
 
 def reload(
     model: nn.Module,
-    source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+    source: Source,
     *,
     atomic: bool = False,
     skip_unchanged: bool = True,
     verify: bool = False,
     threads: int | None = None,
     storage_options: Mapping[str, object] | None = None,
+    resolve: Callable[[Source], Source] | None = None,
 ) -> ReloadReport:
-    """Writes the checkpoint ``source`` into ``model``, a model :func:`fastload.from_pretrained`
-    loaded, in place: every parameter and buffer keeps its storage (``data_ptr``), ties stay
-    ties, and each tensor is read as the load read it (key mapping, dtype, device,
-    tensor-parallel part).
-
-    Args:
-        model: a module that ``fastload.from_pretrained`` returned (or that a reload refreshed).
-        source: a checkpoint file, directory or sharded index, an object storage URL
-            (``s3://``, ``gs://``, ``az://``, ``http(s)://``), or a state dict.
-        atomic: read every new tensor into memory of its own first (within the memory budget:
-            refused before reading when it does not fit), check it, and only then copy it into
-            the model: any failure leaves the old weights whole.
-        skip_unchanged: skip tensors whose digest (``save_pretrained(..., digests=True)``) is
-            the same in the model's checkpoint and the new one. Pass ``False`` when the model's
-            weights were changed in place since (by training): the digests describe the files.
-        verify: with ``atomic=True``, also check the bytes read against the digests the new
-            files record before committing (a file rewritten in place or corrupted since it was
-            written is refused); hashing costs about 0.6 GB/s per core.
-        threads: the copy engine's threads (default: what the load used).
-        storage_options: for an object storage URL (default: those of the load, when it read
-            one too).
-
-    Returns:
-        a :class:`ReloadReport`.
-
-    Raises:
-        RequestError: ``model`` was not loaded by fastload.
-        UnsupportedError: the load left tensors on disk (``offload_folder``).
-        CheckpointError: a tensor the model takes is missing, of a dtype that cannot convert, or
-            the checkpoint holds tensors the model's did not; ``ModelMismatchError`` for another
-            shape. Nothing was written.
-        MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
-        ReloadError: the reload failed after writing into the model (see its ``tensors``).
-    """
+    """Writes the checkpoint ``source`` (a local path, an object storage URL or a state dict)
+    into ``model`` in place. The public entry, :func:`fastload.reload` (which also resolves model
+    ids: ``resolve``, called once the model and the arguments are checked), documents the
+    arguments, what it returns and what it raises."""
     start = time.perf_counter()
     record = record_of(model) if isinstance(model, nn.Module) else None
     if record is None:
@@ -184,6 +158,8 @@ def reload(
     if storage_options is None and is_url(source):
         storage_options = record.storage_options
     check_threads(threads, "reload")
+    if resolve is not None:
+        source = resolve(source)
     ckpt = open_source(source, record.read_mode, "copy", record.allow_pickle, storage_options)
     report = ReloadReport(source=_label(ckpt), atomic=atomic)
     report.files = [str(f) for f in ckpt.location.files]

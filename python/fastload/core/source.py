@@ -79,7 +79,8 @@ def open_source(
 
 def _warn_if_one_shard(location: CheckpointFiles) -> None:
     """One shard of a sharded checkpoint passed as a file loads only its own tensors; the index
-    beside it would load them all."""
+    beside it would load them all. An index that names no other file (a one-shard index, as
+    ``load_sharded_checkpoint`` needs) adds nothing: no warning then."""
     if location.index is not None or len(location.files) != 1:
         return
     shard = location.files[0]
@@ -89,7 +90,8 @@ def _warn_if_one_shard(location: CheckpointFiles) -> None:
         try:
             text = index.read_text(encoding="utf-8")
             weight_map = json_text.loads(text, index).get("weight_map", {})
-            listed = shard.name in set(weight_map.values())
+            files = set(weight_map.values())
+            listed = shard.name in files and len(files) > 1
         except (OSError, ValueError, AttributeError, TypeError):
             continue  # CheckpointError (too deep) is a ValueError: only a hint is lost
         if listed:

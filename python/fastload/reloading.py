@@ -1,0 +1,128 @@
+"""``fastload.reload``: the public entry of a reload.
+
+It takes the sources a load takes. Local files, object storage URLs and state dicts go straight to
+the core (:func:`fastload.core.reload.reload`); a Hugging Face model id, or a local directory
+with ``subfolder`` / ``variant``, is resolved first by :mod:`fastload.hf.hub` (imported only
+then), so an RL loop can reload the revision a trainer just pushed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from fastload.core.errors import RequestError
+from fastload.core.object_store import is_url
+from fastload.core.reload import ReloadReport, Source
+from fastload.core.reload import reload as reload_into
+
+__all__ = ["ReloadReport", "reload"]
+
+
+def reload(
+    model: nn.Module,
+    source: Source,
+    *,
+    atomic: bool = False,
+    skip_unchanged: bool = True,
+    verify: bool = False,
+    threads: int | None = None,
+    storage_options: Mapping[str, object] | None = None,
+    revision: str | None = None,
+    subfolder: str = "",
+    variant: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    token: str | bool | None = None,
+    local_files_only: bool = False,
+) -> ReloadReport:
+    """Writes the checkpoint ``source`` into ``model``, a model :func:`fastload.from_pretrained`
+    loaded, in place: every parameter and buffer keeps its storage (``data_ptr``), ties stay
+    ties, and each tensor is read as the load read it (key mapping, dtype, device,
+    tensor-parallel part). Every header, name, shape and dtype is checked before the first byte
+    is written.
+
+    Args:
+        model: a module that ``fastload.from_pretrained`` returned (or that a reload refreshed).
+        source: a checkpoint file, directory or sharded index; a Hugging Face model id
+            (``"org/name"``, resolved by ``huggingface_hub``: its cache first, then the hub); an
+            object storage URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``); or a state dict.
+        atomic: read every new tensor into memory of its own first (within the memory budget:
+            refused before reading when it does not fit), check it, and only then copy it into
+            the model: any failure leaves the old weights whole.
+        skip_unchanged: skip tensors whose digest (``save_pretrained(..., digests=True)``) is
+            the same in the model's checkpoint and the new one. Pass ``False`` when the model's
+            weights were changed in place since (by training): the digests describe the files.
+        verify: with ``atomic=True``, also check the bytes read against the digests the new
+            files record before committing (a file rewritten in place or corrupted since it was
+            written is refused); hashing costs about 0.6 GB/s per core.
+        threads: the copy engine's threads (default: what the load used).
+        storage_options: for an object storage URL (default: those of the load, when it read
+            one too).
+        revision: for a model id: the branch, tag or commit to read (default ``"main"``).
+        subfolder: the checkpoint's folder inside the model id's snapshot or the directory.
+        variant: the weights' variant (``model.<variant>.safetensors``).
+        cache_dir: for a model id: the hub cache to use instead of ``HF_HUB_CACHE``.
+        token: for a model id: the hub token (``huggingface_hub``'s own rules by default).
+        local_files_only: for a model id: never download, read the cache only (also with
+            ``HF_HUB_OFFLINE=1``).
+
+    Returns:
+        a :class:`~fastload.core.reload.ReloadReport`.
+
+    Raises:
+        RequestError: ``model`` was not loaded by fastload, or hub options with a source that
+            takes none (a URL or a state dict).
+        FastloadIOError: a model id that is neither in the cache nor on the hub.
+        UnsupportedError: the load left tensors on disk (``offload_folder``).
+        CheckpointError: a tensor the model takes is missing, of a dtype that cannot convert, or
+            the checkpoint holds tensors the model's did not; ``ModelMismatchError`` for another
+            shape. Nothing was written.
+        MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
+        ReloadError: the reload failed after writing into the model (see its ``tensors``).
+    """
+    hub: dict[str, Any] = {
+        name: value
+        for name, value in (("revision", revision), ("cache_dir", cache_dir), ("token", token))
+        if value is not None
+    }
+    if local_files_only:
+        hub["local_files_only"] = True
+
+    def resolve(source: Source) -> Source:
+        if hub or subfolder or variant is not None:
+            return _resolved(source, hub, subfolder, variant)
+        if isinstance(source, (str, os.PathLike)) and not is_url(source):
+            from fastload.hf.hub import is_local
+
+            if not is_local(source):
+                return _resolved(source, hub, subfolder, variant)
+        return source
+
+    return reload_into(
+        model,
+        source,
+        atomic=atomic,
+        skip_unchanged=skip_unchanged,
+        verify=verify,
+        threads=threads,
+        storage_options=storage_options,
+        resolve=resolve,
+    )
+
+
+def _resolved(source: Source, hub: dict[str, Any], subfolder: str, variant: str | None) -> Source:
+    """The weights of a model id or local directory, as :mod:`fastload.hf.hub` finds them."""
+    if not isinstance(source, (str, os.PathLike)) or is_url(source):
+        given = ", ".join(
+            [*hub, *(["subfolder"] if subfolder else []), *(["variant"] if variant else [])]
+        )
+        kind = "an object storage URL" if is_url(source) else "a state dict"
+        raise RequestError(
+            f"reload: {given} apply to a model id or a local directory, not to {kind}"
+        )
+    from fastload.hf.hub import resolve_checkpoint
+
+    return resolve_checkpoint(source, hub=hub, subfolder=subfolder, variant=variant).weights
