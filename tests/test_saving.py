@@ -186,6 +186,19 @@ def test_save_file_replaces_an_existing_file_and_leaves_no_temporary_file(tmp_pa
     _assert_state_equal(st_load_file(path), {"y": torch.ones(5)})
 
 
+@pytest.mark.parametrize("stem", ["x" * 243, "é" * 121 + "x"])  # 255 bytes with ".safetensors"
+def test_a_file_name_of_the_longest_length_a_filesystem_takes_is_saved(
+    tmp_path: Path, stem: str
+) -> None:
+    path = tmp_path / f"{stem}.safetensors"
+    assert len(os.fsencode(path.name)) == 255
+    tensors = {"w": torch.arange(6.0).reshape(2, 3)}
+    fastload.save_file(tensors, path)
+    fastload.save_file({"w": tensors["w"] + 1}, path)  # over an existing file, too
+    assert torch.equal(fastload.load_file(path)["w"], tensors["w"] + 1)
+    assert sorted(os.listdir(tmp_path)) == [path.name]
+
+
 def test_a_failed_write_keeps_the_previous_file_and_removes_the_temporary(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -54,9 +54,21 @@ TEMP_FILE_RE = re.compile(r"^\.(?P<final>.+)\.\d+-[0-9a-f]{8}\.tmp$")
 # --- single files ---------------------------------------------------------------------------------
 
 
+#: the most bytes a file name may have (NAME_MAX on Linux, macOS and Windows filesystems)
+NAME_MAX = 255
+
+
 def temp_path(directory: Path, final_name: str) -> Path:
-    # Hidden, and ending in .tmp: a loader globbing *.safetensors never sees it.
-    return directory / f".{final_name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    """A hidden name for writing ``final_name`` in ``directory``: ending in .tmp, so a loader
+    globbing *.safetensors never sees it. The final name in it is cut (its first bytes kept)
+    where the temporary name and its ownership lock would pass ``NAME_MAX``: any name a file may
+    have can be saved."""
+    suffix = f".{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    room = NAME_MAX - 1 - len(suffix) - len(ownership.LOCK_SUFFIX)
+    encoded = os.fsencode(final_name)
+    if len(encoded) > room:
+        final_name = os.fsdecode(encoded[:room])
+    return directory / f".{final_name}{suffix}"
 
 
 def remove_stale_temp_files(directory: Path) -> None:
