@@ -43,6 +43,7 @@ from fastload.core.errors import FastloadError, ModelMismatchError, UnsupportedE
 from fastload.core.units import format_bytes
 
 from .adopt import CopyWatch
+from . import reload
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
 from .release import MappingRecord, release_unused
 from .remote import RemoteWeights
@@ -190,6 +191,16 @@ class FastloadModelLoader(DefaultModelLoader):
         self._streams.append(stream)
         return ((source.prefix + name, tensor) for name, tensor in stream)
 
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Any:
+        """The model's weights; for a reload (``collective_rpc("reload_weights")``: a model
+        this loader's format loaded before) opened, checked against what the engine holds and
+        the unchanged layers left out here, before vLLM touches a layer
+        (:mod:`fastload.integrations.vllm.reload`)."""
+        record = reload.held(model)
+        if record is None:
+            return super().get_all_weights(model_config, model)
+        return reload.open_reload(self, model_config, model, record, logger)
+
     # -- loading ---------------------------------------------------------------------------------
 
     def load_model(
@@ -230,10 +241,21 @@ class FastloadModelLoader(DefaultModelLoader):
             adopt=self.options.share_weights and self.options.mmap != "copy",
             threads=self.options.threads,
         )
+        streams = self._streams
+
+        def current() -> str | None:  # the checkpoint tensor the weight loaders are copying
+            where = streams[-1].current if streams else None
+            return where[1] if where else None
+
+        feeds = reload.FeedWatch(model, current)
         start = time.perf_counter()
         try:
-            with watch:
+            with watch, feeds:  # feeds inside: it sees each copy before the watch takes it
                 super().load_weights(model, model_config)
+            if streams:
+                reload.remember(
+                    model, model_config, self.options.weights or model_config.model, streams[0], feeds
+                )
         except FastloadError:
             raise
         except Exception as e:

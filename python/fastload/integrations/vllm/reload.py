@@ -1,0 +1,565 @@
+"""Reloading a running vLLM engine through fastload: ``collective_rpc("reload_weights", ...)``.
+
+vLLM's ``reload_weights`` (``vllm/model_executor/model_loader/reload/``) makes a new loader of the
+engine's load format, sets ``model_config.model`` to the call's ``weights_path``, asks the loader
+for ``get_all_weights(model_config, model)``, then puts every layer of the model back on the meta
+device and runs the model's ``load_weights``: a layer is materialized, filled, post-processed and
+copied into the memory the model runs on (its kernel tensors, whose ``data_ptr`` CUDA graphs hold)
+when its last weight arrives; a layer that received nothing gets its kernel tensors back at the
+end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`) adds:
+
+* **what the call names is read**: ``weights_path`` (a directory or an object storage URL); with
+  no path, the checkpoint the engine holds (for an engine started with the ``weights`` option, that
+  URL). A path that could mean either (the model argument of a ``weights`` engine, holding weight
+  files) is refused, never read as the old URL silently;
+* **checked before anything moves**: every header is validated and every tensor's name, shape and
+  dtype compared with the checkpoint the engine holds, in ``get_all_weights``, before vLLM puts a
+  layer on meta: a checkpoint that does not fit is refused naming the tensors, the model and its
+  config untouched;
+* **only what changed** (the ``skip_unchanged`` option, on by default): where both checkpoints
+  carry fastload digests (``save_pretrained(..., digests=True)``), a layer all of whose checkpoint
+  tensors have equal digests is neither read nor copied. The unit is vLLM's layer, not the tensor:
+  a fused parameter (qkv from q/k/v, gate_up from gate/up) is rebuilt from all of its inputs when
+  any one changed, because vLLM re-materializes the whole layer. Which tensors feed which layer is
+  seen once, at the first load (:class:`FeedWatch`);
+* **never torn**: a failure during the reload (a shard truncated or replaced, a read error, an
+  error in vLLM's code) puts back every layer not yet filled, so they keep their old weights;
+  where no layer had taken new bytes, the model is whole and the error says so; otherwise it
+  raises :class:`~fastload.core.errors.ReloadError` naming the layers that did, and the model's
+  forward refuses to run (that error again) until a reload succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fastload.core.dtypes import CONVERTIBLE
+from fastload.core.errors import (
+    CheckpointError,
+    ModelMismatchError,
+    ReloadError,
+    RequestError,
+)
+from fastload.core.keys import format_names
+from fastload.core.object_store import is_url
+from fastload.core.reload_record import checkpoint_digests
+from fastload.core.units import format_bytes
+
+#: stored tensor name -> (stored dtype, shape, file)
+Catalog = dict[str, tuple[str, tuple[int, ...], str]]
+
+
+@dataclass
+class Held:
+    """The checkpoint an engine's model holds: what the last successful fastload load or reload
+    of it read."""
+
+    #: ``model_config.model`` when it was read (a reload naming no path leaves it so)
+    model_arg: str
+    #: the directory or URL read
+    source: str
+    #: its tensors (``None``: not known, a pickle checkpoint)
+    catalog: Catalog | None
+    #: the digests its files record (empty: none, or they no longer describe the model)
+    digests: dict[str, str]
+    #: stored tensor -> the layers (module names) its copies went into, seen at the first load
+    feeds: dict[str, frozenset[str]]
+    #: layer -> elements the first load copied into it
+    numel: dict[str, int]
+    #: ``model_config`` fields a refused reload puts back (vLLM sets them before asking)
+    config: dict[str, Any] = field(default_factory=dict)
+    #: the forward pre-hook that refuses to run while the model is torn
+    torn: Any = field(default=None, repr=False)
+
+
+_HELD: weakref.WeakKeyDictionary[nn.Module, Held] = weakref.WeakKeyDictionary()
+#: the reload in progress on a model (between get_all_weights and the end of load_weights)
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, _Reload] = weakref.WeakKeyDictionary()
+
+
+def held(model: nn.Module) -> Held | None:
+    """What ``model`` holds (``None``: fastload did not load it in this process)."""
+    return _HELD.get(model)
+
+
+class FeedWatch(TorchFunctionMode):
+    """During the first load's ``load_weights``: which layers each checkpoint tensor's copies go
+    into, and how many elements each layer takes (``current()``: the tensor being consumed).
+    Entered inside :class:`~fastload.integrations.vllm.adopt.CopyWatch`, so it sees every copy
+    before that one takes it over."""
+
+    def __init__(self, model: nn.Module, current: Callable[[], str | None]) -> None:
+        super().__init__()
+        self.current = current
+        self._layers: dict[int, list[str]] = {}
+        #: layer -> its elements (what vLLM's reload counts at most)
+        self._size: dict[str, int] = {}
+        for name, module in model.named_modules():
+            for t in [*module._parameters.values(), *module._buffers.values()]:
+                if t is not None and t.device.type != "meta" and t.numel():
+                    self._layers.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+                    self._size[name] = self._size.get(name, 0) + t.numel()
+        self.feeds: dict[str, set[str]] = {}
+        self._numel: dict[str, int] = {}
+
+    @property
+    def numel(self) -> dict[str, int]:
+        """Layer -> elements copied into it (at most its size: vLLM's reload counts so)."""
+        return {k: min(v, self._size[k]) for k, v in self._numel.items()}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func is torch.Tensor.copy_ and args and isinstance(args[0], torch.Tensor):
+            name = self.current()
+            dst = args[0]
+            layers = self._layers.get(dst.untyped_storage().data_ptr()) if name else None
+            for layer in layers or ():
+                self.feeds.setdefault(name, set()).add(layer)  # type: ignore[arg-type]
+                self._numel[layer] = self._numel.get(layer, 0) + dst.numel()
+        return func(*args, **(kwargs or {}))
+
+
+def describe(stream: Any) -> tuple[Catalog | None, dict[str, str]]:
+    """The tensors of a weight stream (:class:`~fastload.integrations.vllm.weights.
+    CheckpointWeights` or :class:`~fastload.integrations.vllm.remote.RemoteWeights`) and the
+    digests its files record."""
+    ckpt = getattr(stream, "checkpoint", None)
+    if ckpt is None:
+        return stream.catalog(), stream.digests()
+    catalog = {
+        t.name: (t.st_dtype, tuple(t.shape), ckpt.file_path(t)) for t in ckpt.tensors.values()
+    }
+    return catalog, checkpoint_digests(ckpt)
+
+
+def _config_fields(model_config: Any) -> dict[str, Any]:
+    return {k: getattr(model_config, k) for k in ("model", "model_weights", "revision")}
+
+
+def remember(model: nn.Module, model_config: Any, source: str, stream: Any, watch: FeedWatch) -> None:
+    """Records what the first load of ``model`` read (``stream``, the primary weights, from
+    ``source``), and routes later ``load_weights`` calls through :func:`_load_weights` (a
+    reload's checks and recovery; any other caller's weights make the digests stale)."""
+    catalog, digests = describe(stream)
+    _HELD[model] = Held(
+        model_arg=str(model_config.model),
+        source=source,
+        catalog=catalog,
+        digests=digests,
+        feeds={k: frozenset(v) for k, v in watch.feeds.items()},
+        numel=watch.numel,
+        config=_config_fields(model_config),
+    )
+    if "load_weights" not in model.__dict__:
+        original = model.load_weights
+        ref = weakref.ref(model)
+
+        def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            m = ref()
+            assert m is not None
+            return _load_weights(m, original, weights)
+
+        model.load_weights = load_weights  # type: ignore[method-assign]
+
+
+def _load_weights(model: nn.Module, original: Callable[..., Any], weights: Any) -> Any:
+    active = _ACTIVE.get(model)
+    record = _HELD.get(model)
+    if active is None or weights is not active.iterator:
+        # weights from elsewhere (a reload with a weights_iterator, an RL framework's sync): the
+        # digests no longer say what the model holds, so the next reload reads every tensor
+        if record is not None:
+            record.digests = {}
+        return original(weights)
+    try:
+        loaded = original(weights)
+        active.finish()
+    except BaseException as exc:
+        active.recover(exc)  # raises
+    finally:
+        _ACTIVE.pop(model, None)
+        active.close()
+    if isinstance(loaded, set):
+        loaded |= active.unchanged_params()
+    return loaded
+
+
+def _same_dtype_class(a: str, b: str) -> bool:
+    return a == b or (a in CONVERTIBLE and b in CONVERTIBLE)
+
+
+def check_fits(new: Catalog, old: Catalog, label: str, holds: str) -> None:
+    """Refuses ``new`` unless it has exactly the tensors of ``old``, of the same shapes and of
+    dtypes the weight loaders convert between, naming every tensor that does not fit."""
+    shapes: list[str] = []
+    other: list[str] = []
+    for name, (st_dtype, shape, path) in sorted(new.items()):
+        was = old.get(name)
+        if was is None:
+            continue
+        if shape != was[1]:
+            shapes.append(
+                f"{path}: tensor {name!r} has shape {list(shape)}, the engine's was {list(was[1])}"
+            )
+        elif not _same_dtype_class(st_dtype, was[0]):
+            other.append(
+                f"{path}: tensor {name!r} is stored as {st_dtype}, the engine's as {was[0]}"
+            )
+    missing = sorted(set(old) - set(new))
+    if missing:
+        other.append(f"{len(missing)} tensors the engine's checkpoint has are missing: "
+                     f"{format_names(missing)}")  # fmt: skip
+    extra = sorted(set(new) - set(old))
+    if extra:
+        other.append(f"{len(extra)} tensors the engine's checkpoint did not have: "
+                     f"{format_names(extra)}")  # fmt: skip
+    problems = shapes + other
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else ""
+        cls = ModelMismatchError if shapes else CheckpointError
+        raise cls(
+            f"{label} does not fit the model the engine serves ({holds}); reload_weights "
+            f"refused it before writing anything. {len(problems)} problems:\n  {shown}{more}"
+        )
+
+
+def unchanged(record: Held, new: Catalog, new_digests: dict[str, str]) -> set[str]:
+    """The stored tensors a reload leaves out: every tensor feeding a layer none of whose
+    inputs changed (equal digests in both checkpoints, same dtype). Nothing where a changed
+    tensor's layers are not known (its copies were not seen: the model may buffer them)."""
+    old = record.digests
+    catalog = record.catalog or {}
+    same = {
+        name
+        for name, (st_dtype, _, _) in new.items()
+        if old.get(name) is not None
+        and old.get(name) == new_digests.get(name)
+        and catalog.get(name, ("",))[0] == st_dtype
+    }
+    changed_layers: set[str] = set()
+    for name in new:
+        if name in same:
+            continue
+        feeds = record.feeds.get(name)
+        if not feeds:
+            return set()
+        changed_layers |= feeds
+    return {
+        name
+        for name in same
+        if record.feeds.get(name) and not (record.feeds[name] & changed_layers)
+    }
+
+
+def _layerwise() -> tuple[Any, Callable[..., None]] | None:
+    """vLLM's per-layer reload state and the function that puts a layer's kernel tensors back
+    (``None`` where this vLLM has neither: a failure then leaves the layers as vLLM does)."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return None
+    info = getattr(layerwise, "LAYERWISE_INFO", None)
+    place = getattr(layerwise, "_place_kernel_tensors", None)
+    if info is None or place is None:
+        return None
+    return info, place
+
+
+class _Reload:
+    """One reload in progress on ``model``: the stream of the tensors read, and what happens
+    when it ends or fails."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: Any,
+        record: Held,
+        stream: Any,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        *,
+        source: str,
+        catalog: Catalog | None,
+        digests: dict[str, str],
+        left_out: set[str],
+        log: Any,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.record = record
+        self.stream = stream
+        self.source = source
+        self.catalog = catalog
+        self.digests = digests
+        self.left_out = left_out
+        self.log = log
+        self.start = time.perf_counter()
+        #: layers all of whose inputs were left out (unchanged)
+        self.unchanged_layers = {
+            layer for name in left_out for layer in record.feeds.get(name, ())
+        }
+        self.iterator = self._iterate(weights)
+        _ACTIVE[model] = self
+
+    def _iterate(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from weights
+        if self.left_out:
+            self._check_complete()
+
+    def _check_complete(self) -> None:
+        """A layer left partly filled means a tensor left out feeds it after all (a weight
+        loader that buffers): refused before vLLM would finish that layer from empty memory."""
+        state = _layerwise()
+        if state is None:
+            return
+        infos, _ = state
+        short = []
+        for name, layer in self.model.named_modules():
+            info = infos.get(layer)
+            if info is None or not info.can_load() or info.load_numel <= 0:
+                continue
+            if info.load_numel < self.record.numel.get(name, info.load_numel + 1):
+                short.append(name)
+        if short:
+            raise RequestError(
+                f"fastload: leaving out the tensors whose digests are unchanged left layers "
+                f"partly filled: {format_names(short)} (this model's weight loaders do not copy "
+                "each checkpoint tensor as it arrives); reload with "
+                "model_loader_extra_config skip_unchanged=false"
+            )
+
+    def unchanged_params(self) -> set[str]:
+        out = set()
+        for name in self.unchanged_layers:
+            module = self.model.get_submodule(name)
+            out |= {f"{name}.{p}" if name else p for p in module._parameters}
+        return out
+
+    def finish(self) -> None:
+        """The stream ended and the model took it: the layers left out get their kernel tensors
+        back now (vLLM would warn that each failed to load), the record becomes the new
+        checkpoint, a torn mark goes."""
+        state = _layerwise()
+        if state is not None:
+            infos, place = state
+            for name in self.unchanged_layers:
+                layer = self.model.get_submodule(name)
+                info = infos.get(layer)
+                if info is not None and info.can_load() and info.load_numel == 0:
+                    if info.kernel_tensors is not None:
+                        place(layer, info)
+                    info.reset()
+        record = self.record
+        record.model_arg = str(self.model_config.model)
+        record.config = _config_fields(self.model_config)
+        record.source = self.source
+        if self.catalog is not None:
+            record.catalog = self.catalog
+        record.digests = dict(self.digests)
+        unmark(record)
+        read = getattr(self.stream, "bytes", 0)
+        kept = sum(
+            _nbytes(*record.catalog[n][:2]) for n in self.left_out if record.catalog
+        )
+        self.log.info(
+            "fastload: reloaded %s in %.2f s: %d tensors read (%s); %d unchanged tensors "
+            "(%s, %d layers) neither read nor copied",
+            self.source,
+            time.perf_counter() - self.start,
+            len(self.catalog or {}) - len(self.left_out),
+            format_bytes(read),
+            len(self.left_out),
+            format_bytes(kept),
+            len(self.unchanged_layers),
+        )
+
+    def recover(self, exc: BaseException) -> None:
+        """After a failure inside ``load_weights``: every layer not yet filled gets its kernel
+        tensors (its old weights) back; the error names the layers that took new bytes, if any,
+        and the model then refuses to run (:func:`mark`)."""
+        self.close()
+        state = _layerwise()
+        if state is None:
+            raise exc
+        infos, place = state
+        fed = {layer for layers in self.record.feeds.values() for layer in layers}
+        new: list[str] = []
+        for name, layer in self.model.named_modules():
+            info = infos.get(layer)
+            if info is None:
+                continue
+            if info.can_load():
+                if info.kernel_tensors is not None:
+                    place(layer, info)
+                info.reset()
+            elif name in fed and name not in self.unchanged_layers:
+                new.append(name)
+        where = getattr(self.stream, "current", None)
+        what = f" (reading {where[0]}: tensor {where[1]!r})" if where else ""
+        if not new:
+            _put_back(self.model_config, self.record)
+            if isinstance(exc, Exception):
+                exc.add_note(
+                    "fastload: reload_weights failed before any layer took new weights; the "
+                    f"engine keeps its previous weights ({self.record.source}) whole"
+                )
+            raise exc
+        self.record.digests = {}
+        params = sorted(
+            f"{n}.{p}" if n else p for n in new for p in self.model.get_submodule(n)._parameters
+        )
+        message = (
+            f"fastload: reload_weights from {self.source} failed{what} after {len(new)} layers "
+            f"took new weights, the others keep their old ones: {format_names(params)}. The "
+            "model refuses to run until a reload succeeds"
+        )
+        mark(self.model, self.record, params, message)
+        if isinstance(exc, Exception):
+            raise ReloadError(f"{message} ({type(exc).__name__}: {exc})", params) from exc
+        exc.add_note(message)
+        raise exc
+
+    def close(self) -> None:
+        close = getattr(self.stream, "close", None)
+        if close is not None:
+            close()
+
+
+def _nbytes(st_dtype: str, shape: tuple[int, ...]) -> int:
+    from fastload import _core
+
+    n = 1
+    for s in shape:
+        n *= s
+    return n * _core.dtype_bits()[st_dtype] // 8
+
+
+def mark(model: nn.Module, record: Held, names: list[str], message: str) -> None:
+    """The model's forward raises ``ReloadError`` until a reload succeeds (:func:`unmark`)."""
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        raise ReloadError(message, names)
+
+    unmark(record)
+    record.torn = model.register_forward_pre_hook(refuse)
+
+
+def unmark(record: Held) -> None:
+    if record.torn is not None:
+        record.torn.remove()
+        record.torn = None
+
+
+def _put_back(model_config: Any, record: Held) -> None:
+    """The config fields vLLM set for a reload that did not happen: the next reload naming no
+    path re-reads what the engine holds."""
+    for key, value in record.config.items():
+        setattr(model_config, key, value)
+
+
+def choose_source(named: str, record: Held, weights_option: str | None) -> str:
+    """What a reload reads: the path or URL the call named, or with none (``model_config.model``
+    still the engine's model argument) the checkpoint the engine holds."""
+    if named != record.model_arg:
+        return named
+    if weights_option is not None and os.path.isdir(named):
+        if any(f.endswith((".safetensors", ".bin", ".pt")) for f in os.listdir(named)):
+            raise RequestError(
+                f"reload_weights: {named!r} is this engine's model argument, which names only its "
+                f"config while its weights come from {record.source} (the 'weights' option), "
+                "and it holds weight files: pass weights_path as the checkpoint to read (the "
+                "directory under another name, or the object storage URL), or call "
+                "reload_weights without weights_path to re-read the weights the engine holds"
+            )
+    return record.source
+
+
+def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, log: Any) -> Any:
+    """What :meth:`FastloadModelLoader.get_all_weights` returns for a reload: the new
+    checkpoint opened, validated and checked against the one the engine holds, the unchanged
+    tensors left out, before vLLM touches a layer (a refusal here leaves the model and its config
+    as they were)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    from .remote import RemoteWeights
+
+    options = loader.options
+    try:
+        source = choose_source(str(model_config.model), record, options.weights)
+        unused = getattr(model, "is_unused_checkpoint_weight", None)
+        if is_url(source):
+            experts = getattr(loader, "local_expert_ids", None)
+
+            def skip(name: str) -> bool:
+                return should_skip_weight(name, experts) or (unused is not None and unused(name))
+
+            stream: Any = RemoteWeights(
+                source,
+                storage_options=options.storage_options,
+                threads=options.threads,
+                progress=loader._start_stream(),
+                skip=skip,
+            )
+            first: Iterator[tuple[str, torch.Tensor]] = iter(stream)
+        else:
+            primary = DefaultModelLoader.Source(
+                source,
+                model_config.revision,
+                prefix="",
+                fall_back_to_pt=getattr(model, "fall_back_to_pt_during_load", True),
+                allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+                is_unused_weight=unused,
+            )
+            first = loader._get_weights_iterator(primary)
+            stream = loader._streams[-1]
+        catalog, digests = describe(stream)
+        if catalog is not None and record.catalog is not None:
+            check_fits(catalog, record.catalog, source, record.source)
+        left_out: set[str] = set()
+        if options.skip_unchanged and catalog is not None and record.catalog is not None:
+            left_out = unchanged(record, catalog, digests)
+        if left_out and isinstance(stream, RemoteWeights):
+            stream.tensors = [t for t in stream.tensors if t.name not in left_out]
+        elif left_out:
+            stream.leave_out(left_out)
+        others = [
+            loader._get_weights_iterator(s) for s in getattr(model, "secondary_weights", ())
+        ]
+    except BaseException:
+        _put_back(model_config, record)
+        raise
+
+    def chained() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from first
+        for it in others:
+            yield from it
+
+    reload = _Reload(
+        model,
+        model_config,
+        record,
+        stream,
+        chained(),
+        source=source,
+        catalog=catalog,
+        digests=digests,
+        left_out=left_out,
+        log=log,
+    )
+    return reload.iterator
+
+
+__all__ = ["FeedWatch", "Held", "check_fits", "choose_source", "held", "open_reload", "remember", "unchanged"]
