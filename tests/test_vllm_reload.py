@@ -35,7 +35,7 @@ from test_vllm import (
 #: one engine, reloaded step by step: the step's JSON on stdin, a line back for each; the
 #: engine's own weight iterators replaced by ones that say they were called
 _DRIVER = """
-import json, sys
+import json, os, sys
 
 def main():
     import vllm.model_executor.model_loader.default_loader as default_loader
@@ -54,6 +54,22 @@ def main():
     for line in sys.stdin:
         step = json.loads(line)
         try:
+            if step.get("fault"):  # the file changes once the reload checked it, before it reads
+                import fastload.integrations.vllm.reload as fastload_reload
+
+                real = fastload_reload.open_reload
+
+                def faulty(*args, fault=step["fault"], **kwargs):
+                    fastload_reload.open_reload = real
+                    stream = real(*args, **kwargs)
+                    if fault["kind"] == "truncate":
+                        with open(fault["path"], "r+b") as f:
+                            f.truncate(fault["size"])
+                    else:  # replaced: another file renamed over it
+                        os.replace(fault["by"], fault["path"])
+                    return stream
+
+                fastload_reload.open_reload = faulty
             if step["do"] == "generate":
                 out = llm.generate(PROMPTS, params, use_tqdm=False)
                 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in out]), flush=True)
@@ -97,10 +113,14 @@ class Engine:
         assert word == "RESULT", (value, self.run.output())
         return value  # type: ignore[return-value]
 
-    def reload(self, weights_path: str | Path | None = None) -> tuple[str, object]:
-        """``("RELOADED", None)`` or ``("ERROR", [exception type, message])``."""
+    def reload(
+        self, weights_path: str | Path | None = None, fault: dict[str, object] | None = None
+    ) -> tuple[str, object]:
+        """``("RELOADED", None)`` or ``("ERROR", [exception type, message])``; ``fault``: a
+        shard truncated (``{"kind": "truncate", "path", "size"}``) or replaced (``{"kind":
+        "replace", "path", "by"}``) once the reload has checked it, before it reads it."""
         kwargs = {} if weights_path is None else {"weights_path": str(weights_path)}
-        return self._step({"do": "reload", "kwargs": kwargs})
+        return self._step({"do": "reload", "kwargs": kwargs, "fault": fault})
 
     def attempt(self) -> tuple[str, object]:
         return self._step({"do": "generate"})
@@ -205,3 +225,136 @@ def test_reload_weights_gives_the_tokens_of_a_fresh_engine_reading_only_changed_
     assert "6 tensors read" in output and "15 unchanged tensors" in output, output
     # the reload naming no path re-reads the same checkpoint: every layer unchanged
     assert "0 tensors read" in output and "21 unchanged tensors" in output, output
+
+
+def _header(shard: Path) -> tuple[int, dict[str, dict[str, object]]]:
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return 8 + n, json.loads(raw[8 : 8 + n])
+
+
+def _shard_of(model: Path, tensor: str) -> Path:
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    return model / index["weight_map"][tensor]
+
+
+def _bad(base: Path, where: Path) -> dict[str, tuple[Path, str, str]]:
+    """Checkpoints that do not fit the engine serving ``base``: {kind: (directory, file named,
+    tensor named)}."""
+    from vllm_models import rewrite_header
+
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    out = {}
+    d = rewrite(base, where / "wrong-shape")
+    shard = _shard_of(d, o_proj)
+
+    def reshaped(header: dict) -> dict:
+        rows, cols = header[o_proj]["shape"]
+        header[o_proj]["shape"] = [rows * 2, cols // 2]
+        return header
+
+    rewrite_header(shard, reshaped)
+    out["wrong-shape"] = (d, str(shard), o_proj)
+
+    d = rewrite(base, where / "truncated")
+    shard = _shard_of(d, o_proj)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1000)
+    begin, header = _header(shard)
+    header.pop("__metadata__", None)
+    last = max(header, key=lambda name: header[name]["data_offsets"][1])  # type: ignore[index]
+    out["truncated"] = (d, str(shard), last)
+
+    d = rewrite(base, where / "missing")
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    shard = _shard_of(d, norm)
+
+    from safetensors.torch import load_file
+
+    from fastload import save_file
+
+    state = load_file(shard)
+    del state[norm]
+    save_file(state, shard, metadata={"format": "pt"}, digests=True)
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    del index["weight_map"][norm]
+    (d / "model.safetensors.index.json").write_text(json.dumps(index))
+    out["missing"] = (d, "", norm)
+    return out
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_and_the_old_weights_keep_serving(
+    base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    bad = _bad(base, tmp_path)
+    engine = Engine(base, load_format="fastload")
+    try:
+        for kind, (path, file, tensor) in bad.items():
+            word, error = engine.reload(path)
+            assert word == "ERROR", (kind, error)
+            name, message = error  # type: ignore[misc]
+            assert name in ("CheckpointError", "ModelMismatchError"), (kind, error)
+            assert file in message and repr(tensor) in message, (kind, error)
+            assert engine.generate() == fresh_tokens["base"], kind
+        # the refused path was not kept: a reload naming none re-reads what the engine holds
+        assert engine.reload() == ("RELOADED", None)
+        assert engine.generate() == fresh_tokens["base"]
+        assert engine.reload(tuned) == ("RELOADED", None)
+        assert engine.generate() == fresh_tokens["tuned"]
+    finally:
+        output = engine.close()
+    assert "OWN-ITERATOR-CALLED" not in output, output
+
+
+def test_a_shard_truncated_during_the_reload_leaves_old_weights_or_names_the_new_ones(
+    base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]], tmp_path: Path
+) -> None:
+    q_proj, norm = "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"
+    first, last = _shard_of(tuned, q_proj).name, _shard_of(tuned, norm).name
+    assert first < last  # read in this order: q_proj's layer is filled before the norm is read
+    engine = Engine(base, load_format="fastload")
+    try:
+        # the shard read first cut to its header: no layer took anything
+        cut = rewrite(tuned, tmp_path / "cut-first")
+        begin, _ = _header(cut / first)
+        fault = {"kind": "truncate", "path": str(cut / first), "size": begin}
+        word, error = engine.reload(cut, fault)
+        assert word == "ERROR", error
+        assert str(cut / first) in error[1], error  # type: ignore[index]
+        assert "keeps its previous weights" in error[1], error  # type: ignore[index]
+        assert engine.generate() == fresh_tokens["base"]
+
+        # a shard replaced during the reload: the file opened and checked is the one read
+        swapped = rewrite(tuned, tmp_path / "swapped")
+        other = rewrite(base, tmp_path / "other", lambda name: True, seed=7)
+        fault = {"kind": "replace", "path": str(swapped / first), "by": str(other / first)}
+        assert engine.reload(swapped, fault) == ("RELOADED", None)
+        assert engine.generate() == fresh_tokens["tuned"]
+
+        # the norm's shard cut where the norm begins: layer 0's qkv and gate_up took new weights
+        for attempt in ("reload", "generate"):
+            cut = rewrite(base, tmp_path / f"cut-last-{attempt}", _fine_tune, seed=3)
+            begin, header = _header(cut / last)
+            size = begin + header[norm]["data_offsets"][0]  # type: ignore[index]
+            fault = {"kind": "truncate", "path": str(cut / last), "size": size}
+            word, error = engine.reload(cut, fault)
+            assert word == "ERROR" and error[0] == "ReloadError", error  # type: ignore[index]
+            message = error[1]  # type: ignore[index]
+            assert str(cut / last) in message, message
+            assert "model.layers.0.self_attn.qkv_proj.weight" in message, message
+            assert "model.layers.0.mlp.gate_up_proj.weight" in message, message
+            assert "model.layers.1" not in message, message
+            if attempt == "reload":
+                # a reload that succeeds lifts the mark (every tensor read: the digests no
+                # longer say what the torn layers hold)
+                assert engine.reload(base) == ("RELOADED", None)
+                assert engine.generate() == fresh_tokens["base"]
+            else:
+                # generating on the torn model is refused (vLLM's engine stops there: it has
+                # no way to fail one step and go on)
+                word, refused = engine.attempt()
+                assert word == "ERROR" and refused[0] == "ReloadError", refused  # type: ignore[index]
+                assert "refuses to run until a reload succeeds" in refused[1], refused  # type: ignore[index]
+    finally:
+        output = engine.close()
+    assert "21 tensors read" in output, output

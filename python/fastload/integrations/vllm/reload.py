@@ -31,6 +31,7 @@ end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import weakref
@@ -218,11 +219,11 @@ def check_fits(new: Catalog, old: Catalog, label: str, holds: str) -> None:
     missing = sorted(set(old) - set(new))
     if missing:
         other.append(f"{len(missing)} tensors the engine's checkpoint has are missing: "
-                     f"{format_names(missing)}")  # fmt: skip
+                     f"{format_names([repr(n) for n in missing])}")  # fmt: skip
     extra = sorted(set(new) - set(old))
     if extra:
         other.append(f"{len(extra)} tensors the engine's checkpoint did not have: "
-                     f"{format_names(extra)}")  # fmt: skip
+                     f"{format_names([repr(n) for n in extra])}")  # fmt: skip
     problems = shapes + other
     if problems:
         shown = "\n  ".join(problems[:20])
@@ -344,7 +345,7 @@ class _Reload:
         out = set()
         for name in self.unchanged_layers:
             module = self.model.get_submodule(name)
-            out |= {f"{name}.{p}" if name else p for p in module._parameters}
+            out |= {f"{name}.{p}" if name else p for p, t in module._parameters.items() if t is not None}
         return out
 
     def finish(self) -> None:
@@ -406,22 +407,27 @@ class _Reload:
                 info.reset()
             elif name in fed and name not in self.unchanged_layers:
                 new.append(name)
-        where = getattr(self.stream, "current", None)
-        what = f" (reading {where[0]}: tensor {where[1]!r})" if where else ""
         if not new:
             _put_back(self.model_config, self.record)
-            if isinstance(exc, Exception):
-                exc.add_note(
-                    "fastload: reload_weights failed before any layer took new weights; the "
-                    f"engine keeps its previous weights ({self.record.source}) whole"
-                )
+            note = (
+                "fastload: reload_weights failed before any layer took new weights; the engine "
+                f"keeps its previous weights ({self.record.source}) whole"
+            )
+            # in the message itself where it can be (notes do not cross vLLM's RPC)
+            if exc.args and isinstance(exc.args[0], str) and type(exc).__str__ is BaseException.__str__:
+                exc.args = (f"{exc.args[0]}. {note}", *exc.args[1:])
+            else:
+                exc.add_note(note)
             raise exc
         self.record.digests = {}
         params = sorted(
-            f"{n}.{p}" if n else p for n in new for p in self.model.get_submodule(n)._parameters
+            f"{n}.{p}" if n else p
+            for n in new
+            for p, t in self.model.get_submodule(n)._parameters.items()
+            if t is not None
         )
         message = (
-            f"fastload: reload_weights from {self.source} failed{what} after {len(new)} layers "
+            f"fastload: reload_weights from {self.source} failed after {len(new)} layers "
             f"took new weights, the others keep their old ones: {format_names(params)}. The "
             "model refuses to run until a reload succeeds"
         )
@@ -497,6 +503,12 @@ def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, 
     from .remote import RemoteWeights
 
     options = loader.options
+    # Positioned reads, never views of a mapping: a shard truncated during the reload is then a
+    # read error naming it, not a SIGBUS that kills the engine (and the weight loaders copy into
+    # vLLM's fresh layers anyway: a view would save no copy). An accelerator's weights go
+    # through the staged ring.
+    loader.options = dataclasses.replace(options, mmap="copy")
+    loader._device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
     try:
         source = choose_source(str(model_config.model), record, options.weights)
         unused = getattr(model, "is_unused_checkpoint_weight", None)
