@@ -358,3 +358,46 @@ def test_a_shard_truncated_during_the_reload_leaves_old_weights_or_names_the_new
     finally:
         output = engine.close()
     assert "21 tensors read" in output, output
+
+
+def test_an_engine_on_object_storage_weights_reloads_what_each_call_names(
+    base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]], tmp_path: Path, server
+) -> None:
+    """Started with the ``weights`` option (the model argument names only the config): a reload
+    reads the URL or directory the call names, re-reads the URL the engine holds when it names
+    none, and refuses a path it could read as either."""
+    base_url = server.place(base, "models", "base")
+    tuned_url = server.place(tuned, "models", "tuned")
+    config = tmp_path / "config-only"
+    config.mkdir()
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, config / f.name)
+    # more retries than the default: the server hashes each placed shard per request
+    extra = {"weights": base_url, "storage_options": {"max_retries": 8}}
+    env = _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **server.env())
+    engine = Engine(config, env, load_format="fastload", model_loader_extra_config=extra)
+    try:
+        assert engine.generate() == fresh_tokens["base"]
+        # weight files put beside the config: naming the model argument could mean them or the
+        # URL the engine holds
+        for f in tuned.glob("*.safetensors"):
+            shutil.copy(f, config / f.name)
+        word, error = engine.reload(config)
+        assert word == "ERROR" and error[0] == "RequestError", error  # type: ignore[index]
+        assert "'weights' option" in error[1] and str(config) in error[1], error  # type: ignore[index]
+        assert engine.generate() == fresh_tokens["base"]
+        for f in config.glob("*.safetensors"):
+            f.unlink()
+        assert engine.reload() == ("RELOADED", None)  # no path: the option's URL, re-read
+        assert engine.generate() == fresh_tokens["base"]
+        assert engine.reload(tuned_url) == ("RELOADED", None)
+        assert engine.generate() == fresh_tokens["tuned"]
+        assert engine.reload() == ("RELOADED", None)  # the URL it now holds, not the option's
+        assert engine.generate() == fresh_tokens["tuned"]
+        assert engine.reload(base) == ("RELOADED", None)  # a local directory
+        assert engine.generate() == fresh_tokens["base"]
+    finally:
+        output = engine.close()
+    assert "OWN-ITERATOR-CALLED" not in output, output
+    assert f"reloaded {tuned_url} in" in output and "6 tensors read" in output, output
