@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +28,9 @@ from test_vllm import (
     PROMPTS,
     TIMEOUT,
     _env,
+    _request,
     _Run,
+    _serve,
     _tokens,
     pytestmark,  # noqa: F401  (skips the module without vLLM)
 )
@@ -401,3 +404,44 @@ def test_an_engine_on_object_storage_weights_reloads_what_each_call_names(
         output = engine.close()
     assert "OWN-ITERATOR-CALLED" not in output, output
     assert f"reloaded {tuned_url} in" in output and "6 tensors read" in output, output
+
+
+def test_vllm_serve_reloads_between_two_requests(
+    base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]], monkeypatch
+) -> None:
+    """``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``) between two completion requests."""
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    run, uds = _serve(base, "fastload")
+
+    def complete() -> list[list[int]]:
+        body = {
+            "model": str(base),
+            "prompt": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        answer = _request(uds, "/v1/completions", body)
+        choices = sorted(answer["choices"], key=lambda c: c["index"])  # type: ignore[index]
+        return [list(c["token_ids"]) for c in choices]
+
+    try:
+        ready = run.until("Application startup complete", anywhere=True)
+        assert ready is not None, f"vllm serve exited:\n{run.output()}"
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # uvicorn listens right after that line
+            try:
+                _request(uds, "/v1/models")
+                break
+            except ConnectionRefusedError:
+                assert run.proc.poll() is None, f"vllm serve exited:\n{run.output()}"
+                assert time.monotonic() < deadline, f"vllm serve never listened:\n{run.output()}"
+                time.sleep(0.1)
+        assert complete() == fresh_tokens["base"]
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(tuned)}}
+        assert _request(uds, "/collective_rpc", rpc) == {"results": [None]}, run.output()
+        assert complete() == fresh_tokens["tuned"]
+    finally:
+        run.stop()
+    output = run.output()
+    assert f"fastload: reloaded {tuned} in" in output and "6 tensors read" in output, output
