@@ -42,8 +42,8 @@ from vllm.model_executor.model_loader.weight_utils import (
 from fastload.core.errors import FastloadError, ModelMismatchError, UnsupportedError
 from fastload.core.units import format_bytes
 
-from .adopt import CopyWatch
 from . import reload
+from .adopt import CopyWatch
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
 from .release import MappingRecord, release_unused
 from .remote import RemoteWeights
@@ -209,6 +209,7 @@ class FastloadModelLoader(DefaultModelLoader):
         model = super().load_model(
             vllm_config=vllm_config, model_config=model_config, prefix=prefix
         )
+        reload.seal(model)  # what a later reload_weights compares with
         if self._mappings:
             # after vLLM's post-load processing, which repacks or replaces most parameters
             tensors = [*model.parameters(), *model.buffers()]
@@ -254,7 +255,11 @@ class FastloadModelLoader(DefaultModelLoader):
                 super().load_weights(model, model_config)
             if streams:
                 reload.remember(
-                    model, model_config, self.options.weights or model_config.model, streams[0], feeds
+                    model,
+                    model_config,
+                    self.options.weights or model_config.model,
+                    streams[0],
+                    feeds,
                 )
         except FastloadError:
             raise

@@ -32,134 +32,56 @@ end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from fastload.core.dtypes import CONVERTIBLE
-from fastload.core.errors import (
-    CheckpointError,
-    ModelMismatchError,
-    ReloadError,
-    RequestError,
-)
+from fastload.core.errors import ReloadError, RequestError
 from fastload.core.keys import format_names
 from fastload.core.object_store import is_url
-from fastload.core.reload_record import checkpoint_digests
 from fastload.core.units import format_bytes
 
-#: stored tensor name -> (stored dtype, shape, file)
-Catalog = dict[str, tuple[str, tuple[int, ...], str]]
+from .reload_state import (
+    RECORDS,
+    Catalog,
+    FeedWatch,
+    Held,
+    check_fits,
+    choose_source,
+    config_fields,
+    describe,
+    held,
+    mark,
+    moved,
+    put_back,
+    sample_layers,
+    unchanged,
+    unmark,
+)
 
-
-@dataclass
-class Held:
-    """The checkpoint an engine's model holds: what the last successful fastload load or reload
-    of it read."""
-
-    #: ``model_config.model`` when it was read (a reload naming no path leaves it so)
-    model_arg: str
-    #: the directory or URL read
-    source: str
-    #: its tensors (``None``: not known, a pickle checkpoint)
-    catalog: Catalog | None
-    #: the digests its files record (empty: none, or they no longer describe the model)
-    digests: dict[str, str]
-    #: stored tensor -> the layers (module names) its copies went into, seen at the first load
-    feeds: dict[str, frozenset[str]]
-    #: layer -> elements the first load copied into it
-    numel: dict[str, int]
-    #: ``model_config`` fields a refused reload puts back (vLLM sets them before asking)
-    config: dict[str, Any] = field(default_factory=dict)
-    #: the forward pre-hook that refuses to run while the model is torn
-    torn: Any = field(default=None, repr=False)
-
-
-_HELD: weakref.WeakKeyDictionary[nn.Module, Held] = weakref.WeakKeyDictionary()
 #: the reload in progress on a model (between get_all_weights and the end of load_weights)
 _ACTIVE: weakref.WeakKeyDictionary[nn.Module, _Reload] = weakref.WeakKeyDictionary()
 
 
-def held(model: nn.Module) -> Held | None:
-    """What ``model`` holds (``None``: fastload did not load it in this process)."""
-    return _HELD.get(model)
-
-
-class FeedWatch(TorchFunctionMode):
-    """During the first load's ``load_weights``: which layers each checkpoint tensor's copies go
-    into, and how many elements each layer takes (``current()``: the tensor being consumed).
-    Entered inside :class:`~fastload.integrations.vllm.adopt.CopyWatch`, so it sees every copy
-    before that one takes it over."""
-
-    def __init__(self, model: nn.Module, current: Callable[[], str | None]) -> None:
-        super().__init__()
-        self.current = current
-        self._layers: dict[int, list[str]] = {}
-        #: layer -> its elements (what vLLM's reload counts at most)
-        self._size: dict[str, int] = {}
-        for name, module in model.named_modules():
-            for t in [*module._parameters.values(), *module._buffers.values()]:
-                if t is not None and t.device.type != "meta" and t.numel():
-                    self._layers.setdefault(t.untyped_storage().data_ptr(), []).append(name)
-                    self._size[name] = self._size.get(name, 0) + t.numel()
-        self.feeds: dict[str, set[str]] = {}
-        self._numel: dict[str, int] = {}
-
-    @property
-    def numel(self) -> dict[str, int]:
-        """Layer -> elements copied into it (at most its size: vLLM's reload counts so)."""
-        return {k: min(v, self._size[k]) for k, v in self._numel.items()}
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        if func is torch.Tensor.copy_ and args and isinstance(args[0], torch.Tensor):
-            name = self.current()
-            dst = args[0]
-            layers = self._layers.get(dst.untyped_storage().data_ptr()) if name else None
-            for layer in layers or ():
-                self.feeds.setdefault(name, set()).add(layer)  # type: ignore[arg-type]
-                self._numel[layer] = self._numel.get(layer, 0) + dst.numel()
-        return func(*args, **(kwargs or {}))
-
-
-def describe(stream: Any) -> tuple[Catalog | None, dict[str, str]]:
-    """The tensors of a weight stream (:class:`~fastload.integrations.vllm.weights.
-    CheckpointWeights` or :class:`~fastload.integrations.vllm.remote.RemoteWeights`) and the
-    digests its files record."""
-    ckpt = getattr(stream, "checkpoint", None)
-    if ckpt is None:
-        return stream.catalog(), stream.digests()
-    catalog = {
-        t.name: (t.st_dtype, tuple(t.shape), ckpt.file_path(t)) for t in ckpt.tensors.values()
-    }
-    return catalog, checkpoint_digests(ckpt)
-
-
-def _config_fields(model_config: Any) -> dict[str, Any]:
-    return {k: getattr(model_config, k) for k in ("model", "model_weights", "revision")}
-
-
-def remember(model: nn.Module, model_config: Any, source: str, stream: Any, watch: FeedWatch) -> None:
+def remember(
+    model: nn.Module, model_config: Any, source: str, stream: Any, watch: FeedWatch
+) -> None:
     """Records what the first load of ``model`` read (``stream``, the primary weights, from
     ``source``), and routes later ``load_weights`` calls through :func:`_load_weights` (a
     reload's checks and recovery; any other caller's weights make the digests stale)."""
     catalog, digests = describe(stream)
-    _HELD[model] = Held(
+    RECORDS[model] = Held(
         model_arg=str(model_config.model),
         source=source,
         catalog=catalog,
         digests=digests,
         feeds={k: frozenset(v) for k, v in watch.feeds.items()},
         numel=watch.numel,
-        config=_config_fields(model_config),
+        config=config_fields(model_config),
     )
     if "load_weights" not in model.__dict__:
         original = model.load_weights
@@ -175,7 +97,7 @@ def remember(model: nn.Module, model_config: Any, source: str, stream: Any, watc
 
 def _load_weights(model: nn.Module, original: Callable[..., Any], weights: Any) -> Any:
     active = _ACTIVE.get(model)
-    record = _HELD.get(model)
+    record = RECORDS.get(model)
     if active is None or weights is not active.iterator:
         # weights from elsewhere (a reload with a weights_iterator, an RL framework's sync): the
         # digests no longer say what the model holds, so the next reload reads every tensor
@@ -193,74 +115,6 @@ def _load_weights(model: nn.Module, original: Callable[..., Any], weights: Any) 
     if isinstance(loaded, set):
         loaded |= active.unchanged_params()
     return loaded
-
-
-def _same_dtype_class(a: str, b: str) -> bool:
-    return a == b or (a in CONVERTIBLE and b in CONVERTIBLE)
-
-
-def check_fits(new: Catalog, old: Catalog, label: str, holds: str) -> None:
-    """Refuses ``new`` unless it has exactly the tensors of ``old``, of the same shapes and of
-    dtypes the weight loaders convert between, naming every tensor that does not fit."""
-    shapes: list[str] = []
-    other: list[str] = []
-    for name, (st_dtype, shape, path) in sorted(new.items()):
-        was = old.get(name)
-        if was is None:
-            continue
-        if shape != was[1]:
-            shapes.append(
-                f"{path}: tensor {name!r} has shape {list(shape)}, the engine's was {list(was[1])}"
-            )
-        elif not _same_dtype_class(st_dtype, was[0]):
-            other.append(
-                f"{path}: tensor {name!r} is stored as {st_dtype}, the engine's as {was[0]}"
-            )
-    missing = sorted(set(old) - set(new))
-    if missing:
-        other.append(f"{len(missing)} tensors the engine's checkpoint has are missing: "
-                     f"{format_names([repr(n) for n in missing])}")  # fmt: skip
-    extra = sorted(set(new) - set(old))
-    if extra:
-        other.append(f"{len(extra)} tensors the engine's checkpoint did not have: "
-                     f"{format_names([repr(n) for n in extra])}")  # fmt: skip
-    problems = shapes + other
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else ""
-        cls = ModelMismatchError if shapes else CheckpointError
-        raise cls(
-            f"{label} does not fit the model the engine serves ({holds}); reload_weights "
-            f"refused it before writing anything. {len(problems)} problems:\n  {shown}{more}"
-        )
-
-
-def unchanged(record: Held, new: Catalog, new_digests: dict[str, str]) -> set[str]:
-    """The stored tensors a reload leaves out: every tensor feeding a layer none of whose
-    inputs changed (equal digests in both checkpoints, same dtype). Nothing where a changed
-    tensor's layers are not known (its copies were not seen: the model may buffer them)."""
-    old = record.digests
-    catalog = record.catalog or {}
-    same = {
-        name
-        for name, (st_dtype, _, _) in new.items()
-        if old.get(name) is not None
-        and old.get(name) == new_digests.get(name)
-        and catalog.get(name, ("",))[0] == st_dtype
-    }
-    changed_layers: set[str] = set()
-    for name in new:
-        if name in same:
-            continue
-        feeds = record.feeds.get(name)
-        if not feeds:
-            return set()
-        changed_layers |= feeds
-    return {
-        name
-        for name in same
-        if record.feeds.get(name) and not (record.feeds[name] & changed_layers)
-    }
 
 
 def _layerwise() -> tuple[Any, Callable[..., None]] | None:
@@ -306,9 +160,7 @@ class _Reload:
         self.log = log
         self.start = time.perf_counter()
         #: layers all of whose inputs were left out (unchanged)
-        self.unchanged_layers = {
-            layer for name in left_out for layer in record.feeds.get(name, ())
-        }
+        self.unchanged_layers = {layer for name in left_out for layer in record.feeds.get(name, ())}
         self.iterator = self._iterate(weights)
         _ACTIVE[model] = self
 
@@ -345,7 +197,9 @@ class _Reload:
         out = set()
         for name in self.unchanged_layers:
             module = self.model.get_submodule(name)
-            out |= {f"{name}.{p}" if name else p for p, t in module._parameters.items() if t is not None}
+            out |= {
+                f"{name}.{p}" if name else p for p, t in module._parameters.items() if t is not None
+            }
         return out
 
     def finish(self) -> None:
@@ -364,16 +218,16 @@ class _Reload:
                     info.reset()
         record = self.record
         record.model_arg = str(self.model_config.model)
-        record.config = _config_fields(self.model_config)
+        record.config = config_fields(self.model_config)
         record.source = self.source
         if self.catalog is not None:
             record.catalog = self.catalog
         record.digests = dict(self.digests)
+        # what the layers hold now (those vLLM finishes after this are sampled as unknown)
+        sample_layers(self.model, record, {n for f in record.feeds.values() for n in f})
         unmark(record)
         read = getattr(self.stream, "bytes", 0)
-        kept = sum(
-            _nbytes(*record.catalog[n][:2]) for n in self.left_out if record.catalog
-        )
+        kept = sum(_nbytes(*record.catalog[n][:2]) for n in self.left_out if record.catalog)
         self.log.info(
             "fastload: reloaded %s in %.2f s: %d tensors read (%s); %d unchanged tensors "
             "(%s, %d layers) neither read nor copied",
@@ -408,13 +262,17 @@ class _Reload:
             elif name in fed and name not in self.unchanged_layers:
                 new.append(name)
         if not new:
-            _put_back(self.model_config, self.record)
+            put_back(self.model_config, self.record)
             note = (
                 "fastload: reload_weights failed before any layer took new weights; the engine "
                 f"keeps its previous weights ({self.record.source}) whole"
             )
             # in the message itself where it can be (notes do not cross vLLM's RPC)
-            if exc.args and isinstance(exc.args[0], str) and type(exc).__str__ is BaseException.__str__:
+            if (
+                exc.args
+                and isinstance(exc.args[0], str)
+                and type(exc).__str__ is BaseException.__str__
+            ):
                 exc.args = (f"{exc.args[0]}. {note}", *exc.args[1:])
             else:
                 exc.add_note(note)
@@ -452,44 +310,12 @@ def _nbytes(st_dtype: str, shape: tuple[int, ...]) -> int:
     return n * _core.dtype_bits()[st_dtype] // 8
 
 
-def mark(model: nn.Module, record: Held, names: list[str], message: str) -> None:
-    """The model's forward raises ``ReloadError`` until a reload succeeds (:func:`unmark`)."""
-
-    def refuse(module: nn.Module, args: Any) -> None:
-        raise ReloadError(message, names)
-
-    unmark(record)
-    record.torn = model.register_forward_pre_hook(refuse)
-
-
-def unmark(record: Held) -> None:
-    if record.torn is not None:
-        record.torn.remove()
-        record.torn = None
-
-
-def _put_back(model_config: Any, record: Held) -> None:
-    """The config fields vLLM set for a reload that did not happen: the next reload naming no
-    path re-reads what the engine holds."""
-    for key, value in record.config.items():
-        setattr(model_config, key, value)
-
-
-def choose_source(named: str, record: Held, weights_option: str | None) -> str:
-    """What a reload reads: the path or URL the call named, or with none (``model_config.model``
-    still the engine's model argument) the checkpoint the engine holds."""
-    if named != record.model_arg:
-        return named
-    if weights_option is not None and os.path.isdir(named):
-        if any(f.endswith((".safetensors", ".bin", ".pt")) for f in os.listdir(named)):
-            raise RequestError(
-                f"reload_weights: {named!r} is this engine's model argument, which names only its "
-                f"config while its weights come from {record.source} (the 'weights' option), "
-                "and it holds weight files: pass weights_path as the checkpoint to read (the "
-                "directory under another name, or the object storage URL), or call "
-                "reload_weights without weights_path to re-read the weights the engine holds"
-            )
-    return record.source
+def seal(model: nn.Module) -> None:
+    """After the first load's post-processing: a sample of what each layer holds, to tell at
+    a reload whether anything else wrote into it since (:func:`~.reload_state.moved`)."""
+    record = RECORDS.get(model)
+    if record is not None:
+        sample_layers(model, record, {n for f in record.feeds.values() for n in f})
 
 
 def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, log: Any) -> Any:
@@ -542,16 +368,14 @@ def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, 
             check_fits(catalog, record.catalog, source, record.source)
         left_out: set[str] = set()
         if options.skip_unchanged and catalog is not None and record.catalog is not None:
-            left_out = unchanged(record, catalog, digests)
+            left_out = unchanged(record, catalog, digests, moved(model, record))
         if left_out and isinstance(stream, RemoteWeights):
             stream.tensors = [t for t in stream.tensors if t.name not in left_out]
         elif left_out:
             stream.leave_out(left_out)
-        others = [
-            loader._get_weights_iterator(s) for s in getattr(model, "secondary_weights", ())
-        ]
+        others = [loader._get_weights_iterator(s) for s in getattr(model, "secondary_weights", ())]
     except BaseException:
-        _put_back(model_config, record)
+        put_back(model_config, record)
         raise
 
     def chained() -> Iterator[tuple[str, torch.Tensor]]:
@@ -574,4 +398,4 @@ def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, 
     return reload.iterator
 
 
-__all__ = ["FeedWatch", "Held", "check_fits", "choose_source", "held", "open_reload", "remember", "unchanged"]
+__all__ = ["FeedWatch", "held", "open_reload", "remember", "seal"]

@@ -218,9 +218,7 @@ class CheckpointWeights:
         for f in self._files:
             if f.st is not None:
                 names = {e[0] for e in f.entries or ()}
-                out.update(
-                    (k, v) for k, v in file_digests(f.st.metadata()).items() if k in names
-                )
+                out.update((k, v) for k, v in file_digests(f.st.metadata()).items() if k in names)
         return out
 
     def leave_out(self, names: set[str]) -> None:
