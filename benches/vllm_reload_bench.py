@@ -5,7 +5,8 @@ warm, beside the floors.
 
 The benchmark model of benches/vllm_bench.py (a bf16 Llama, 1.1 GiB by default, made once under
 --workdir) is served by vLLM (CPU, ``LLM(...)`` with the engine in process) in one process per
-configuration, which then reloads it with ``llm.collective_rpc("reload_weights", kwargs={
+configuration (all up at once, each reload going round-robin over them, so the machine's noise
+falls on all alike), which then reloads it with ``llm.collective_rpc("reload_weights", kwargs={
 "weights_path": ...})``, alternating between two copies of the checkpoint (so every reload
 replaces the weights), cold (the target's shards evicted from the page cache just before) and
 warm (read once just before), ``--repeats`` times each:
@@ -202,24 +203,31 @@ def run(workdir: Path, layers: int, repeats: int) -> dict[str, Any]:
     floors: dict[str, list[float]] = {"cold_read_s": [], "memcpy_s": []}
     runs: dict[str, list[dict[str, Any]]] = {}
     tokens: dict[str, list[int]] = {}
-    for name, kwargs in CONFIGS.items():
-        first, second = targets[name]
-        child = Child(second, kwargs)  # serving the second copy: the first reload replaces it
-        try:
-            n = 0
-            for _ in range(repeats):
-                for cache in ("cold", "warm"):
-                    target = (first, second)[n % 2]
+    children: dict[str, Child] = {}
+    # every engine up at once (idle ones wait on stdin), the reloads round-robin over them so
+    # the machine's noise falls on all alike
+    try:
+        for name, kwargs in CONFIGS.items():
+            children[name] = Child(targets[name][1], kwargs)  # the first reload replaces it
+        n = 0
+        for repeat in range(repeats):
+            for cache in ("cold", "warm"):
+                names = list(CONFIGS)
+                names = names[repeat % len(names) :] + names[: repeat % len(names)]
+                for name in names:
+                    target = targets[name][n % 2]
                     _set_cache(target, cache)
-                    result = child.reload(target)
+                    result = children[name].reload(target)
                     result["cache"] = cache
                     runs.setdefault(name, []).append(result)
-                    n += 1
+                n += 1
+            floors["cold_read_s"].append(floor_cold_read(model))
+            floors["memcpy_s"].append(floor_memcpy(size))
+        for name, child in children.items():  # an even number of reloads: on the second copy
             tokens[name] = child.tokens() if n % 2 == 0 else []
-        finally:
+    finally:
+        for child in children.values():
             child.close()
-        floors["cold_read_s"].append(floor_cold_read(model))
-        floors["memcpy_s"].append(floor_memcpy(size))
     return {
         "model": model.name,
         "bytes": size,
@@ -236,7 +244,8 @@ def markdown(results: dict[str, Any], command: str) -> str:
     memcpy = statistics.median(results["floors"]["memcpy_s"])
     lines = [
         f"vLLM 0.32 (CPU, 2 shared cores), {results['model']}: bf16 Llama, {size / 2**30:.2f} GiB;"
-        " the engine in process, one process per configuration, reload_weights alternating "
+        " the engine in process, one process per configuration (all up at once, the reloads "
+        "round-robin over them), reload_weights alternating "
         f"between two copies, {results['repeats']} repeats per cache state, medians.",
         "",
         f"Command: `{command}`",

@@ -199,7 +199,7 @@ class FastloadModelLoader(DefaultModelLoader):
         record = reload.held(model)
         if record is None:
             return super().get_all_weights(model_config, model)
-        return reload.open_reload(self, model_config, model, record, logger)
+        return reload.open_reload(self, model_config, model, record, logger, _tp_size())
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -31,7 +31,6 @@ end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -45,6 +44,7 @@ from fastload.core.keys import format_names
 from fastload.core.object_store import is_url
 from fastload.core.units import format_bytes
 
+from .adopt import CopyWatch
 from .reload_state import (
     RECORDS,
     Catalog,
@@ -105,7 +105,8 @@ def _load_weights(model: nn.Module, original: Callable[..., Any], weights: Any) 
             record.digests = {}
         return original(weights)
     try:
-        loaded = original(weights)
+        with active.watch:
+            loaded = original(weights)
         active.finish()
     except BaseException as exc:
         active.recover(exc)  # raises
@@ -147,6 +148,7 @@ class _Reload:
         catalog: Catalog | None,
         digests: dict[str, str],
         left_out: set[str],
+        watch: CopyWatch,
         log: Any,
     ) -> None:
         self.model = model
@@ -157,6 +159,8 @@ class _Reload:
         self.catalog = catalog
         self.digests = digests
         self.left_out = left_out
+        #: the weight loaders' copies out of the stream's views, made by the engine
+        self.watch = watch
         self.log = log
         self.start = time.perf_counter()
         #: layers all of whose inputs were left out (unchanged)
@@ -229,12 +233,13 @@ class _Reload:
         read = getattr(self.stream, "bytes", 0)
         kept = sum(_nbytes(*record.catalog[n][:2]) for n in self.left_out if record.catalog)
         self.log.info(
-            "fastload: reloaded %s in %.2f s: %d tensors read (%s); %d unchanged tensors "
-            "(%s, %d layers) neither read nor copied",
+            "fastload: reloaded %s in %.2f s: %d tensors read (%s, %s of it copied by the "
+            "engine); %d unchanged tensors (%s, %d layers) neither read nor copied",
             self.source,
             time.perf_counter() - self.start,
             len(self.catalog or {}) - len(self.left_out),
             format_bytes(read),
+            format_bytes(self.watch.engine_bytes),
             len(self.left_out),
             format_bytes(kept),
             len(self.unchanged_layers),
@@ -318,7 +323,9 @@ def seal(model: nn.Module) -> None:
         sample_layers(model, record, {n for f in record.feeds.values() for n in f})
 
 
-def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, log: Any) -> Any:
+def open_reload(
+    loader: Any, model_config: Any, model: nn.Module, record: Held, log: Any, tp_size: int = 1
+) -> Any:
     """What :meth:`FastloadModelLoader.get_all_weights` returns for a reload: the new
     checkpoint opened, validated and checked against the one the engine holds, the unchanged
     tensors left out, before vLLM touches a layer (a refusal here leaves the model and its config
@@ -329,11 +336,10 @@ def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, 
     from .remote import RemoteWeights
 
     options = loader.options
-    # Positioned reads, never views of a mapping: a shard truncated during the reload is then a
-    # read error naming it, not a SIGBUS that kills the engine (and the weight loaders copy into
-    # vLLM's fresh layers anyway: a view would save no copy). An accelerator's weights go
-    # through the staged ring.
-    loader.options = dataclasses.replace(options, mmap="copy")
+    # An accelerator's weights go through the staged ring; a CPU model's are views of the files'
+    # mappings, read ahead into the page cache, whose copies into vLLM's fresh layers the engine
+    # makes with positioned reads (CopyWatch, every size): no page of a mapping is touched, so a
+    # shard truncated during the reload is a read error naming it, never a SIGBUS.
     loader._device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
     try:
         source = choose_source(str(model_config.model), record, options.weights)
@@ -383,6 +389,14 @@ def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, 
         for it in others:
             yield from it
 
+    watch = CopyWatch(
+        getattr(stream, "origins", {}),
+        [],
+        tp_size=tp_size,
+        adopt=False,  # the model's memory stays its own
+        threads=options.threads,
+        engine_min=0,
+    )
     reload = _Reload(
         model,
         model_config,
@@ -393,6 +407,7 @@ def open_reload(loader: Any, model_config: Any, model: nn.Module, record: Held, 
         catalog=catalog,
         digests=digests,
         left_out=left_out,
+        watch=watch,
         log=log,
     )
     return reload.iterator
