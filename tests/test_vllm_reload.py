@@ -478,3 +478,21 @@ def test_vllm_serve_reloads_between_two_requests(
         run.stop()
     output = run.output()
     assert f"fastload: reloaded {tuned} in" in output and "6 tensors read" in output, output
+
+
+def test_two_tensor_parallel_ranks_reload_their_slices(
+    base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]]
+) -> None:
+    env = _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    # vLLM's own loader on the same two ranks: like with like (bf16 sums in another order)
+    own, own_output = _tokens([base, tuned], env, load_format="safetensors", **tp2)
+    engine = Engine(base, env, load_format="fastload", **tp2)
+    try:
+        assert engine.generate() == own[0]
+        assert engine.reload(tuned) == ("RELOADED", None)
+        assert engine.generate() == own[1], own_output
+    finally:
+        output = engine.close()
+    # each rank left out the same unchanged layers
+    assert output.count("15 unchanged tensors") == 2, output
