@@ -84,13 +84,14 @@ def remember(
         config=config_fields(model_config),
     )
     if "load_weights" not in model.__dict__:
-        original = model.load_weights
+        # the class's function and a weak reference: the model keeps no cycle through itself
+        method = type(model).load_weights
         ref = weakref.ref(model)
 
         def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
             m = ref()
             assert m is not None
-            return _load_weights(m, original, weights)
+            return _load_weights(m, lambda w: method(m, w), weights)
 
         model.load_weights = load_weights  # type: ignore[method-assign]
 
