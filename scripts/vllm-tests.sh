@@ -8,4 +8,4 @@ py="$(bash "$ROOT/scripts/vllm-env.sh" | tail -n 1)"
 cd "$ROOT"
 # vLLM must be there: here a skip would hide a broken environment
 "$py" -c "import vllm" 2>/dev/null || { echo "fastload: vLLM is missing from $py" >&2; exit 1; }
-"$py" -m pytest tests/test_vllm.py -p no:cacheprovider "$@"
+"$py" -m pytest tests/test_vllm.py tests/test_vllm_reload.py -p no:cacheprovider "$@"

@@ -101,8 +101,12 @@ class CopyWatch(TorchFunctionMode):
         tp_size: int,
         adopt: bool,
         threads: int | None = None,
+        engine_min: int = ENGINE_MIN,
     ) -> None:
         super().__init__()
+        #: bytes below which a copy stays torch's (a reload passes 0: no page of a mapping
+        #: touched, so a file truncated meanwhile is a read error, never a SIGBUS)
+        self.engine_min = engine_min
         #: the engine's threads for the copies it makes (``None``: its default)
         self.threads = threads
         #: storage address -> origin of the tensors handed out (filled as they are)
@@ -181,7 +185,7 @@ class CopyWatch(TorchFunctionMode):
         """Copies ``src`` (a view of ``origin``, whole or sliced along one dimension) into ``dst``
         with the engine; ``False`` (nothing done) where that is not such a copy."""
         if (
-            src.numel() * src.element_size() < ENGINE_MIN
+            src.numel() * src.element_size() < self.engine_min
             or dst.device.type != "cpu"
             or dst.dtype != src.dtype
             or dst.shape != src.shape

@@ -42,6 +42,7 @@ from vllm.model_executor.model_loader.weight_utils import (
 from fastload.core.errors import FastloadError, ModelMismatchError, UnsupportedError
 from fastload.core.units import format_bytes
 
+from . import reload
 from .adopt import CopyWatch
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
 from .release import MappingRecord, release_unused
@@ -190,6 +191,16 @@ class FastloadModelLoader(DefaultModelLoader):
         self._streams.append(stream)
         return ((source.prefix + name, tensor) for name, tensor in stream)
 
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module) -> Any:
+        """The model's weights; for a reload (``collective_rpc("reload_weights")``: a model
+        this loader's format loaded before) opened, checked against what the engine holds and
+        the unchanged layers left out here, before vLLM touches a layer
+        (:mod:`fastload.integrations.vllm.reload`)."""
+        record = reload.held(model)
+        if record is None:
+            return super().get_all_weights(model_config, model)
+        return reload.open_reload(self, model_config, model, record, logger, _tp_size())
+
     # -- loading ---------------------------------------------------------------------------------
 
     def load_model(
@@ -198,6 +209,7 @@ class FastloadModelLoader(DefaultModelLoader):
         model = super().load_model(
             vllm_config=vllm_config, model_config=model_config, prefix=prefix
         )
+        reload.seal(model)  # what a later reload_weights compares with
         if self._mappings:
             # after vLLM's post-load processing, which repacks or replaces most parameters
             tensors = [*model.parameters(), *model.buffers()]
@@ -230,10 +242,25 @@ class FastloadModelLoader(DefaultModelLoader):
             adopt=self.options.share_weights and self.options.mmap != "copy",
             threads=self.options.threads,
         )
+        streams = self._streams
+
+        def current() -> str | None:  # the checkpoint tensor the weight loaders are copying
+            where = streams[-1].current if streams else None
+            return where[1] if where else None
+
+        feeds = reload.FeedWatch(model, current)
         start = time.perf_counter()
         try:
-            with watch:
+            with watch, feeds:  # feeds inside: it sees each copy before the watch takes it
                 super().load_weights(model, model_config)
+            if streams:
+                reload.remember(
+                    model,
+                    model_config,
+                    self.options.weights or model_config.model,
+                    streams[0],
+                    feeds,
+                )
         except FastloadError:
             raise
         except Exception as e:

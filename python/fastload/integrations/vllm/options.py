@@ -44,6 +44,9 @@ KEYS = {
     "read the weights from (the model argument then names only the config and tokenizer)",
     "storage_options": "the object store's options for 'weights' (as fastload.from_pretrained's "
     "storage_options; credentials otherwise from the standard environment and files)",
+    "skip_unchanged": "true (default): a reload (collective_rpc('reload_weights')) neither reads "
+    "nor copies the layers whose checkpoint tensors carry the same fastload digests in the "
+    "checkpoint the engine holds and the new one; false reads every tensor",
 }
 
 #: vLLM's keys for its own load formats, refused here with what fastload does instead
@@ -70,6 +73,8 @@ class VllmLoadOptions:
     #: the object storage URL the weights are read from, if not from the model's files
     weights: str | None = None
     storage_options: Mapping[str, str] | None = None
+    #: a reload skips the layers whose tensors' digests are unchanged
+    skip_unchanged: bool = True
 
 
 def _bool(key: str, value: object) -> bool:
@@ -166,6 +171,7 @@ def parse_options(
         enable_weights_track=None if track is None else _bool("enable_weights_track", track),
         weights=weights,
         storage_options=storage,
+        skip_unchanged=_bool("skip_unchanged", extra_config.get("skip_unchanged", True)),
     )
 
 

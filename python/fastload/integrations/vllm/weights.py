@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from fastload import _core
+from fastload.core.digests import file_digests
 from fastload.core.dtypes import to_torch
 from fastload.core.engine import copy_into
 from fastload.core.errors import CheckpointError, UnsupportedError
@@ -204,6 +205,30 @@ class CheckpointWeights:
     def paths(self) -> list[str]:
         return [f.path for f in self._files]
 
+    def catalog(self) -> dict[str, tuple[str, tuple[int, ...], str]] | None:
+        """``{name: (stored dtype, shape, path)}`` of every tensor of the safetensors files
+        (``None`` where a file is a pickle, whose tensors are known only once read)."""
+        if any(f.st is None for f in self._files):
+            return None
+        return {e[0]: (e[1], tuple(e[2]), f.path) for f in self._files for e in f.entries or ()}
+
+    def digests(self) -> dict[str, str]:
+        """The per-tensor digests the files record (:mod:`fastload.core.digests`)."""
+        out: dict[str, str] = {}
+        for f in self._files:
+            if f.st is not None:
+                names = {e[0] for e in f.entries or ()}
+                out.update((k, v) for k, v in file_digests(f.st.metadata()).items() if k in names)
+        return out
+
+    def leave_out(self, names: set[str]) -> None:
+        """Neither reads nor hands out the tensors ``names`` (a reload's unchanged tensors);
+        before iterating."""
+        for f in self._files:
+            if f.entries is not None:
+                f.entries = [e for e in f.entries if e[0] not in names]
+        self.total = sum(e[4] - e[3] for f in self._files for e in (f.entries or ()))
+
     @property
     def mappings(self) -> list[SharedMapping]:
         return [f.mapping for f in self._files if f.mapping is not None]
@@ -224,15 +249,16 @@ class CheckpointWeights:
         for f in self._files:
             if f.st is None:
                 continue
-            start, stop = f.st.data_start, f.st.file_size
-            if f.mapping is not None:
-                cuts = [
-                    start,
-                    *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
-                ]
-                for a, b in zip(cuts, [*cuts[1:], stop], strict=True):
-                    pieces.append((f.st, a, b, at + a - start))
-            at += stop - start
+            # the byte runs of the tensors handed out (all of the data, unless some are left out)
+            for start, stop in _runs(f.entries or [], f.st.data_start):
+                if f.mapping is not None:
+                    cuts = [
+                        start,
+                        *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
+                    ]
+                    for a, b in zip(cuts, [*cuts[1:], stop], strict=True):
+                        pieces.append((f.st, a, b, at + a - start))
+                at += stop - start
         if not pieces:
             return
         room = memory_budget().read_ahead_room()
@@ -396,6 +422,18 @@ class CheckpointWeights:
             self.close()
             if bar is not None:
                 bar.close()
+
+
+def _runs(entries: list[tuple[str, str, list[int], int, int]], base: int) -> list[tuple[int, int]]:
+    """The file byte runs ``[start, stop)`` the entries (offsets from the data section at
+    ``base``, in file order) occupy, touching ones merged."""
+    runs: list[tuple[int, int]] = []
+    for e in entries:
+        if runs and runs[-1][1] == base + e[3]:
+            runs[-1] = (runs[-1][0], base + e[4])
+        elif e[4] > e[3]:
+            runs.append((base + e[3], base + e[4]))
+    return runs
 
 
 def _read_through(fd: int, null: int, start: int, stop: int) -> None:

@@ -1,0 +1,417 @@
+"""Reloading a running vLLM engine through fastload: ``collective_rpc("reload_weights", ...)``.
+
+vLLM's ``reload_weights`` (``vllm/model_executor/model_loader/reload/``) makes a new loader of the
+engine's load format, sets ``model_config.model`` to the call's ``weights_path``, asks the loader
+for ``get_all_weights(model_config, model)``, then puts every layer of the model back on the meta
+device and runs the model's ``load_weights``: a layer is materialized, filled, post-processed and
+copied into the memory the model runs on (its kernel tensors, whose ``data_ptr`` CUDA graphs hold)
+when its last weight arrives; a layer that received nothing gets its kernel tensors back at the
+end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`) adds:
+
+* **what the call names is read**: ``weights_path`` (a directory or an object storage URL); with
+  no path, the checkpoint the engine holds (for an engine started with the ``weights`` option, that
+  URL). A path that could mean either (the model argument of a ``weights`` engine, holding weight
+  files) is refused, never read as the old URL silently;
+* **checked before anything moves**: every header is validated and every tensor's name, shape and
+  dtype compared with the checkpoint the engine holds, in ``get_all_weights``, before vLLM puts a
+  layer on meta: a checkpoint that does not fit is refused naming the tensors, the model and its
+  config untouched;
+* **only what changed** (the ``skip_unchanged`` option, on by default): where both checkpoints
+  carry fastload digests (``save_pretrained(..., digests=True)``), a layer all of whose checkpoint
+  tensors have equal digests is neither read nor copied. The unit is vLLM's layer, not the tensor:
+  a fused parameter (qkv from q/k/v, gate_up from gate/up) is rebuilt from all of its inputs when
+  any one changed, because vLLM re-materializes the whole layer. Which tensors feed which layer is
+  seen once, at the first load (:class:`FeedWatch`);
+* **never torn**: a failure during the reload (a shard truncated or replaced, a read error, an
+  error in vLLM's code) puts back every layer not yet filled, so they keep their old weights;
+  where no layer had taken new bytes, the model is whole and the error says so; otherwise it
+  raises :class:`~fastload.core.errors.ReloadError` naming the layers that did, and the model's
+  forward refuses to run (that error again) until a reload succeeds.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.core.errors import ReloadError, RequestError
+from fastload.core.keys import format_names
+from fastload.core.object_store import is_url
+from fastload.core.units import format_bytes
+
+from .adopt import CopyWatch
+from .reload_state import (
+    RECORDS,
+    Catalog,
+    FeedWatch,
+    Held,
+    check_fits,
+    choose_source,
+    config_fields,
+    describe,
+    held,
+    mark,
+    moved,
+    put_back,
+    sample_layers,
+    unchanged,
+    unmark,
+)
+
+#: the reload in progress on a model (between get_all_weights and the end of load_weights)
+_ACTIVE: weakref.WeakKeyDictionary[nn.Module, _Reload] = weakref.WeakKeyDictionary()
+
+
+def remember(
+    model: nn.Module, model_config: Any, source: str, stream: Any, watch: FeedWatch
+) -> None:
+    """Records what the first load of ``model`` read (``stream``, the primary weights, from
+    ``source``), and routes later ``load_weights`` calls through :func:`_load_weights` (a
+    reload's checks and recovery; any other caller's weights make the digests stale)."""
+    catalog, digests = describe(stream)
+    RECORDS[model] = Held(
+        model_arg=str(model_config.model),
+        source=source,
+        catalog=catalog,
+        digests=digests,
+        feeds={k: frozenset(v) for k, v in watch.feeds.items()},
+        numel=watch.numel,
+        config=config_fields(model_config),
+    )
+    if "load_weights" not in model.__dict__:
+        # the class's function and a weak reference: the model keeps no cycle through itself
+        method = type(model).load_weights
+        ref = weakref.ref(model)
+
+        def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+            m = ref()
+            assert m is not None
+            return _load_weights(m, lambda w: method(m, w), weights)
+
+        model.load_weights = load_weights  # type: ignore[method-assign]
+
+
+def _load_weights(model: nn.Module, original: Callable[..., Any], weights: Any) -> Any:
+    active = _ACTIVE.get(model)
+    record = RECORDS.get(model)
+    if active is None or weights is not active.iterator:
+        # weights from elsewhere (a reload with a weights_iterator, an RL framework's sync): the
+        # digests no longer say what the model holds, so the next reload reads every tensor
+        if record is not None:
+            record.digests = {}
+        return original(weights)
+    try:
+        with active.watch:
+            loaded = original(weights)
+        active.finish()
+    except BaseException as exc:
+        active.recover(exc)  # raises
+    finally:
+        _ACTIVE.pop(model, None)
+        active.close()
+    if isinstance(loaded, set):
+        loaded |= active.unchanged_params()
+    return loaded
+
+
+def _layerwise() -> tuple[Any, Callable[..., None]] | None:
+    """vLLM's per-layer reload state and the function that puts a layer's kernel tensors back
+    (``None`` where this vLLM has neither: a failure then leaves the layers as vLLM does)."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return None
+    info = getattr(layerwise, "LAYERWISE_INFO", None)
+    place = getattr(layerwise, "_place_kernel_tensors", None)
+    if info is None or place is None:
+        return None
+    return info, place
+
+
+class _Reload:
+    """One reload in progress on ``model``: the stream of the tensors read, and what happens
+    when it ends or fails."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: Any,
+        record: Held,
+        stream: Any,
+        weights: Iterator[tuple[str, torch.Tensor]],
+        *,
+        source: str,
+        catalog: Catalog | None,
+        digests: dict[str, str],
+        left_out: set[str],
+        watch: CopyWatch,
+        log: Any,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.record = record
+        self.stream = stream
+        self.source = source
+        self.catalog = catalog
+        self.digests = digests
+        self.left_out = left_out
+        #: the weight loaders' copies out of the stream's views, made by the engine
+        self.watch = watch
+        self.log = log
+        self.start = time.perf_counter()
+        #: layers all of whose inputs were left out (unchanged)
+        self.unchanged_layers = {layer for name in left_out for layer in record.feeds.get(name, ())}
+        self.iterator = self._iterate(weights)
+        _ACTIVE[model] = self
+
+    def _iterate(
+        self, weights: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from weights
+        if self.left_out:
+            self._check_complete()
+
+    def _check_complete(self) -> None:
+        """A layer left partly filled means a tensor left out feeds it after all (a weight
+        loader that buffers): refused before vLLM would finish that layer from empty memory."""
+        state = _layerwise()
+        if state is None:
+            return
+        infos, _ = state
+        short = []
+        for name, layer in self.model.named_modules():
+            info = infos.get(layer)
+            if info is None or not info.can_load() or info.load_numel <= 0:
+                continue
+            if info.load_numel < self.record.numel.get(name, info.load_numel + 1):
+                short.append(name)
+        if short:
+            raise RequestError(
+                f"fastload: leaving out the tensors whose digests are unchanged left layers "
+                f"partly filled: {format_names(short)} (this model's weight loaders do not copy "
+                "each checkpoint tensor as it arrives); reload with "
+                "model_loader_extra_config skip_unchanged=false"
+            )
+
+    def unchanged_params(self) -> set[str]:
+        out = set()
+        for name in self.unchanged_layers:
+            module = self.model.get_submodule(name)
+            out |= {
+                f"{name}.{p}" if name else p for p, t in module._parameters.items() if t is not None
+            }
+        return out
+
+    def finish(self) -> None:
+        """The stream ended and the model took it: the layers left out get their kernel tensors
+        back now (vLLM would warn that each failed to load), the record becomes the new
+        checkpoint, a torn mark goes."""
+        state = _layerwise()
+        if state is not None:
+            infos, place = state
+            for name in self.unchanged_layers:
+                layer = self.model.get_submodule(name)
+                info = infos.get(layer)
+                if info is not None and info.can_load() and info.load_numel == 0:
+                    if info.kernel_tensors is not None:
+                        place(layer, info)
+                    info.reset()
+        record = self.record
+        record.model_arg = str(self.model_config.model)
+        record.config = config_fields(self.model_config)
+        record.source = self.source
+        if self.catalog is not None:
+            record.catalog = self.catalog
+        record.digests = dict(self.digests)
+        # what the layers hold now (those vLLM finishes after this are sampled as unknown)
+        sample_layers(self.model, record, {n for f in record.feeds.values() for n in f})
+        unmark(record)
+        read = getattr(self.stream, "bytes", 0)
+        kept = sum(_nbytes(*record.catalog[n][:2]) for n in self.left_out if record.catalog)
+        self.log.info(
+            "fastload: reloaded %s in %.2f s: %d tensors read (%s, %s of it copied by the "
+            "engine); %d unchanged tensors (%s, %d layers) neither read nor copied",
+            self.source,
+            time.perf_counter() - self.start,
+            len(self.catalog or {}) - len(self.left_out),
+            format_bytes(read),
+            format_bytes(self.watch.engine_bytes),
+            len(self.left_out),
+            format_bytes(kept),
+            len(self.unchanged_layers),
+        )
+
+    def recover(self, exc: BaseException) -> None:
+        """After a failure inside ``load_weights``: every layer not yet filled gets its kernel
+        tensors (its old weights) back; the error names the layers that took new bytes, if any,
+        and the model then refuses to run (:func:`mark`)."""
+        self.close()
+        state = _layerwise()
+        if state is None:
+            raise exc
+        infos, place = state
+        fed = {layer for layers in self.record.feeds.values() for layer in layers}
+        new: list[str] = []
+        for name, layer in self.model.named_modules():
+            info = infos.get(layer)
+            if info is None:
+                continue
+            if info.can_load():
+                if info.kernel_tensors is not None:
+                    place(layer, info)
+                info.reset()
+            elif name in fed and name not in self.unchanged_layers:
+                new.append(name)
+        if not new:
+            put_back(self.model_config, self.record)
+            note = (
+                "fastload: reload_weights failed before any layer took new weights; the engine "
+                f"keeps its previous weights ({self.record.source}) whole"
+            )
+            # in the message itself where it can be (notes do not cross vLLM's RPC)
+            if (
+                exc.args
+                and isinstance(exc.args[0], str)
+                and type(exc).__str__ is BaseException.__str__
+            ):
+                exc.args = (f"{exc.args[0]}. {note}", *exc.args[1:])
+            else:
+                exc.add_note(note)
+            raise exc
+        self.record.digests = {}
+        params = sorted(
+            f"{n}.{p}" if n else p
+            for n in new
+            for p, t in self.model.get_submodule(n)._parameters.items()
+            if t is not None
+        )
+        message = (
+            f"fastload: reload_weights from {self.source} failed after {len(new)} layers "
+            f"took new weights, the others keep their old ones: {format_names(params)}. The "
+            "model refuses to run until a reload succeeds"
+        )
+        mark(self.model, self.record, params, message)
+        if isinstance(exc, Exception):
+            raise ReloadError(f"{message} ({type(exc).__name__}: {exc})", params) from exc
+        exc.add_note(message)
+        raise exc
+
+    def close(self) -> None:
+        close = getattr(self.stream, "close", None)
+        if close is not None:
+            close()
+
+
+def _nbytes(st_dtype: str, shape: tuple[int, ...]) -> int:
+    from fastload import _core
+
+    n = 1
+    for s in shape:
+        n *= s
+    return n * _core.dtype_bits()[st_dtype] // 8
+
+
+def seal(model: nn.Module) -> None:
+    """After the first load's post-processing: a sample of what each layer holds, to tell at
+    a reload whether anything else wrote into it since (:func:`~.reload_state.moved`)."""
+    record = RECORDS.get(model)
+    if record is not None:
+        sample_layers(model, record, {n for f in record.feeds.values() for n in f})
+
+
+def open_reload(
+    loader: Any, model_config: Any, model: nn.Module, record: Held, log: Any, tp_size: int = 1
+) -> Any:
+    """What :meth:`FastloadModelLoader.get_all_weights` returns for a reload: the new
+    checkpoint opened, validated and checked against the one the engine holds, the unchanged
+    tensors left out, before vLLM touches a layer (a refusal here leaves the model and its config
+    as they were)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
+
+    from .remote import RemoteWeights
+
+    options = loader.options
+    # An accelerator's weights go through the staged ring; a CPU model's are views of the files'
+    # mappings, read ahead into the page cache, whose copies into vLLM's fresh layers the engine
+    # makes with positioned reads (CopyWatch, every size): no page of a mapping is touched, so a
+    # shard truncated during the reload is a read error naming it, never a SIGBUS.
+    loader._device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
+    try:
+        source = choose_source(str(model_config.model), record, options.weights)
+        unused = getattr(model, "is_unused_checkpoint_weight", None)
+        if is_url(source):
+            experts = getattr(loader, "local_expert_ids", None)
+
+            def skip(name: str) -> bool:
+                return should_skip_weight(name, experts) or (unused is not None and unused(name))
+
+            stream: Any = RemoteWeights(
+                source,
+                storage_options=options.storage_options,
+                threads=options.threads,
+                progress=loader._start_stream(),
+                skip=skip,
+            )
+            first: Iterator[tuple[str, torch.Tensor]] = iter(stream)
+        else:
+            primary = DefaultModelLoader.Source(
+                source,
+                model_config.revision,
+                prefix="",
+                fall_back_to_pt=getattr(model, "fall_back_to_pt_during_load", True),
+                allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+                is_unused_weight=unused,
+            )
+            first = loader._get_weights_iterator(primary)
+            stream = loader._streams[-1]
+        catalog, digests = describe(stream)
+        if catalog is not None and record.catalog is not None:
+            check_fits(catalog, record.catalog, source, record.source)
+        left_out: set[str] = set()
+        if options.skip_unchanged and catalog is not None and record.catalog is not None:
+            left_out = unchanged(record, catalog, digests, moved(model, record))
+        if left_out and isinstance(stream, RemoteWeights):
+            stream.tensors = [t for t in stream.tensors if t.name not in left_out]
+        elif left_out:
+            stream.leave_out(left_out)
+        others = [loader._get_weights_iterator(s) for s in getattr(model, "secondary_weights", ())]
+    except BaseException:
+        put_back(model_config, record)
+        raise
+
+    def chained() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from first
+        for it in others:
+            yield from it
+
+    watch = CopyWatch(
+        getattr(stream, "origins", {}),
+        [],
+        tp_size=tp_size,
+        adopt=False,  # the model's memory stays its own
+        threads=options.threads,
+        engine_min=0,
+    )
+    reload = _Reload(
+        model,
+        model_config,
+        record,
+        stream,
+        chained(),
+        source=source,
+        catalog=catalog,
+        digests=digests,
+        left_out=left_out,
+        watch=watch,
+        log=log,
+    )
+    return reload.iterator
+
+
+__all__ = ["FeedWatch", "held", "open_reload", "remember", "seal"]
