@@ -2,7 +2,6 @@
 ``runai_streamer`` (an ``s3://`` model), beside the transport floor.
 
     bash scripts/vllm-env.sh   # once: the vLLM environment (prints its python)
-    ~/.cache/fastload/vllm-venv/bin/pip install runai-model-streamer-s3   # Run:ai's S3 reader
     ~/.cache/fastload/vllm-venv/bin/python benches/vllm_s3_bench.py [--repeats 3] [--out DIR]
 
 The bf16 Llama of ``benches/vllm_bench.py`` (1.1 GiB in several shards, made once under

@@ -12,6 +12,7 @@ if [ ! -f "$SHARED/transformers-tests.tgz" ]; then
     echo "transformers-tests: skipped, $SHARED/transformers-tests.tgz is not there" >&2
     exit 0
 fi
+use_checkout  # fastload from this checkout, also in the suite's venv (through PYTHONPATH)
 python -c "import fastload._core" 2>/dev/null || build_ext release
 MAIN_SITE="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 TFT_VENV="${FASTLOAD_VENV}-tft"
