@@ -10,6 +10,8 @@ Every file's header is read and validated (and the index checked against the sha
 first tensor is handed out; the tensors are then read by the Rust engine, ranged GETs written
 straight into CPU tensors, in batches of :data:`BATCH_BYTES` on a helper thread one batch ahead
 of the model's weight loaders: at most two batches are held at a time, never the checkpoint.
+Under tensor parallelism the tensors are handed out unread instead, and each rank's weight
+loaders fetch only the slices they take (:mod:`.remote_slices`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
 
-from .weights import refusing_unreadable
+from .remote_slices import Unread, unread_tensor
+from .weights import Origin, refusing_unreadable
 
 #: the bytes of one batch of tensors read together (a larger tensor is a batch of its own); the
 #: load holds at most two batches beside the model
@@ -66,11 +69,17 @@ class RemoteWeights:
         progress: bool = False,
         skip: Callable[[str], bool] | None = None,
         batch_bytes: int = BATCH_BYTES,
+        tp_size: int = 1,
+        origins: dict[int, Origin] | None = None,
     ) -> None:
         self.url = url
         self.threads = threads
         self.progress = progress
         self.batch_bytes = batch_bytes
+        #: the tensor-parallel world size: above 1, tensors are handed out unread, recorded in
+        #: ``origins`` (the load's, which :class:`~.adopt.CopyWatch` reads)
+        self.tp_size = tp_size
+        self.origins: dict[int, Origin] = {} if origins is None else origins
         self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
@@ -108,7 +117,28 @@ class RemoteWeights:
         fill_many([(files[i], items) for i, items in work.items()], self.threads, None, counter)
         return out
 
+    def _unread(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor unread (:func:`~.remote_slices.unread_tensor`): the weight loaders'
+        copies fetch what they take."""
+        for t in self.tensors:
+            path = self.checkpoint.file_path(t)
+            shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
+            origin = Origin(
+                path,
+                t.name,
+                st_dtype=t.st_dtype,
+                shape=tuple(shape),
+                remote=Unread(self.checkpoint.files[t.file]),
+            )
+            tensor = unread_tensor(shape, t.dtype, self.origins, origin)
+            self.current = (path, t.name)
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield t.name, tensor
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.tp_size > 1:
+            yield from self._unread()
+            return
         by_name = self.checkpoint.tensors
         # one batch queued and one being read: two batches at most beside the one consumed
         ready: queue.Queue[Any] = queue.Queue(maxsize=1)

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -53,6 +53,9 @@ from fastload.core.sharing import WARM_PIECE, SharedMapping, file_sharing
 from fastload.core.staging import StagingPool
 
 from .options import VllmLoadOptions
+
+if TYPE_CHECKING:
+    from .remote_slices import Unread
 from .staged import staged_tensors
 
 _MADV_RANDOM = 1
@@ -109,9 +112,11 @@ class Origin:
     name: str
     #: the mapping the tensor is a view of (``None``: a copy, or a pickle file's tensor)
     mapping: SharedMapping | None = None
-    #: the stored dtype (a safetensors name) and shape, where ``mapping`` is set
+    #: the stored dtype (a safetensors name) and shape, where ``mapping`` or ``remote`` is set
     st_dtype: str = ""
     shape: tuple[int, ...] = ()
+    #: an unread tensor of a file in object storage (tensor parallelism: :mod:`.remote_slices`)
+    remote: Unread | None = None
 
 
 @dataclass
