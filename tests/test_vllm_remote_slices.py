@@ -8,6 +8,7 @@ tests/test_vllm.py."""
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,18 @@ def test_an_unread_tensor_leaves_the_origins_when_freed(stored, proxy) -> None:
     del view
     gc.collect()
     assert origins == {}
+
+
+def test_one_rank_lets_go_of_each_tensor_once_its_weight_loader_has_it(stored, proxy) -> None:
+    # the batch read ahead holds a tensor only until it is handed out, so the memory beside the
+    # model shrinks as the weight loaders consume the batch, not only when the batch ends
+    url, tensors = stored
+    stream = iter(RemoteWeights(url, batch_bytes=1 << 30))  # every tensor in one batch
+    name, first = next(stream)
+    assert torch.equal(first, tensors[name])
+    gone = weakref.ref(first)
+    del first
+    name, second = next(stream)
+    assert gone() is None
+    assert torch.equal(second, tensors[name])
+    stream.close()  # type: ignore[attr-defined]

@@ -173,10 +173,15 @@ class RemoteWeights:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                for name, tensor in item:
+                # each tensor let go as it is handed out: once its weight loader copied it, the
+                # batch holds it no longer (the batch's memory shrinks as it is consumed)
+                item.reverse()
+                while item:
+                    name, tensor = item.pop()
                     self.current = (self.checkpoint.file_path(by_name[name]), name)
                     self.bytes += tensor.numel() * tensor.element_size()
                     yield name, tensor
+                    del tensor
                 del item
         finally:
             self.close()
