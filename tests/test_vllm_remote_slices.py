@@ -154,3 +154,16 @@ def test_one_rank_lets_go_of_each_tensor_once_its_weight_loader_has_it(stored, p
     assert gone() is None
     assert torch.equal(second, tensors[name])
     stream.close()  # type: ignore[attr-defined]
+
+
+def test_a_copy_into_an_unread_tensor_is_not_undone_by_a_later_read(stored, proxy) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    ones = torch.ones(COLS, dtype=torch.bfloat16)
+    with _watch(origins, {}):
+        unread["norm"][:4].copy_(ones[:4])
+        got = unread["norm"].float()
+    want = tensors["norm"].clone()
+    want[:4] = 1
+    assert torch.equal(got, want.float())

@@ -141,8 +141,12 @@ class CopyWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self.remote and func is not torch.Tensor.copy_:
-            remote_slices.fill_read(func, args, kwargs, self.origins, self.threads)
+        if self.remote:
+            # an unread tensor is fetched before anything reads it, or writes into it (a copy_
+            # from one is the weight loaders' copy, below)
+            copy = func is torch.Tensor.copy_
+            reads = (args[:1], {}) if copy else (args, kwargs)
+            remote_slices.fill_read(func, *reads, self.origins, self.threads)
         if func is torch.Tensor.copy_ and len(args) >= 2:
             dst, src = args[0], args[1]
             if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.numel():
@@ -191,12 +195,6 @@ class CopyWatch(TorchFunctionMode):
     def _remote_copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
         """``dst.copy_(src)`` where ``src`` is (a view of) an unread tensor from object storage:
         only the slice it takes is fetched (:mod:`.remote_slices`)."""
-        if dst.device.type == "cpu" and remote_slices.is_unread(
-            self.origins.get(dst.untyped_storage().data_ptr())
-        ):
-            remote_slices.fill_whole(
-                dst, self.origins[dst.untyped_storage().data_ptr()], self.threads
-            )
         if not remote_slices.is_unread(origin):
             return False  # fetched whole already: torch copies
         selection = _selection(src, origin.shape, src.untyped_storage().data_ptr())

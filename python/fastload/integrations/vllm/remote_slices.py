@@ -148,7 +148,7 @@ def fill_read(
 ) -> None:
     """Before ``func(*args, **kwargs)`` runs: every unread tensor among its arguments fetched
     whole, unless ``func`` reads no element (:data:`VIEWS`)."""
-    if _reads_nothing(func, args):
+    if func is not torch.Tensor.copy_ and _reads_nothing(func, args):
         return
     for t in _tensors(args, kwargs):
         if t.device.type != "cpu" or not t.numel():
