@@ -30,8 +30,11 @@ measured in the serving process around vLLM's own functions:
 Floors, measured in the same run, once per repeat: reading every byte of the evicted shards (8
 threads, the page cache as the destination: ``sendfile`` to /dev/null), and one ``memcpy`` of every
 byte into fresh memory (torch's ``copy_`` into an untouched tensor). Ratios: the cold runs' times
-to the cold-read floor, the warm runs' to the memcpy floor. Writes ``vllm-<size>.json``, ``.md``
-and a ``.png`` plot to --out.
+to the cold-read floor, the warm runs' to the memcpy floor. With ``--serve``, each run is
+followed by ``vllm serve`` of the same format and cache state, timed from process start to the
+first token (benches/vllm_serve.py; the engine in its own process, as vLLM runs it), its
+``load_weights`` from vLLM's log; vLLM's CPU post-processing is the engine runs' ``post_s``.
+Writes ``vllm-<size>.json``, ``.md`` and a ``.png`` plot (where matplotlib is installed) to --out.
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkout import use_this_checkout  # noqa: E402
 
 use_this_checkout()  # fastload from this checkout, here and in the vLLM processes
+
+from vllm_serve import serve_first_token  # noqa: E402
+
+#: the suffix of the ``--serve`` runs' format names
+SERVED = " (vllm serve)"
 
 FORMATS: dict[str, dict[str, Any]] = {
     "safetensors lazy (default)": {"load_format": "safetensors"},
@@ -344,6 +352,8 @@ FIGURES = (
     "pss_ready",
     "peak_rss",
     "peak_pss",
+    "serve_s",
+    "serve_weights_s",
 )
 
 
@@ -408,7 +418,8 @@ def markdown(results: dict[str, Any]) -> str:
         "engine start s | runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    summary = summarize(results)
+    everything = summarize(results)
+    summary = [r for r in everything if not r["format"].endswith(SERVED)]
     for r in summary:
         floor = cold if r["mode"] == "cold" else warm
         if not r["ok"]:
@@ -444,10 +455,37 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_gib(r['checkpoint_mapped_after_load'])} | {_gib(r['rss_ready'])} | "
             f"{_gib(r['pss_ready'])} | {_gib(r['peak_pss'])} |"
         )
+    lines += serve_table([r for r in everything if r["format"].endswith(SERVED)], cold, warm)
     tokens = {json.dumps(r.get("tokens")) for r in results["runs"] if "tokens" in r}
     same = "the same in every run" if len(tokens) == 1 else f"DIFFER: {sorted(tokens)}"
     lines += ["", f"Greedy tokens: {same}."]
     return "\n".join(lines) + "\n"
+
+
+def serve_table(rows: list[dict[str, Any]], cold: float, warm: float) -> list[str]:
+    """The ``--serve`` runs' table (none without them): process start to first token, and the
+    loader's part of it (vLLM's "Loading weights took") as a ratio to the floor of its cache
+    state; vLLM's CPU post-processing is the engine runs' ``post s`` above."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "`vllm serve` (the engine in its own process, as vLLM runs it), from process start to "
+        "the answer to a one-token completions request; `load_weights` from vLLM's log.",
+        "",
+        "| format | cache | first token s | load_weights s | x floor | runs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['format']} | {r['mode']} | failed: {r['error'][:160]} |")
+            continue
+        floor = cold if r["mode"] == "cold" else warm
+        lines.append(
+            f"| {r['format']} | {r['mode']} | {_s(r['serve_s'])} | {_s(r['serve_weights_s'])} | "
+            f"{_x(r['serve_weights_s'], floor)} | {r['ok']} |"
+        )
+    return lines
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -462,7 +500,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = [r for r in summarize(results) if r["ok"]]
+    summary = [r for r in summarize(results) if r["ok"] and not r["format"].endswith(SERVED)]
     names = list(dict.fromkeys(r["format"] for r in summary))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     floors = results["floors"]
@@ -532,6 +570,9 @@ def main() -> None:
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default=None, help="file name stem (default: vllm-<size>)")
+    parser.add_argument(
+        "--serve", action="store_true", help="also time `vllm serve` to the first token"
+    )
     args = parser.parse_args()
 
     known = {**FORMATS, **VARIANTS}
@@ -553,6 +594,12 @@ def main() -> None:
                 r["repeat"] = repeat
                 print(json.dumps(r), flush=True)
                 results["runs"].append(r)
+                if args.serve:
+                    _set_cache(model, mode)
+                    r = serve_first_token(str(model), name, known[name], mode)
+                    r["repeat"] = repeat
+                    print(json.dumps(r), flush=True)
+                    results["runs"].append(r)
     floors = results["floors"]
     floors["cold_read_s"] = statistics.median(floors["cold_read_all"])
     floors["memcpy_s"] = statistics.median(floors["memcpy_all"])

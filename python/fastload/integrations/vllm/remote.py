@@ -16,6 +16,7 @@ loaders fetch only the slices they take (:mod:`.remote_slices`).
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +53,20 @@ def batches(tensors: list[StoredTensor], limit: int = BATCH_BYTES) -> list[list[
         out[-1].append(t)
         size += t.nbytes
     return out
+
+
+def return_free_memory() -> None:
+    """Hands the free memory of malloc's arenas back to the OS (glibc's ``malloc_trim``): the
+    batches were allocated on the reader thread and freed one tensor at a time, below malloc's
+    mapping threshold, into arenas that keep them, counted in the server's RSS after the load
+    (measured on vLLM's 1.1 GiB benchmark model: 2.47 GiB after the load without this, 2.07 GiB
+    with it, vLLM's Run:ai streamer 2.11-2.13 GiB). Elsewhere than glibc, nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 class RemoteWeights:
@@ -191,6 +206,7 @@ class RemoteWeights:
                 except queue.Empty:
                     pass
             reader.join()
+            return_free_memory()
 
     def close(self) -> None:
         """Stops the helper thread after the batch it is reading (the iterator was dropped)."""
