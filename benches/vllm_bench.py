@@ -456,10 +456,25 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_gib(r['pss_ready'])} | {_gib(r['peak_pss'])} |"
         )
     lines += serve_table([r for r in everything if r["format"].endswith(SERVED)], cold, warm)
-    tokens = {json.dumps(r.get("tokens")) for r in results["runs"] if "tokens" in r}
+    tokens = token_sets(results["runs"])
     same = "the same in every run" if len(tokens) == 1 else f"DIFFER: {sorted(tokens)}"
     lines += ["", f"Greedy tokens: {same}."]
     return "\n".join(lines) + "\n"
+
+
+def token_sets(runs: list[dict[str, Any]]) -> set[str]:
+    """The distinct greedy tokens of the successful runs; a ``--serve`` run asked for one token,
+    compared with the first of the others' (one set: every run agrees)."""
+    full = [r["tokens"] for r in runs if "tokens" in r and not r["format"].endswith(SERVED)]
+    served = [r["tokens"] for r in runs if "tokens" in r and r["format"].endswith(SERVED)]
+    out = {json.dumps(t) for t in full}
+    width = min((len(t) for t in served), default=0)
+    out |= {
+        json.dumps(t[:width])
+        for t in served
+        if json.dumps(t[:width]) not in {json.dumps(f[:width]) for f in full}
+    }
+    return out
 
 
 def serve_table(rows: list[dict[str, Any]], cold: float, warm: float) -> list[str]:

@@ -51,6 +51,7 @@ from vllm_bench import (  # noqa: E402
     serve_first_token,
     serve_table,
     summarize,
+    token_sets,
 )
 
 RANGE = 8 << 20
@@ -131,7 +132,7 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {g('rss_after_load')} | {row['ok']} |"
         )
     lines += serve_table(served, floor, floor)
-    tokens = {json.dumps(r["tokens"]) for r in results["runs"] if "tokens" in r}
+    tokens = token_sets(results["runs"])
     lines += ["", f"Greedy tokens of every successful run the same: {len(tokens) == 1}."]
     return "\n".join(lines) + "\n"
 
