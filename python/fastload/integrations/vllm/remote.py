@@ -30,8 +30,8 @@ from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
 
-from .remote_slices import Unread, unread_tensor
-from .weights import Origin, refusing_unreadable
+from .remote_slices import unread_tensor
+from .weights import Origin, Unread, refusing_unreadable
 
 #: the bytes of one batch of tensors read together (a larger tensor is a batch of its own); the
 #: load holds at most two batches beside the model

@@ -6,7 +6,8 @@ the kernel reads the pages a weight loader's copy touches, nothing else. From ob
 there are no pages to fault, so under tensor parallelism
 :class:`~fastload.integrations.vllm.remote.RemoteWeights` hands every tensor out **unread**: a
 tensor of the stored dtype and shape on an anonymous mapping of its own (no memory until
-written), recorded in the load's origins with the file it comes from (:class:`Unread`). Then
+written), recorded in the load's origins with the file it comes from
+(:class:`~fastload.integrations.vllm.weights.Unread`). Then
 :class:`~fastload.integrations.vllm.adopt.CopyWatch`, which sees each weight loader's
 ``param.data.copy_(loaded_weight.narrow(...))``:
 
@@ -29,16 +30,13 @@ from __future__ import annotations
 import mmap
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fastload import _core
 from fastload.core.reading import fill_many
 
-if TYPE_CHECKING:
-    from .weights import Origin
+from .weights import Origin
 
 #: the tensor methods and properties that read no element of the tensor (metadata, and views
 #: that share its memory); anything else run on an unread tensor fetches it whole first
@@ -50,15 +48,6 @@ VIEWS = frozenset(
         "unsqueeze", "squeeze", "expand", "as_strided", "detach", "unbind",
     }
 )  # fmt: skip
-
-
-@dataclass
-class Unread:
-    """Where an unread tensor's bytes are: its file in object storage (``filled``: fetched
-    whole since)."""
-
-    file: _core.SafetensorsFile
-    filled: bool = False
 
 
 def unread_tensor(
@@ -159,4 +148,4 @@ def fill_read(
             fill_whole(t, origin, threads)
 
 
-__all__ = ["VIEWS", "Unread", "copy_slice", "fill_read", "fill_whole", "is_unread", "unread_tensor"]
+__all__ = ["VIEWS", "copy_slice", "fill_read", "fill_whole", "is_unread", "unread_tensor"]

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -53,9 +53,6 @@ from fastload.core.sharing import WARM_PIECE, SharedMapping, file_sharing
 from fastload.core.staging import StagingPool
 
 from .options import VllmLoadOptions
-
-if TYPE_CHECKING:
-    from .remote_slices import Unread
 from .staged import staged_tensors
 
 _MADV_RANDOM = 1
@@ -101,6 +98,15 @@ def refusing_unreadable(instead: str) -> Iterator[None]:
             f"{e}; --load-format fastload refuses the checkpoint rather than load it "
             f"differently: serve it with {instead}"
         ) from None
+
+
+@dataclass
+class Unread:
+    """Where the bytes of a tensor handed out unread are (tensor parallelism from object
+    storage, :mod:`.remote_slices`): its file in object storage; ``filled``: fetched whole since."""
+
+    file: _core.SafetensorsFile
+    filled: bool = False
 
 
 @dataclass(frozen=True)
@@ -421,4 +427,4 @@ def _madvise(address: int, length: int, advice: int) -> None:
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), advice)
 
 
-__all__ = ["CheckpointWeights", "Origin", "check_index", "natural_key"]
+__all__ = ["CheckpointWeights", "Origin", "Unread", "check_index", "natural_key"]
