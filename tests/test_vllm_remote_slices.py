@@ -208,3 +208,15 @@ def test_one_rank_hands_the_memory_of_its_batches_back_after_the_load(
     assert done.returncode == 0, done.stderr
     kept = int(done.stdout.split()[-1])
     assert kept < 32 << 20, kept >> 20
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch without float4")
+def test_a_packed_tensor_is_handed_out_whole(env: S3Server, tmp_path: Path) -> None:
+    # the engine reads no slice of a packed F4 tensor: it comes whole, already read
+    packed = torch.arange(64, dtype=torch.uint8).reshape(8, 8).view(torch.float4_e2m1fn_x2)
+    save_file({"f": packed}, tmp_path / "model.safetensors")
+    url = env.upload(tmp_path / "model.safetensors", "models", "f4/model.safetensors")
+    origins: dict[int, Origin] = {}
+    got = _unread(url, origins)["f"]
+    assert origins == {}
+    assert torch.equal(got.view(torch.uint8), packed.view(torch.uint8))

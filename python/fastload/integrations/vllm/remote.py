@@ -134,10 +134,17 @@ class RemoteWeights:
 
     def _unread(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor unread (:func:`~.remote_slices.unread_tensor`): the weight loaders'
-        copies fetch what they take."""
+        copies fetch what they take. A packed sub-byte tensor (its torch shape not its stored
+        one) is read whole now: the engine reads no slice of one."""
         for t in self.tensors:
             path = self.checkpoint.file_path(t)
             shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
+            if list(shape) != list(t.shape):
+                [(_, tensor)] = self._read([t], None)
+                self.current = (path, t.name)
+                self.bytes += tensor.numel() * tensor.element_size()
+                yield t.name, tensor
+                continue
             origin = Origin(
                 path,
                 t.name,
