@@ -30,8 +30,11 @@ measured in the serving process around vLLM's own functions:
 Floors, measured in the same run, once per repeat: reading every byte of the evicted shards (8
 threads, the page cache as the destination: ``sendfile`` to /dev/null), and one ``memcpy`` of every
 byte into fresh memory (torch's ``copy_`` into an untouched tensor). Ratios: the cold runs' times
-to the cold-read floor, the warm runs' to the memcpy floor. Writes ``vllm-<size>.json``, ``.md``
-and a ``.png`` plot to --out.
+to the cold-read floor, the warm runs' to the memcpy floor. With ``--serve``, each run is
+followed by ``vllm serve`` of the same format and cache state, timed from process start to the
+first token (benches/vllm_serve.py; the engine in its own process, as vLLM runs it), its
+``load_weights`` from vLLM's log; vLLM's CPU post-processing is the engine runs' ``post_s``.
+Writes ``vllm-<size>.json``, ``.md`` and a ``.png`` plot (where matplotlib is installed) to --out.
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # fastload from this checkout, here and in the vLLM processes
+
+from vllm_serve import serve_first_token  # noqa: E402
+
+#: the suffix of the ``--serve`` runs' format names
+SERVED = " (vllm serve)"
 
 FORMATS: dict[str, dict[str, Any]] = {
     "safetensors lazy (default)": {"load_format": "safetensors"},
@@ -339,6 +352,8 @@ FIGURES = (
     "pss_ready",
     "peak_rss",
     "peak_pss",
+    "serve_s",
+    "serve_weights_s",
 )
 
 
@@ -403,7 +418,8 @@ def markdown(results: dict[str, Any]) -> str:
         "engine start s | runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    summary = summarize(results)
+    everything = summarize(results)
+    summary = [r for r in everything if not r["format"].endswith(SERVED)]
     for r in summary:
         floor = cold if r["mode"] == "cold" else warm
         if not r["ok"]:
@@ -439,19 +455,67 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_gib(r['checkpoint_mapped_after_load'])} | {_gib(r['rss_ready'])} | "
             f"{_gib(r['pss_ready'])} | {_gib(r['peak_pss'])} |"
         )
-    tokens = {json.dumps(r.get("tokens")) for r in results["runs"] if "tokens" in r}
+    lines += serve_table([r for r in everything if r["format"].endswith(SERVED)], cold, warm)
+    tokens = token_sets(results["runs"])
     same = "the same in every run" if len(tokens) == 1 else f"DIFFER: {sorted(tokens)}"
     lines += ["", f"Greedy tokens: {same}."]
     return "\n".join(lines) + "\n"
 
 
+def token_sets(runs: list[dict[str, Any]]) -> set[str]:
+    """The distinct greedy tokens of the successful runs; a ``--serve`` run asked for one token,
+    compared with the first of the others' (one set: every run agrees)."""
+    full = [r["tokens"] for r in runs if "tokens" in r and not r["format"].endswith(SERVED)]
+    served = [r["tokens"] for r in runs if "tokens" in r and r["format"].endswith(SERVED)]
+    out = {json.dumps(t) for t in full}
+    width = min((len(t) for t in served), default=0)
+    out |= {
+        json.dumps(t[:width])
+        for t in served
+        if json.dumps(t[:width]) not in {json.dumps(f[:width]) for f in full}
+    }
+    return out
+
+
+def serve_table(rows: list[dict[str, Any]], cold: float, warm: float) -> list[str]:
+    """The ``--serve`` runs' table (none without them): process start to first token, and the
+    loader's part of it (vLLM's "Loading weights took") as a ratio to the floor of its cache
+    state; vLLM's CPU post-processing is the engine runs' ``post s`` above."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "`vllm serve` (the engine in its own process, as vLLM runs it), from process start to "
+        "the answer to a one-token completions request; `load_weights` from vLLM's log.",
+        "",
+        "| format | cache | first token s | load_weights s | x floor | runs |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["ok"]:
+            lines.append(f"| {r['format']} | {r['mode']} | failed: {r['error'][:160]} |")
+            continue
+        floor = cold if r["mode"] == "cold" else warm
+        lines.append(
+            f"| {r['format']} | {r['mode']} | {_s(r['serve_s'])} | {_s(r['serve_weights_s'])} | "
+            f"{_x(r['serve_weights_s'], floor)} | {r['ok']} |"
+        )
+    return lines
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    """The plot, where matplotlib is installed (the tables and the JSON are written before it:
+    without it the run still ends with its results, saying the plot was left out)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no plot ({path} left out): matplotlib is not installed", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = [r for r in summarize(results) if r["ok"]]
+    summary = [r for r in summarize(results) if r["ok"] and not r["format"].endswith(SERVED)]
     names = list(dict.fromkeys(r["format"] for r in summary))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     floors = results["floors"]
@@ -521,6 +585,9 @@ def main() -> None:
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--name", default=None, help="file name stem (default: vllm-<size>)")
+    parser.add_argument(
+        "--serve", action="store_true", help="also time `vllm serve` to the first token"
+    )
     args = parser.parse_args()
 
     known = {**FORMATS, **VARIANTS}
@@ -542,6 +609,12 @@ def main() -> None:
                 r["repeat"] = repeat
                 print(json.dumps(r), flush=True)
                 results["runs"].append(r)
+                if args.serve:
+                    _set_cache(model, mode)
+                    r = serve_first_token(str(model), name, known[name], mode)
+                    r["repeat"] = repeat
+                    print(json.dumps(r), flush=True)
+                    results["runs"].append(r)
     floors = results["floors"]
     floors["cold_read_s"] = statistics.median(floors["cold_read_all"])
     floors["memcpy_s"] = statistics.median(floors["memcpy_all"])

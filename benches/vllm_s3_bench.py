@@ -2,7 +2,6 @@
 ``runai_streamer`` (an ``s3://`` model), beside the transport floor.
 
     bash scripts/vllm-env.sh   # once: the vLLM environment (prints its python)
-    ~/.cache/fastload/vllm-venv/bin/pip install runai-model-streamer-s3   # Run:ai's S3 reader
     ~/.cache/fastload/vllm-venv/bin/python benches/vllm_s3_bench.py [--repeats 3] [--out DIR]
 
 The bf16 Llama of ``benches/vllm_bench.py`` (1.1 GiB in several shards, made once under
@@ -19,7 +18,9 @@ Each from the server's page cache cold (its files evicted just before) and warm.
 ``benches/vllm_bench.py``'s (the loader's ``load_weights``, vLLM's post-processing, the whole
 ``load_model``, memory from the OS). The floor, once per repeat: every byte of the shards fetched
 with 8 MiB ranged GETs, 16 at a time, into one preallocated buffer (fastload's HTTP client, no
-engine, nothing else), with the server's cache warm. Writes ``vllm-s3-<size>.{json,md}``.
+engine, nothing else), with the server's cache warm. With ``--serve``, each run is followed by
+``vllm serve`` of the same format timed from process start to the first token
+(benches/vllm_serve.py). Writes ``vllm-s3-<size>.{json,md}``.
 """
 
 from __future__ import annotations
@@ -40,13 +41,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from vllm_bench import (  # noqa: E402
+    SERVED,
     _shards,
     describe,
     make_model,
     rotated,
     run_format,
     save,
+    serve_first_token,
+    serve_table,
     summarize,
+    token_sets,
 )
 
 RANGE = 8 << 20
@@ -103,7 +108,10 @@ def markdown(results: dict[str, Any]) -> str:
         "| peak RSS in load GiB | RSS after load GiB | runs |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    served = [row for row in results["summary"] if row["format"].endswith(SERVED)]
     for row in results["summary"]:
+        if row in served:
+            continue
         if not row["ok"]:
             lines.append(f"| {row['format']} | {row['mode']} | failed: {row['error']} |")
             continue
@@ -123,7 +131,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {s('load_model_s')} | {s('engine_s')} | {g('peak_rss_load')} "
             f"| {g('rss_after_load')} | {row['ok']} |"
         )
-    tokens = {json.dumps(r["tokens"]) for r in results["runs"] if "tokens" in r}
+    lines += serve_table(served, floor, floor)
+    tokens = token_sets(results["runs"])
     lines += ["", f"Greedy tokens of every successful run the same: {len(tokens) == 1}."]
     return "\n".join(lines) + "\n"
 
@@ -135,6 +144,9 @@ def main() -> None:
     parser.add_argument("--out", default="benches/results")
     parser.add_argument("--modes", default="cold,warm")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--serve", action="store_true", help="also time `vllm serve` to the first token"
+    )
     args = parser.parse_args()
 
     from fastload.core.object_store import download_files
@@ -182,6 +194,12 @@ def main() -> None:
                     r["repeat"] = repeat
                     print(json.dumps(r), flush=True)
                     results["runs"].append(r)
+                    if args.serve:
+                        _server_cache(root, mode)
+                        r = serve_first_token(target, name, kwargs, mode)
+                        r["repeat"] = repeat
+                        print(json.dumps(r), flush=True)
+                        results["runs"].append(r)
     finally:
         server.stop()
     results["floor_s"] = statistics.median(results["floor_all"])

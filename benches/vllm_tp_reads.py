@@ -36,6 +36,11 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _checkout import use_this_checkout  # noqa: E402
+
+use_this_checkout()  # fastload from this checkout, here and in the vLLM processes
 
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 

@@ -16,7 +16,7 @@ use crate::dtype::Dtype;
 mod planner;
 mod runner;
 
-pub use planner::{plan, plan_for_threads, task_bytes, Plan};
+pub use planner::{plan, plan_for_threads, task_bytes, Plan, GETS_PER_TASK};
 #[cfg(test)]
 use planner::{DstPtr, Piece};
 #[cfg(test)]

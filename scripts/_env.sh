@@ -16,12 +16,27 @@ if ! python -c "import maturin" 2>/dev/null && ! command -v maturin >/dev/null 2
 fi
 command -v cargo >/dev/null || { echo "fastload: cargo (Rust) is required: https://rustup.rs" >&2; exit 1; }
 
-# build_ext [dev|release]: builds the extension and installs the package (editable) with its test
-# and documentation dependencies. pip only downloads what the venv lacks. A lock keeps parallel
-# builds apart.
+# The Rust extension is built into this checkout (python/fastload/_core.abi3.so) and fastload runs
+# from it through PYTHONPATH, which precedes the venv's site-packages: nothing of fastload is
+# installed into the venv, so the venv does not depend on which clone used it last (an editable
+# install's fastload.pth would point at that clone). scripts/checkout_env.py writes the checkout's
+# metadata (its entry points) beside its sources and installs the extras' dependencies.
+
+# use_checkout: every process started from here on imports fastload from this checkout.
+use_checkout() {
+    [[ "${PYTHONPATH:-}" == "$ROOT/python" || "${PYTHONPATH:-}" == "$ROOT/python:"* ]] ||
+        export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+# build_ext [dev|release]: builds the extension into this checkout, installs the test and
+# documentation dependencies into the venv (pip only downloads what the venv lacks), and runs
+# use_checkout. A lock keeps parallel builds apart.
 build_ext() {
     local profile="${1:-release}"
     local flags=()
     [ "$profile" = release ] && flags+=(--release)
-    (cd "$ROOT" && flock /tmp/fastload-build.lock maturin develop -q "${flags[@]}" --extras test,docs) >&2
+    (cd "$ROOT" && flock /tmp/fastload-build.lock sh -c \
+        'maturin develop -q --skip-install "$@" && python scripts/checkout_env.py --extras test,docs' \
+        sh "${flags[@]}") >&2
+    use_checkout
 }

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The suite three times in a row while other processes keep every core busy: the suite must not
-# depend on timing. Uses the `python` on PATH with fastload importable (after scripts/test.sh, or
-# a dev setup with the extension built), and stops the busy processes however it exits.
+# depend on timing. Uses the `python` on PATH (the venv of scripts/_env.sh, activated) and this
+# checkout's fastload (PYTHONPATH; its extension built by scripts/test.sh), and stops the busy
+# processes however it exits.
 # Usage: bash scripts/stress-test.sh [pytest args and test paths; default: tests]
 #        (RUNS=3 and BUSY=<number of cores> override the counts)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 runs="${RUNS:-3}"
 busy="${BUSY:-$(nproc)}"
 pids=()

@@ -54,7 +54,8 @@ def run(tests: Path, shim: Path, target: str, k: str | None, patched: bool, out:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": str(shim),
+        # the shim first; then this checkout's fastload (scripts/_env.sh's use_checkout)
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")])),
     }
     env.pop("FASTLOAD_PATCH", None)
     if patched:

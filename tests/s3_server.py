@@ -15,12 +15,17 @@ The binary is ``$FASTLOAD_S3_SERVER``, else ``~/.cache/fastload/s3s-fs/bin/s3s-f
 
 from __future__ import annotations
 
+import base64
+import errno
+import hashlib
+import json
 import os
 import shutil
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,11 +146,34 @@ class S3Server:
     def place(self, local: Path, bucket: str, key: str) -> str:
         """As :meth:`upload` for a directory, without a client: s3s-fs serves the files of its
         root directory (``root/bucket/key``), so copying them there is uploading them (for
-        environments without boto3, such as vLLM's). Small checkpoints only: s3s-fs hashes a
-        file it did not receive itself on every request for it."""
+        environments without boto3, such as vLLM's). Each file's ETag (its MD5) is written where
+        s3s-fs keeps an uploaded object's (:meth:`tag`): without it, s3s-fs hashes the whole file
+        on every request for it."""
         target = self.root / bucket / key
         shutil.copytree(local, target, dirs_exist_ok=True)
+        for f in sorted(target.rglob("*")):
+            if f.is_file():
+                self.tag(bucket, f"{key}/{f.relative_to(target).as_posix()}")
         return f"s3://{bucket}/{key}/"
+
+    def tag(self, bucket: str, key: str) -> None:
+        """Records the ETag (MD5) of the file served as ``bucket/key`` as s3s-fs records an
+        uploaded object's (``.bucket-<b64>.object-<b64>.internal.json`` in its root); call it
+        again after changing the file, or the server answers with the old ETag."""
+        digest = hashlib.md5()
+        with open(self.root / bucket / key, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+
+        def b64(text: str) -> str:
+            return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+        info = self.root / f".bucket-{b64(bucket)}.object-{b64(key)}.internal.json"
+        try:
+            info.write_text(json.dumps({"e_tag": digest.hexdigest()}))
+        except OSError as e:  # a key too long for the record's name: s3s-fs hashes the file
+            if e.errno != errno.ENAMETOOLONG:
+                raise
 
     def stop(self) -> None:
         self.process.terminate()
@@ -160,8 +188,9 @@ class FaultProxy:
     """A TCP proxy on 127.0.0.1 in front of ``port`` that, when armed, cuts (``"cut"``: closes
     both sides at once) or stalls (``"stall"``: stops forwarding for ``stall_seconds``, then
     closes) the next ``times`` connections once ``after`` bytes of responses went through each
-    (``times=-1``: every connection). ``sent`` counts the response bytes it forwarded and
-    ``faults`` the faults it made."""
+    (``times=-1``: every connection). ``sent`` counts the response bytes it forwarded,
+    ``sent_to`` the same per client process (found from outside: the process holding the
+    client's end of the connection, :func:`client_pid`), and ``faults`` the faults it made."""
 
     def __init__(self, port: int) -> None:
         self.upstream = port
@@ -173,12 +202,16 @@ class FaultProxy:
         self.times = 0
         self.stall_seconds = 0.0
         self.sent = 0
+        self.sent_to: dict[int | None, int] = {}
         self.faults = 0
         self.closed = False
         self._hold: tuple[str, str, float] | None = None
         self._second = threading.Event()
         #: with hold(): whether a data request for the second key came while the first's waited
         self.overlapped: bool | None = None
+        #: called with (path, first byte asked) before each GET is forwarded (to change the
+        #: store's files at a given point of a load)
+        self.on_get: Callable[[str, int], None] | None = None
         threading.Thread(target=self._accept, daemon=True, name="fault-proxy").start()
 
     @property
@@ -202,12 +235,16 @@ class FaultProxy:
         self._second.clear()
 
     def _request(self, data: bytes) -> None:
-        if self._hold is None or not data.startswith(b"GET "):
+        if not data.startswith(b"GET "):
             return
         path = data.split(b" ", 2)[1].decode("latin-1")
         lower = data.lower()
         at = lower.find(b"range: bytes=")
         start = int(lower[at + 13 :].split(b"-", 1)[0]) if at >= 0 else 0
+        if self.on_get is not None:
+            self.on_get(path, start)
+        if self._hold is None:
+            return
         first, second, timeout = self._hold
         if start == 0:
             return
@@ -220,7 +257,7 @@ class FaultProxy:
     def _accept(self) -> None:
         while not self.closed:
             try:
-                client, _ = self.listener.accept()
+                client, peer = self.listener.accept()
             except OSError:
                 return
             try:
@@ -228,8 +265,9 @@ class FaultProxy:
             except OSError:
                 client.close()
                 continue
+            pid = client_pid(peer[1], self.port)
             threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._down, args=(upstream, client), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, pid), daemon=True).start()
 
     def _up(self, client: socket.socket, upstream: socket.socket) -> None:
         try:
@@ -250,7 +288,7 @@ class FaultProxy:
             self.faults += 1
             return self.mode
 
-    def _down(self, upstream: socket.socket, client: socket.socket) -> None:
+    def _down(self, upstream: socket.socket, client: socket.socket, pid: int | None) -> None:
         forwarded = 0
         try:
             while data := upstream.recv(1 << 16):
@@ -261,10 +299,12 @@ class FaultProxy:
                     if fault == "stall":
                         time.sleep(self.stall_seconds)
                     return
-                client.sendall(data)
-                forwarded += len(data)
+                # counted before it goes: a client that has the bytes finds them counted
                 with self.lock:
                     self.sent += len(data)
+                    self.sent_to[pid] = self.sent_to.get(pid, 0) + len(data)
+                client.sendall(data)
+                forwarded += len(data)
         except OSError:
             pass
         finally:
@@ -274,6 +314,33 @@ class FaultProxy:
     def close(self) -> None:
         self.closed = True
         _close(self.listener)
+
+
+def client_pid(port: int, server_port: int) -> int | None:
+    """The process holding the client end (127.0.0.1:``port``) of a TCP connection to
+    127.0.0.1:``server_port`` (Linux: the socket's inode in /proc/net/tcp, then the process with a
+    descriptor on it); ``None`` where it cannot be found (gone already, another user's)."""
+    local, remote = f"0100007F:{port:04X}", f"0100007F:{server_port:04X}"
+    inode = None
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1] == local and fields[2] == remote:
+                inode = fields[9]
+                break
+    if inode is None:
+        return None
+    target = f"socket:[{inode}]"
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                if os.readlink(fd.path) == target:
+                    return int(entry.name)
+        except OSError:  # gone, or not ours to read
+            continue
+    return None
 
 
 def _close(s: socket.socket) -> None:

@@ -397,8 +397,24 @@ def _read_bytes(pid: int) -> int:
     raise AssertionError(f"no read_bytes in /proc/{pid}/io")
 
 
+#: two tensor-parallel ranks in worker processes, each on a core of its own
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+@pytest.fixture(scope="module")
+def tp2_reference(llama: Path) -> list[list[int]]:
+    """Greedy tokens of vLLM's own loader (``--load-format safetensors``) on two ranks: like is
+    compared with like. (On this random-weight model its greedy tokens on two ranks differ from
+    its tokens on one rank for one of the two prompts: bf16 sums in another order flip an
+    argmax.)"""
+    env = _env(VLLM_CPU_OMP_THREADS_BIND="0|1")
+    (tokens,), output = _tokens([llama], env, load_format="safetensors", **TP2)
+    assert isinstance(tokens, list) and all(len(t) == MAX_TOKENS for t in tokens), output
+    return tokens
+
+
 def test_two_tensor_parallel_ranks_each_read_about_half_of_a_cold_checkpoint(
-    llama: Path, reference: list[list[int]]
+    llama: Path, reference: list[list[int]], tp2_reference: list[list[int]]
 ) -> None:
     from fastload.core.page_cache import evict
 
@@ -407,8 +423,7 @@ def test_two_tensor_parallel_ranks_each_read_about_half_of_a_cold_checkpoint(
     for f in shards:
         evict(f)
     env = _env(VLLM_CPU_OMP_THREADS_BIND="0|1")
-    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    run = _offline([llama], env, pause=True, load_format="fastload", **tp2)
+    run = _offline([llama], env, pause=True, load_format="fastload", **TP2)
     try:
         assert run.until("LOADED") is not None, run.output()
         workers = _workers(run.proc.pid)
@@ -420,11 +435,8 @@ def test_two_tensor_parallel_ranks_each_read_about_half_of_a_cold_checkpoint(
     finally:
         run.stop()
         output = run.output()
-    # vLLM's own loader on the same two ranks: like with like. (On this random-weight model its
-    # greedy tokens on two ranks differ from its tokens on one rank for one of the two prompts:
-    # bf16 sums in another order flip an argmax. fastload on two ranks gives its two-rank tokens.)
-    (own,), own_output = _tokens([llama], env, load_format="safetensors", **tp2)
-    assert tokens == own, (tokens, own, reference, output, own_output)
+    # vLLM's own loader on the same two ranks: like with like (see tp2_reference)
+    assert tokens == tp2_reference, (tokens, tp2_reference, reference, output)
     # What a rank's slices occupy in the files, in whole pages: half of each sharded tensor plus
     # the pages its rows share with the other rank's (o_proj's rows are 2 KiB; the tensors do not
     # start on page boundaries), plus the norms. Neither rank may read more (but for a few MiB of
@@ -437,6 +449,104 @@ def test_two_tensor_parallel_ranks_each_read_about_half_of_a_cold_checkpoint(
         assert n < need + (24 << 20), (reads, needed, size, output)
     # and the checkpoint really was read from storage, between them, once
     assert sum(reads) > 0.9 * size, (reads, size, output)
+
+
+def _config_only(llama: Path, dst: Path) -> Path:
+    """What ``fastload fetch`` copies of a checkpoint: everything but its weights."""
+    dst.mkdir()
+    for f in llama.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_two_tensor_parallel_ranks_fetch_only_their_slices_from_object_storage(
+    llama: Path, tp2_reference: list[list[int]], tmp_path: Path
+) -> None:
+    from s3_server import FaultProxy, S3Server
+    from vllm_models import bytes_needed
+
+    (tmp_path / "s3-root").mkdir()
+    s3 = S3Server(tmp_path / "s3-root")
+    proxy = FaultProxy(s3.port)  # counts the bytes it forwards to each client process
+    try:
+        url = s3.place(llama, "models", "llama")
+        env = _env(**s3.env(proxy.endpoint), VLLM_CPU_OMP_THREADS_BIND="0|1")
+        extra = {"weights": url, "storage_options": {"max_retries": 8}}
+        local = _config_only(llama, tmp_path / "config-only")
+        (tokens,), output = _tokens(
+            [local], env, load_format="fastload", model_loader_extra_config=extra, **TP2
+        )
+        sent = dict(proxy.sent_to)
+    finally:
+        proxy.close()
+        s3.stop()
+    assert tokens == tp2_reference, (tokens, tp2_reference, output)
+    shards = sorted(llama.glob("*.safetensors"))
+    size = sum(f.stat().st_size for f in shards)
+    # measured from outside: the response bytes (headers included) the store sent each process
+    readers = {pid: n for pid, n in sent.items() if n > 0.1 * size}
+    assert None not in readers and len(readers) == 2, (sent, size, output)
+    # each rank: its slices (half of every split tensor, the norms whole), plus the shards'
+    # headers and each response's HTTP header (one ranged GET per row of o_proj and down_proj)
+    needed = bytes_needed(shards, ranks=2)
+    for n, need in zip(sorted(readers.values()), sorted(needed), strict=True):
+        assert need < 0.55 * size, (needed, size)
+        assert n < need + (12 << 20), (sent, needed, size, output)
+    assert sum(readers.values()) > 0.95 * size, (sent, size, output)
+
+
+@pytest.mark.parametrize("fault", ["replaced", "deleted"])
+def test_a_shard_that_changes_during_a_tensor_parallel_load_from_s3_stops_every_rank(
+    llama: Path, tmp_path: Path, fault: str
+) -> None:
+    from s3_server import FaultProxy, S3Server
+
+    (tmp_path / "s3-root").mkdir()
+    s3 = S3Server(tmp_path / "s3-root")
+    proxy = FaultProxy(s3.port)
+    shard = _shard_of(llama, "model.layers.0.self_attn.o_proj.weight")
+    try:
+        url = s3.place(llama, "models", "llama")
+        stored = tmp_path / "s3-root" / "models" / "llama" / shard
+        header_end = 8 + int.from_bytes(stored.read_bytes()[:8], "little")
+        done = threading.Event()
+
+        def fault_once(path: str, start: int) -> None:
+            # at the first read of the shard's tensors, after every rank opened it: a new
+            # version of the same size (other bytes at its start), or none at all
+            if shard in path and start >= header_end and not done.is_set():
+                done.set()
+                if fault == "deleted":
+                    stored.unlink()
+                    return
+                raw = bytearray(stored.read_bytes())
+                end = header_end + 4096
+                raw[header_end:end] = bytes(b ^ 0xFF for b in raw[header_end:end])
+                stored.write_bytes(bytes(raw))
+                s3.tag("models", f"llama/{shard}")  # the new version's ETag
+
+        proxy.on_get = fault_once
+        env = _env(**s3.env(proxy.endpoint), VLLM_CPU_OMP_THREADS_BIND="0|1")
+        extra = {"weights": url, "storage_options": {"max_retries": 2}}
+        local = _config_only(llama, tmp_path / "config-only")
+        # every wait of the run is bounded (TIMEOUT): a rank left waiting fails the test
+        (result,), output = _tokens(
+            [local], env, load_format="fastload", model_loader_extra_config=extra, **TP2
+        )
+    finally:
+        proxy.close()
+        s3.stop()
+    assert done.is_set(), output
+    assert isinstance(result, list) and len(result) == 3, (result, output)  # an ERROR, no tokens
+    # the ranks' error names the shard's URL and a tensor in it
+    what = "changed while loading" if fault == "replaced" else "no such object"
+    errors = [
+        line
+        for line in output.splitlines()
+        if f"{url}{shard}" in line and what in line.lower() and "tensor '" in line
+    ]
+    assert errors, output
 
 
 def _variant(src: Path, dst: Path, change: str | None = None) -> Path:
@@ -539,6 +649,16 @@ def test_vllm_serve_exits_on_a_truncated_shard_naming_file_and_tensor(
     output = run.output()
     assert returncode != 0, output
     assert f"{file}: [offsets-past-eof] tensor {tensor!r}" in output, output
+
+
+def test_the_vllm_processes_run_this_checkouts_fastload(tmp_path: Path) -> None:
+    # vLLM finds fastload through its entry point in each process it starts: entry point and
+    # code must be this checkout's, whichever clone used the vLLM venv last
+    from test_checkout import (
+        test_a_process_the_tests_start_runs_this_checkouts_fastload_and_entry_points as check,
+    )
+
+    check(tmp_path)
 
 
 def test_extra_config_is_checked_where_it_enters() -> None:

@@ -144,34 +144,57 @@ def rewrite_header(path: str | os.PathLike[str], edit: object) -> None:
     Path(path).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
-def pages_needed(shards: list[Path], ranks: int) -> list[int]:
-    """Bytes of the whole pages of ``shards`` that each of ``ranks`` tensor-parallel ranks of a
-    vLLM Llama needs: column-parallel weights (q/k/v, gate/up, the vocabulary's rows) split along
-    their rows, row-parallel ones (o_proj, down_proj) along their columns, norms whole."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    needed = [0] * ranks
+def _rank_spans(shards: list[Path], ranks: int) -> list[list[tuple[int, int]]]:
+    """The byte spans of ``shards`` (offsets counted over the shards one after the other) that
+    each of ``ranks`` tensor-parallel ranks of a vLLM Llama takes: column-parallel weights (q/k/v,
+    gate/up, the vocabulary's rows) split along their rows, row-parallel ones (o_proj, down_proj)
+    along their columns, norms whole."""
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
+    at = 0
     for shard in shards:
         raw = shard.read_bytes()
         n = int.from_bytes(raw[:8], "little")
         header = json.loads(raw[8 : 8 + n])
         header.pop("__metadata__", None)
         for rank in range(ranks):
-            pages: set[int] = set()
             for name, entry in header.items():
-                begin, end = (8 + n + o for o in entry["data_offsets"])
+                begin, end = (at + 8 + n + o for o in entry["data_offsets"])
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     rows, cols = entry["shape"]
                     row, part = (end - begin) // rows, (end - begin) // rows // ranks
-                    spans = [
+                    spans[rank] += [
                         (begin + r * row + rank * part, begin + r * row + (rank + 1) * part)
                         for r in range(rows)
                     ]
                 elif name.endswith("norm.weight"):
-                    spans = [(begin, end)]
+                    spans[rank].append((begin, end))
                 else:
                     part = (end - begin) // ranks
-                    spans = [(begin + rank * part, begin + (rank + 1) * part)]
-                for a, b in spans:
-                    pages.update(range(a // page, -(-b // page)))
-            needed[rank] += len(pages) * page
+                    spans[rank].append((begin + rank * part, begin + (rank + 1) * part))
+        at += len(raw)
+    return spans
+
+
+def pages_needed(shards: list[Path], ranks: int) -> list[int]:
+    """Bytes of the whole pages of ``shards`` that each of ``ranks`` tensor-parallel ranks of a
+    vLLM Llama needs (:func:`_rank_spans`, each shard's pages apart)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    starts, at = [], 0
+    for shard in shards:
+        starts.append(at)
+        at += shard.stat().st_size
+    needed = []
+    for spans in _rank_spans(shards, ranks):
+        pages: set[tuple[int, int]] = set()
+        for a, b in spans:
+            i = max(k for k, s in enumerate(starts) if s <= a)  # the shard the span is in
+            first, stop = (a - starts[i]) // page, -(-(b - starts[i]) // page)
+            pages.update((i, q) for q in range(first, stop))
+        needed.append(len(pages) * page)
     return needed
+
+
+def bytes_needed(shards: list[Path], ranks: int) -> list[int]:
+    """The tensor bytes of ``shards`` that each of ``ranks`` tensor-parallel ranks of a vLLM Llama
+    takes (:func:`_rank_spans`): what a rank that fetches its slices alone asks a store for."""
+    return [sum(b - a for a, b in spans) for spans in _rank_spans(shards, ranks)]

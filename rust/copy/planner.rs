@@ -136,7 +136,14 @@ pub fn plan_for_threads(
     plan_tasks(file, requests, task_bytes(total, threads))
 }
 
-/// Validates `requests` against the file and cuts them into tasks of about `chunk` source bytes.
+/// The most separate ranged GETs one task of a copy from object storage makes, one after the
+/// other: a slice along a tensor's columns (a tensor-parallel rank's share of a row-parallel
+/// weight) is one GET per row, small ones, which the tasks spread over the threads instead of one
+/// thread asking for thousands in a row.
+pub const GETS_PER_TASK: usize = 16;
+
+/// Validates `requests` against the file and cuts them into tasks of about `chunk` source bytes
+/// (and, from object storage, of at most [`GETS_PER_TASK`] separate reads).
 fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Result<Plan> {
     let chunk = chunk.max(1);
     let header = file.header();
@@ -144,6 +151,8 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
     let mut plan = Plan::default();
     let mut current: Vec<Piece> = Vec::new();
     let mut current_bytes = 0u64;
+    // separate reads of the current task (pieces that do not follow the one before in the file)
+    let mut current_gets = 0usize;
     // From object storage each piece is a request over the network: in file order, so that the
     // pieces of a task that follow each other in the file are read with one ranged GET.
     let mut order: Vec<usize> = (0..requests.len()).collect();
@@ -221,11 +230,19 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
                 done += k;
                 plan.src_bytes += piece.src_len;
                 plan.dst_bytes += piece.dst_len as u64;
+                let follows = current
+                    .last()
+                    .is_some_and(|p| p.src + p.src_len == piece.src);
+                if file.is_remote() && !follows && current_gets == GETS_PER_TASK {
+                    plan.tasks.push(std::mem::take(&mut current));
+                    (current_bytes, current_gets) = (0, 0);
+                }
+                current_gets += usize::from(!follows);
                 current_bytes += piece.src_len.max(1);
                 current.push(piece);
                 if current_bytes >= chunk {
                     plan.tasks.push(std::mem::take(&mut current));
-                    current_bytes = 0;
+                    (current_bytes, current_gets) = (0, 0);
                 }
             }
         }

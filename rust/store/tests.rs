@@ -90,6 +90,39 @@ fn an_object_opens_header_first_and_copies_like_a_file() {
 }
 
 #[test]
+fn a_slice_along_the_columns_is_one_get_per_row_spread_over_tasks() {
+    // a tensor-parallel rank's share of a row-parallel weight: half of each of 100 rows
+    let (rows, cols) = (100u64, 64u64);
+    let spec = vec![("w".to_string(), Dtype::U8, vec![rows, cols])];
+    let (mut buf, _) = build_header(&spec, None).unwrap();
+    buf.extend((0..rows * cols).map(|i| (i % 251) as u8));
+    let store = memory_store();
+    put(&store, "w.safetensors", buf);
+    let file = SafetensorsFile::open_object(store.open("w.safetensors").unwrap()).unwrap();
+    let mut dst = vec![0u8; (rows * cols / 2) as usize];
+    let requests = [Request {
+        name: "w".into(),
+        ptr: dst.as_mut_ptr(),
+        len: dst.len(),
+        dtype: Dtype::U8,
+        selection: Selection::Slice {
+            dim: 1,
+            start: cols / 2,
+            stop: cols,
+        },
+    }];
+    let plan = copy::plan(&file, &requests).unwrap();
+    // every row a read of its own, at most GETS_PER_TASK of them one after the other
+    assert_eq!(plan.tasks(), (rows as usize).div_ceil(copy::GETS_PER_TASK));
+    // SAFETY: the destination lives until the copy returns.
+    unsafe { copy::execute(&file, &plan, Some(4), None, None) }.unwrap();
+    let want: Vec<u8> = (0..rows)
+        .flat_map(|r| (cols / 2..cols).map(move |c| ((r * cols + c) % 251) as u8))
+        .collect();
+    assert_eq!(dst, want);
+}
+
+#[test]
 fn a_missing_object_is_not_found_and_a_truncated_one_fails_its_header_check() {
     let store = memory_store();
     let err = store.open("nothing.safetensors").unwrap_err();

@@ -23,6 +23,9 @@ tensor fastload handed out, and:
   header's read left starts the kernel's asynchronous read-ahead, which ``POSIX_FADV_RANDOM``
   does not stop (measured: 24 MiB read for an 8 MiB half of a 16 MiB tensor), and reads the other
   ranks' bytes;
+* under tensor parallelism from object storage (the ``weights`` option), **fetches the slice**
+  a weight loader takes from the unread tensor it was handed, straight into the parameter, and
+  fetches an unread tensor whole before anything else reads it (:mod:`.remote_slices`);
 * **checks** that a copy takes as many elements as it gives (``copy_`` would otherwise broadcast
   a checkpoint tensor of the wrong shape silently), raising fastload's error naming the file and
   the tensor.
@@ -44,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from fastload.core.engine import copy_into
 from fastload.core.errors import ModelMismatchError
 
+from . import remote_slices
 from .weights import Origin
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -102,11 +106,14 @@ class CopyWatch(TorchFunctionMode):
         adopt: bool,
         threads: int | None = None,
         engine_min: int = ENGINE_MIN,
+        remote: bool = False,
     ) -> None:
         super().__init__()
         #: bytes below which a copy stays torch's (a reload passes 0: no page of a mapping
         #: touched, so a file truncated meanwhile is a read error, never a SIGBUS)
         self.engine_min = engine_min
+        #: whether unread tensors from object storage may be handed out (:mod:`.remote_slices`)
+        self.remote = remote
         #: the engine's threads for the copies it makes (``None``: its default)
         self.threads = threads
         #: storage address -> origin of the tensors handed out (filled as they are)
@@ -138,6 +145,12 @@ class CopyWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if self.remote:
+            # an unread tensor is fetched before anything reads it, or writes into it (a copy_
+            # from one is the weight loaders' copy, below)
+            copy = func is torch.Tensor.copy_
+            reads = (args[:1], {}) if copy else (args, kwargs)
+            remote_slices.fill_read(func, *reads, self.origins, self.threads)
         if func is torch.Tensor.copy_ and len(args) >= 2:
             dst, src = args[0], args[1]
             if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.numel():
@@ -156,6 +169,8 @@ class CopyWatch(TorchFunctionMode):
                 f"{list(dst.shape)} ({dst.dtype}); the checkpoint does not fit the model "
                 "[shape-mismatch]"
             )
+        if origin.remote is not None:
+            return self._remote_copy(dst, src, origin)
         param = self._params.get(dst.untyped_storage().data_ptr()) if self.adopt else None
         if (
             param is not None
@@ -180,6 +195,21 @@ class CopyWatch(TorchFunctionMode):
         if origin.mapping is not None and self.tp_size > 1:
             self._read(src, origin)
         return False
+
+    def _remote_copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
+        """``dst.copy_(src)`` where ``src`` is (a view of) an unread tensor from object storage:
+        only the slice it takes is fetched (:mod:`.remote_slices`)."""
+        if not remote_slices.is_unread(origin):
+            return False  # fetched whole already: torch copies
+        selection = _selection(src, origin.shape, src.untyped_storage().data_ptr())
+        if selection is False:  # not a slice the engine reads: the whole tensor, then torch
+            remote_slices.fill_whole(src, origin, self.threads)
+            return False
+        remote_slices.copy_slice(dst, src, origin, selection, self.threads)
+        self.copied_bytes += src.numel() * src.element_size()
+        if selection is not None:
+            self.slices_read += 1
+        return True
 
     def _engine_copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
         """Copies ``src`` (a view of ``origin``, whole or sliced along one dimension) into ``dst``

@@ -187,6 +187,8 @@ class FastloadModelLoader(DefaultModelLoader):
             threads=self.options.threads,
             progress=self._start_stream(),
             skip=skip,
+            tp_size=_tp_size(),
+            origins=self._origins,
         )
         self._streams.append(stream)
         return ((source.prefix + name, tensor) for name, tensor in stream)
@@ -241,6 +243,7 @@ class FastloadModelLoader(DefaultModelLoader):
             tp_size=_tp_size(),
             adopt=self.options.share_weights and self.options.mmap != "copy",
             threads=self.options.threads,
+            remote=self.options.weights is not None and _tp_size() > 1,
         )
         streams = self._streams
 

@@ -10,10 +10,13 @@ Every file's header is read and validated (and the index checked against the sha
 first tensor is handed out; the tensors are then read by the Rust engine, ranged GETs written
 straight into CPU tensors, in batches of :data:`BATCH_BYTES` on a helper thread one batch ahead
 of the model's weight loaders: at most two batches are held at a time, never the checkpoint.
+Under tensor parallelism the tensors are handed out unread instead, and each rank's weight
+loaders fetch only the slices they take (:mod:`.remote_slices`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -27,7 +30,8 @@ from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
 
-from .weights import refusing_unreadable
+from .remote_slices import unread_tensor
+from .weights import Origin, Unread, refusing_unreadable
 
 #: the bytes of one batch of tensors read together (a larger tensor is a batch of its own); the
 #: load holds at most two batches beside the model
@@ -51,6 +55,20 @@ def batches(tensors: list[StoredTensor], limit: int = BATCH_BYTES) -> list[list[
     return out
 
 
+def return_free_memory() -> None:
+    """Hands the free memory of malloc's arenas back to the OS (glibc's ``malloc_trim``): the
+    batches were allocated on the reader thread and freed one tensor at a time, below malloc's
+    mapping threshold, into arenas that keep them, counted in the server's RSS after the load
+    (measured on vLLM's 1.1 GiB benchmark model: 2.47 GiB after the load without this, 2.07 GiB
+    with it, vLLM's Run:ai streamer 2.11-2.13 GiB). Elsewhere than glibc, nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 class RemoteWeights:
     """The checkpoint at ``url``, opened and validated; iterate for ``(name, tensor)`` pairs in
     checkpoint order, each a CPU tensor of the stored dtype and shape that nothing else holds.
@@ -66,11 +84,17 @@ class RemoteWeights:
         progress: bool = False,
         skip: Callable[[str], bool] | None = None,
         batch_bytes: int = BATCH_BYTES,
+        tp_size: int = 1,
+        origins: dict[int, Origin] | None = None,
     ) -> None:
         self.url = url
         self.threads = threads
         self.progress = progress
         self.batch_bytes = batch_bytes
+        #: the tensor-parallel world size: above 1, tensors are handed out unread, recorded in
+        #: ``origins`` (the load's, which :class:`~.adopt.CopyWatch` reads)
+        self.tp_size = tp_size
+        self.origins: dict[int, Origin] = {} if origins is None else origins
         self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
@@ -108,7 +132,35 @@ class RemoteWeights:
         fill_many([(files[i], items) for i, items in work.items()], self.threads, None, counter)
         return out
 
+    def _unread(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor unread (:func:`~.remote_slices.unread_tensor`): the weight loaders'
+        copies fetch what they take. A packed sub-byte tensor (its torch shape not its stored
+        one) is read whole now: the engine reads no slice of one."""
+        for t in self.tensors:
+            path = self.checkpoint.file_path(t)
+            shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
+            if list(shape) != list(t.shape):
+                [(_, tensor)] = self._read([t], None)
+                self.current = (path, t.name)
+                self.bytes += tensor.numel() * tensor.element_size()
+                yield t.name, tensor
+                continue
+            origin = Origin(
+                path,
+                t.name,
+                st_dtype=t.st_dtype,
+                shape=tuple(shape),
+                remote=Unread(self.checkpoint.files[t.file]),
+            )
+            tensor = unread_tensor(shape, t.dtype, self.origins, origin)
+            self.current = (path, t.name)
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield t.name, tensor
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.tp_size > 1:
+            yield from self._unread()
+            return
         by_name = self.checkpoint.tensors
         # one batch queued and one being read: two batches at most beside the one consumed
         ready: queue.Queue[Any] = queue.Queue(maxsize=1)
@@ -143,10 +195,15 @@ class RemoteWeights:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                for name, tensor in item:
+                # each tensor let go as it is handed out: once its weight loader copied it, the
+                # batch holds it no longer (the batch's memory shrinks as it is consumed)
+                item.reverse()
+                while item:
+                    name, tensor = item.pop()
                     self.current = (self.checkpoint.file_path(by_name[name]), name)
                     self.bytes += tensor.numel() * tensor.element_size()
                     yield name, tensor
+                    del tensor
                 del item
         finally:
             self.close()
@@ -156,6 +213,7 @@ class RemoteWeights:
                 except queue.Empty:
                     pass
             reader.join()
+            return_free_memory()
 
     def close(self) -> None:
         """Stops the helper thread after the batch it is reading (the iterator was dropped)."""

@@ -101,6 +101,15 @@ def refusing_unreadable(instead: str) -> Iterator[None]:
         ) from None
 
 
+@dataclass
+class Unread:
+    """Where the bytes of a tensor handed out unread are (tensor parallelism from object
+    storage, :mod:`.remote_slices`): its file in object storage; ``filled``: fetched whole since."""
+
+    file: _core.SafetensorsFile
+    filled: bool = False
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where a handed-out tensor came from: for messages, and for copying it (or a slice of it)
@@ -110,9 +119,11 @@ class Origin:
     name: str
     #: the mapping the tensor is a view of (``None``: a copy, or a pickle file's tensor)
     mapping: SharedMapping | None = None
-    #: the stored dtype (a safetensors name) and shape, where ``mapping`` is set
+    #: the stored dtype (a safetensors name) and shape, where ``mapping`` or ``remote`` is set
     st_dtype: str = ""
     shape: tuple[int, ...] = ()
+    #: an unread tensor of a file in object storage (tensor parallelism: :mod:`.remote_slices`)
+    remote: Unread | None = None
 
 
 @dataclass
@@ -454,4 +465,4 @@ def _madvise(address: int, length: int, advice: int) -> None:
     libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), advice)
 
 
-__all__ = ["CheckpointWeights", "Origin", "check_index", "natural_key"]
+__all__ = ["CheckpointWeights", "Origin", "Unread", "check_index", "natural_key"]

@@ -1,0 +1,222 @@
+"""Tensor-parallel ranks reading the ``weights`` option's checkpoint from object storage, without
+vLLM: the weight stream hands tensors out unread, and what a vLLM weight loader does with them
+(narrow to this rank's rows or columns and copy, copy whole, or compute with them) fetches exactly
+what it reads, counted by a proxy in front of the S3 server (from outside fastload). Against the
+local S3-compatible server of tests/s3_server.py; the same under a real vLLM engine:
+tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastload.integrations.vllm.adopt import CopyWatch
+from fastload.integrations.vllm.remote import RemoteWeights
+from fastload.integrations.vllm.weights import Origin
+from fastload.safetensors.saving import save_file
+from s3_server import FaultProxy, S3Server
+
+ROWS, COLS = 64, 1024  # bf16: 2 KiB a row
+
+
+@pytest.fixture
+def stored(env: S3Server, tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
+        "o": torch.randn(ROWS, COLS, generator=g).to(torch.bfloat16),
+        "norm": torch.randn(COLS, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(ROWS * 4, dtype=torch.int64).reshape(ROWS, 4),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    url = env.upload(tmp_path / "model.safetensors", "models", "slices/model.safetensors")
+    return url, tensors
+
+
+@pytest.fixture
+def proxy(env: S3Server, monkeypatch: pytest.MonkeyPatch):
+    p = FaultProxy(env.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    yield p
+    p.close()
+
+
+def _unread(url: str, origins: dict[int, Origin]) -> dict[str, torch.Tensor]:
+    return dict(RemoteWeights(url, tp_size=2, origins=origins))
+
+
+def _watch(origins: dict[int, Origin], params: dict[str, torch.Tensor]) -> CopyWatch:
+    return CopyWatch(origins, list(params.items()), tp_size=2, adopt=False, remote=True)
+
+
+def test_a_rank_fetches_only_the_rows_and_columns_its_weight_loaders_copy(stored, proxy) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    headers = proxy.sent  # the file's header, read when it was opened
+    rows = torch.empty(ROWS // 2, COLS, dtype=torch.bfloat16)  # column-parallel: rank 1's rows
+    cols = torch.empty(ROWS, COLS // 2, dtype=torch.bfloat16)  # row-parallel: rank 0's columns
+    norm = torch.empty(COLS, dtype=torch.bfloat16)  # held whole by every rank
+    with _watch(origins, {"rows": rows, "cols": cols, "norm": norm}):
+        rows.copy_(unread["w"].narrow(0, ROWS // 2, ROWS // 2))
+        cols.copy_(unread["o"].narrow(1, 0, COLS // 2))
+        norm.copy_(unread["norm"])
+    assert torch.equal(rows, tensors["w"][ROWS // 2 :])
+    assert torch.equal(cols, tensors["o"][:, : COLS // 2])
+    assert torch.equal(norm, tensors["norm"])
+    # what the store sent: half of each weight, the norm, and one response's HTTP header per
+    # ranged GET (one for the rows, one per row for the columns); not the other halves (64 KiB
+    # each), nor the unused tensor
+    wanted = tensors["w"].nbytes // 2 + tensors["o"].nbytes // 2 + tensors["norm"].nbytes
+    fetched = proxy.sent - headers
+    assert wanted <= fetched < wanted + (ROWS + 8) * 512, (fetched, wanted)
+
+
+def test_a_slice_copied_into_another_dtype_is_converted(stored, proxy) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    dst = torch.empty(ROWS, COLS // 2, dtype=torch.float32)
+    ids = torch.empty(ROWS // 2, 4, dtype=torch.int32)
+    with _watch(origins, {"dst": dst, "ids": ids}):
+        dst.copy_(unread["w"].narrow(1, COLS // 2, COLS // 2))
+        ids.copy_(unread["ids"].narrow(0, 0, ROWS // 2))
+    assert torch.equal(dst, tensors["w"][:, COLS // 2 :].float())
+    assert torch.equal(ids, tensors["ids"][: ROWS // 2].to(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        lambda t: t.float().sum(),
+        lambda t: (t * 2).narrow(0, 0, 3),
+        lambda t: t[torch.tensor([0, 5])],  # a tensor index reads elements
+        lambda t: t.contiguous().clone(),
+        lambda t: torch.cat([t.narrow(0, 0, 2), t.narrow(0, 2, 2)]),
+    ],
+)
+def test_anything_else_that_reads_an_unread_tensor_sees_all_of_it(stored, proxy, use) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    with _watch(origins, {}):
+        got = use(unread["w"])
+    assert torch.equal(got, use(tensors["w"]))
+
+
+def test_a_view_that_reads_nothing_fetches_nothing(stored, proxy) -> None:
+    url, _ = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    before = proxy.sent
+    with _watch(origins, {}):
+        w = unread["w"]
+        assert (w.shape, w.dtype, w.dim(), w.numel()) == (
+            (ROWS, COLS),
+            torch.bfloat16,
+            2,
+            ROWS * COLS,
+        )
+        w.narrow(0, 0, 2).t()[1:3]
+        w.chunk(2)
+    assert proxy.sent == before
+
+
+def test_an_unread_tensor_leaves_the_origins_when_freed(stored, proxy) -> None:
+    # a later allocation at the same address must never be taken for it
+    url, _ = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    assert len(origins) == len(unread) == 4
+    view = unread["w"].narrow(0, 1, 2)
+    unread.clear()
+    gc.collect()
+    assert [o.name for o in origins.values()] == ["w"]  # the view keeps its memory
+    del view
+    gc.collect()
+    assert origins == {}
+
+
+def test_one_rank_lets_go_of_each_tensor_once_its_weight_loader_has_it(stored, proxy) -> None:
+    # the batch read ahead holds a tensor only until it is handed out, so the memory beside the
+    # model shrinks as the weight loaders consume the batch, not only when the batch ends
+    url, tensors = stored
+    stream = iter(RemoteWeights(url, batch_bytes=1 << 30))  # every tensor in one batch
+    name, first = next(stream)
+    assert torch.equal(first, tensors[name])
+    gone = weakref.ref(first)
+    del first
+    name, second = next(stream)
+    assert gone() is None
+    assert torch.equal(second, tensors[name])
+    stream.close()  # type: ignore[attr-defined]
+
+
+def test_a_copy_into_an_unread_tensor_is_not_undone_by_a_later_read(stored, proxy) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = _unread(url, origins)
+    ones = torch.ones(COLS, dtype=torch.bfloat16)
+    with _watch(origins, {}):
+        unread["norm"][:4].copy_(ones[:4])
+        got = unread["norm"].float()
+    want = tensors["norm"].clone()
+    want[:4] = 1
+    assert torch.equal(got, want.float())
+
+
+_ONE_RANK = """
+import sys
+from fastload.integrations.vllm.remote import RemoteWeights
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+stream = RemoteWeights(sys.argv[1], batch_bytes=32 << 20)
+before = rss()
+for name, tensor in stream:
+    del tensor  # what a weight loader does once it copied it
+print(rss() - before)
+"""
+
+
+def test_one_rank_hands_the_memory_of_its_batches_back_after_the_load(
+    env: S3Server, tmp_path: Path
+) -> None:
+    # 256 MiB read in batches of 32 MiB on the reader thread and freed one tensor at a time: the
+    # server's RSS after the load must not keep them (measured by the OS, in a fresh process;
+    # malloc's arenas kept about 80 MiB of them before they were trimmed)
+    tensors = {f"t{i}": torch.full((1 << 20,), float(i)) for i in range(64)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    url = env.upload(tmp_path / "model.safetensors", "models", "trim/model.safetensors")
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_RANK, url],
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    kept = int(done.stdout.split()[-1])
+    assert kept < 32 << 20, kept >> 20
+
+
+@pytest.mark.skipif(not hasattr(torch, "float4_e2m1fn_x2"), reason="torch without float4")
+def test_a_packed_tensor_is_handed_out_whole(env: S3Server, tmp_path: Path) -> None:
+    # the engine reads no slice of a packed F4 tensor: it comes whole, already read
+    packed = torch.arange(64, dtype=torch.uint8).reshape(8, 8).view(torch.float4_e2m1fn_x2)
+    save_file({"f": packed}, tmp_path / "model.safetensors")
+    url = env.upload(tmp_path / "model.safetensors", "models", "f4/model.safetensors")
+    origins: dict[int, Origin] = {}
+    got = _unread(url, origins)["f"]
+    assert origins == {}
+    assert torch.equal(got.view(torch.uint8), packed.view(torch.uint8))
