@@ -45,7 +45,7 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "docs/memory.md": (1, 0),
     "docs/object-storage.md": (0, 1),
     "docs/options.md": (1, 0),
-    "docs/reload.md": (2, 0),
+    "docs/reload.md": (3, 1),
     "docs/saving.md": (1, 0),
     "docs/serving-vllm.md": (0, 1),
     "docs/safetensors.md": (2, 0),
