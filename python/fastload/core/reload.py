@@ -64,7 +64,7 @@ from fastload.core.streaming import stream_into
 from fastload.core.threads import check_threads
 from fastload.core.units import format_bytes
 
-__all__ = ["ReloadReport", "Source", "reload"]
+__all__ = ["ReloadReport", "Source", "refuse_unfit", "reload"]
 
 #: what a reload reads: a local path, an object storage URL or a state dict
 Source = str | os.PathLike[str] | Mapping[str, torch.Tensor]
@@ -251,16 +251,25 @@ def _check(model: nn.Module, record: LoadRecord, ckpt: OpenCheckpoint) -> list[_
         other.append(
             f"{len(unknown)} tensors the model's checkpoint did not have: {format_names(unknown)}"
         )
+    refuse_unfit(
+        shapes,
+        other,
+        f"{_label(ckpt)} does not fit the model it would reload ({record.source}); nothing was "
+        "written",
+    )
+    return writes
+
+
+def refuse_unfit(shapes: list[str], other: list[str], what: str) -> None:
+    """Raises, when there are any, the problems of a checkpoint that does not fit (the first 20
+    listed after ``what``): ``ModelMismatchError`` when a shape is among them, else
+    ``CheckpointError``."""
     problems = shapes + other
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else ""
         cls = ModelMismatchError if shapes else CheckpointError
-        raise cls(
-            f"{_label(ckpt)} does not fit the model it would reload ({record.source}); nothing "
-            f"was written. {len(problems)} problems:\n  {shown}{more}"
-        )
-    return writes
+        raise cls(f"{what}. {len(problems)} problems:\n  {shown}{more}")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

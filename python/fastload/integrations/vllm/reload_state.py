@@ -17,8 +17,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from fastload.core.dtypes import CONVERTIBLE
-from fastload.core.errors import CheckpointError, ModelMismatchError, ReloadError, RequestError
+from fastload.core.errors import ReloadError, RequestError
 from fastload.core.keys import format_names
+from fastload.core.reload import refuse_unfit
 from fastload.core.reload_record import checkpoint_digests
 
 #: stored tensor name -> (stored dtype, shape, file)
@@ -143,15 +144,12 @@ def check_fits(new: Catalog, old: Catalog, label: str, holds: str) -> None:
     if extra:
         other.append(f"{len(extra)} tensors the engine's checkpoint did not have: "
                      f"{format_names([repr(n) for n in extra])}")  # fmt: skip
-    problems = shapes + other
-    if problems:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... ({len(problems) - 20} more)" if len(problems) > 20 else ""
-        cls = ModelMismatchError if shapes else CheckpointError
-        raise cls(
-            f"{label} does not fit the model the engine serves ({holds}); reload_weights "
-            f"refused it before writing anything. {len(problems)} problems:\n  {shown}{more}"
-        )
+    refuse_unfit(
+        shapes,
+        other,
+        f"{label} does not fit the model the engine serves ({holds}); reload_weights refused it "
+        "before writing anything",
+    )
 
 
 #: elements sampled per tensor
