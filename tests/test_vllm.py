@@ -343,22 +343,26 @@ def _request(uds: str, path: str, body: dict[str, object] | None = None) -> dict
     return result
 
 
+def _listening(run: _Run, uds: str) -> dict[str, object]:
+    """``/v1/models`` of a ``vllm serve`` on ``uds``, once it listens. uvicorn calls listen() on
+    vLLM's bound socket right after "Application startup complete": until then a connection is
+    refused, and is retried while the process lives (a bounded number of times, against a hang
+    only; nothing here depends on how long the start takes)."""
+    ready = run.until("Application startup complete", anywhere=True)
+    assert ready is not None, f"vllm serve exited:\n{run.output()}"
+    for _ in range(int(TIMEOUT * 10)):
+        try:
+            return _request(uds, "/v1/models")
+        except ConnectionRefusedError:
+            assert run.proc.poll() is None, f"vllm serve exited:\n{run.output()}"
+            time.sleep(0.1)
+    pytest.fail(f"vllm serve never listened on {uds}:\n{run.output()}")
+
+
 def _served_tokens(model: Path, load_format: str) -> list[list[int]]:
     run, uds = _serve(model, load_format)
     try:
-        ready = run.until("Application startup complete", anywhere=True)
-        assert ready is not None, f"vllm serve exited:\n{run.output()}"
-        # uvicorn calls listen() on vLLM's bound socket right after that line: until then a
-        # connection is refused (TIMEOUT bounds only a hang, as every wait here)
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                models = _request(uds, "/v1/models")
-                break
-            except ConnectionRefusedError:
-                assert run.proc.poll() is None, f"vllm serve exited:\n{run.output()}"
-                assert time.monotonic() < deadline, f"vllm serve never listened:\n{run.output()}"
-                time.sleep(0.1)
+        models = _listening(run, uds)
         assert models["data"], run.output()
         answer = _request(
             uds,

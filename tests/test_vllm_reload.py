@@ -16,7 +16,6 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +25,8 @@ from test_vllm import (
     ENGINE,
     MAX_TOKENS,
     PROMPTS,
-    TIMEOUT,
     _env,
+    _listening,
     _request,
     _Run,
     _serve,
@@ -459,17 +458,7 @@ def test_vllm_serve_reloads_between_two_requests(
         return [list(c["token_ids"]) for c in choices]
 
     try:
-        ready = run.until("Application startup complete", anywhere=True)
-        assert ready is not None, f"vllm serve exited:\n{run.output()}"
-        deadline = time.monotonic() + TIMEOUT
-        while True:  # uvicorn listens right after that line
-            try:
-                _request(uds, "/v1/models")
-                break
-            except ConnectionRefusedError:
-                assert run.proc.poll() is None, f"vllm serve exited:\n{run.output()}"
-                assert time.monotonic() < deadline, f"vllm serve never listened:\n{run.output()}"
-                time.sleep(0.1)
+        _listening(run, uds)
         assert complete() == fresh_tokens["base"]
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(tuned)}}
         assert _request(uds, "/collective_rpc", rpc) == {"results": [None]}, run.output()
