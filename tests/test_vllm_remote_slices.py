@@ -11,12 +11,14 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from fastload import FastloadError
 from fastload.integrations.vllm.adopt import CopyWatch
 from fastload.integrations.vllm.remote import RemoteWeights
 from fastload.integrations.vllm.weights import Origin
@@ -223,3 +225,81 @@ def test_a_packed_tensor_is_handed_out_whole(env: S3Server, tmp_path: Path) -> N
     got = _unread(url, origins)["f"]
     assert origins == {}
     assert torch.equal(got.view(torch.uint8), packed.view(torch.uint8))
+
+
+def _gate(proxy: FaultProxy) -> tuple[threading.Event, threading.Event]:
+    """Holds every data GET (past the header) until the returned ``open`` event is set (at
+    most 60 s); ``held`` is set when one is waiting."""
+    held, opened = threading.Event(), threading.Event()
+
+    def wait(path: str, start: int) -> None:
+        if start > 0:
+            held.set()
+            opened.wait(60)
+
+    proxy.on_get = wait
+    return held, opened
+
+
+def test_one_rank_queues_its_copies_and_nothing_reads_a_parameter_before_its_bytes(
+    stored, proxy
+) -> None:
+    # one rank's weight loaders copy whole tensors; each copy returns at once, fetched behind
+    # them straight into the parameter; anything that reads the parameter waits for its bytes
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = dict(RemoteWeights(url, origins=origins, unread=True))
+    param = torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
+    held, opened = _gate(proxy)
+    with _watch(origins, {"param": param}):
+        param.copy_(unread["w"])  # returns with its GET held by the proxy
+        assert held.wait(60)
+        threading.Timer(0.2, opened.set).start()
+        total = param.float().sum()  # waits for the fetch, however late it comes
+        param[:4].copy_(torch.ones(4, COLS, dtype=torch.bfloat16))  # lands after it
+    assert total == tensors["w"].float().sum()
+    want = tensors["w"].clone()
+    want[:4] = 1
+    assert torch.equal(param, want)
+
+
+def test_a_later_copy_into_the_same_bytes_lands_last(stored, proxy) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = dict(RemoteWeights(url, origins=origins, unread=True))
+    param = torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
+    with _watch(origins, {"param": param}):
+        param.copy_(unread["w"])
+        param.narrow(0, 0, ROWS // 2).copy_(unread["o"].narrow(0, 0, ROWS // 2))
+        param.copy_(unread["o"])
+        param.narrow(0, 0, ROWS // 2).copy_(unread["w"].narrow(0, 0, ROWS // 2))
+    want = torch.cat([tensors["w"][: ROWS // 2], tensors["o"][ROWS // 2 :]])
+    assert torch.equal(param, want)
+
+
+def test_a_queued_fetch_that_fails_stops_the_load_naming_the_file_and_the_tensor(
+    env: S3Server, stored, proxy, tmp_path: Path
+) -> None:
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    options = {"max_retries": 1}
+    unread = dict(RemoteWeights(url, origins=origins, unread=True, storage_options=options))
+    param = torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
+    changed = threading.Event()
+
+    def replace(path: str, start: int) -> None:  # a new version at the first data GET
+        if start > 0 and not changed.is_set():
+            changed.set()
+            other = {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}
+            save_file(other, tmp_path / "replaced.safetensors")
+            env.client().upload_file(
+                str(tmp_path / "replaced.safetensors"), "models", "slices/model.safetensors"
+            )
+
+    proxy.on_get = replace
+    with pytest.raises(FastloadError) as raised:
+        with _watch(origins, {"param": param}):
+            param.copy_(unread["w"])  # queued: the failure comes at the end of the load
+    assert changed.is_set()
+    message = str(raised.value)
+    assert url in message and "'w'" in message, message

@@ -23,9 +23,11 @@ tensor fastload handed out, and:
   header's read left starts the kernel's asynchronous read-ahead, which ``POSIX_FADV_RANDOM``
   does not stop (measured: 24 MiB read for an 8 MiB half of a 16 MiB tensor), and reads the other
   ranks' bytes;
-* under tensor parallelism from object storage (the ``weights`` option), **fetches the slice**
-  a weight loader takes from the unread tensor it was handed, straight into the parameter, and
-  fetches an unread tensor whole before anything else reads it (:mod:`.remote_slices`);
+* from object storage (the ``weights`` option: into CPU parameters, or under tensor
+  parallelism), **queues the fetch of the slice** a weight loader takes from the unread tensor it
+  was handed, made straight into the parameter behind the weight loaders (:mod:`.remote_fetches`:
+  nothing touches the parameter before its bytes are in, and the mode's exit waits for them all),
+  and fetches an unread tensor whole before anything else reads it (:mod:`.remote_slices`);
 * **checks** that a copy takes as many elements as it gives (``copy_`` would otherwise broadcast
   a checkpoint tensor of the wrong shape silently), raising fastload's error naming the file and
   the tensor.
@@ -48,6 +50,7 @@ from fastload.core.engine import copy_into
 from fastload.core.errors import ModelMismatchError
 
 from . import remote_slices
+from .remote_fetches import Fetches
 from .weights import Origin
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -140,15 +143,20 @@ class CopyWatch(TorchFunctionMode):
         #: bytes of those copies the engine made
         self.engine_bytes = 0
         self.slices_read = 0
+        #: the queues of fetches made behind the weight loaders this load used (by id)
+        self._fetches: dict[int, Fetches] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
         if self.remote:
+            copy = func is torch.Tensor.copy_
+            if self._fetches and not (copy and self._from_unread(args)):
+                # nothing touches a parameter before the fetches queued into it are made
+                remote_slices.wait_pending(func, args, kwargs, self._fetches.values())
             # an unread tensor is fetched before anything reads it, or writes into it (a copy_
             # from one is the weight loaders' copy, below)
-            copy = func is torch.Tensor.copy_
             reads = (args[:1], {}) if copy else (args, kwargs)
             remote_slices.fill_read(func, *reads, self.origins, self.threads)
         if func is torch.Tensor.copy_ and len(args) >= 2:
@@ -160,6 +168,21 @@ class CopyWatch(TorchFunctionMode):
                     if handled:
                         return dst
         return func(*args, **kwargs)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        super().__exit__(exc_type, exc, tb)
+        fetches, self._fetches = list(self._fetches.values()), {}
+        for queue in fetches:
+            if exc_type is None:
+                queue.drain()  # raises a fetch's failure
+            else:
+                queue.stop()  # the load failed: what is queued is not made
+
+    def _from_unread(self, args: tuple[Any, ...]) -> bool:
+        src = args[1] if len(args) >= 2 else None
+        return isinstance(src, torch.Tensor) and remote_slices.is_unread(
+            self.origins.get(src.untyped_storage().data_ptr())
+        )
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
         if dst.numel() != src.numel() and src.numel() != 1:
@@ -206,6 +229,9 @@ class CopyWatch(TorchFunctionMode):
             remote_slices.fill_whole(src, origin, self.threads)
             return False
         remote_slices.copy_slice(dst, src, origin, selection, self.threads)
+        fetches = origin.remote.fetches if origin.remote is not None else None
+        if fetches is not None:
+            self._fetches[id(fetches)] = fetches
         self.copied_bytes += src.numel() * src.element_size()
         if selection is not None:
             self.slices_read += 1

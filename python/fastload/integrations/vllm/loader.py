@@ -189,6 +189,8 @@ class FastloadModelLoader(DefaultModelLoader):
             skip=skip,
             tp_size=_tp_size(),
             origins=self._origins,
+            # into CPU parameters, the weight loaders' copies are fetched straight into them
+            unread=_tp_size() > 1 or self._device is None or self._device.type == "cpu",
         )
         self._streams.append(stream)
         return ((source.prefix + name, tensor) for name, tensor in stream)
@@ -243,7 +245,7 @@ class FastloadModelLoader(DefaultModelLoader):
             tp_size=_tp_size(),
             adopt=self.options.share_weights and self.options.mmap != "copy",
             threads=self.options.threads,
-            remote=self.options.weights is not None and _tp_size() > 1,
+            remote=self.options.weights is not None,
         )
         streams = self._streams
 

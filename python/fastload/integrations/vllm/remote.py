@@ -7,11 +7,14 @@ directory, e.g. made by ``fastload fetch URL DIR``, or a hub name), and
 ``--model-loader-extra-config '{"weights": "s3://bucket/prefix/"}'`` where the tensors are.
 
 Every file's header is read and validated (and the index checked against the shards) before the
-first tensor is handed out; the tensors are then read by the Rust engine, ranged GETs written
-straight into CPU tensors, in batches of :data:`BATCH_BYTES` on a helper thread one batch ahead
-of the model's weight loaders: at most two batches are held at a time, never the checkpoint.
-Under tensor parallelism the tensors are handed out unread instead, and each rank's weight
-loaders fetch only the slices they take (:mod:`.remote_slices`).
+first tensor is handed out. Where the model's parameters are in CPU memory, or under tensor
+parallelism, the tensors are then handed out **unread** (:mod:`.remote_slices`): each weight
+loader's copy is queued and fetched straight into the parameter by the Rust engine's ranged GETs,
+behind the weight loaders (:mod:`.remote_fetches`), each rank fetching only the slices it takes;
+nothing is held beside the model. Otherwise (parameters on an accelerator, one rank) the tensors
+are read into CPU tensors in batches of :data:`BATCH_BYTES` on a helper thread one batch ahead of
+the model's weight loaders, which copy them to the device: at most two batches are held at a
+time, never the checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
 
+from .remote_fetches import Fetches
 from .remote_slices import unread_tensor
 from .weights import Origin, Unread, refusing_unreadable
 
@@ -86,6 +90,7 @@ class RemoteWeights:
         batch_bytes: int = BATCH_BYTES,
         tp_size: int = 1,
         origins: dict[int, Origin] | None = None,
+        unread: bool | None = None,
     ) -> None:
         self.url = url
         self.threads = threads
@@ -95,6 +100,11 @@ class RemoteWeights:
         #: ``origins`` (the load's, which :class:`~.adopt.CopyWatch` reads)
         self.tp_size = tp_size
         self.origins: dict[int, Origin] = {} if origins is None else origins
+        #: whether tensors are handed out unread, their weight loaders' copies fetched straight
+        #: into the parameters behind them (default: under tensor parallelism only)
+        self.unread = tp_size > 1 if unread is None else unread
+        #: the fetches those copies queue (:mod:`.remote_fetches`)
+        self.fetches = Fetches(threads)
         self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
@@ -134,13 +144,22 @@ class RemoteWeights:
 
     def _unread(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor unread (:func:`~.remote_slices.unread_tensor`): the weight loaders'
-        copies fetch what they take. A packed sub-byte tensor (its torch shape not its stored
-        one) is read whole now: the engine reads no slice of one."""
+        copies fetch what they take, queued behind them (:mod:`.remote_fetches`); the stream
+        ends when every queued fetch is made. A packed sub-byte tensor (its torch shape not its
+        stored one) is read whole now: the engine reads no slice of one."""
+        # one rank takes every tensor whole: the bar counts the checkpoint's bytes
+        total = self.total if self.tp_size == 1 else 0
+        with byte_progress(total, self.progress, desc="fastload: loading weights") as counter:
+            self.fetches.counter = counter
+            yield from self._hand_out_unread()
+            self.fetches.drain()
+
+    def _hand_out_unread(self) -> Iterator[tuple[str, torch.Tensor]]:
         for t in self.tensors:
             path = self.checkpoint.file_path(t)
             shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
             if list(shape) != list(t.shape):
-                [(_, tensor)] = self._read([t], None)
+                [(_, tensor)] = self._read([t], self.fetches.counter)
                 self.current = (path, t.name)
                 self.bytes += tensor.numel() * tensor.element_size()
                 yield t.name, tensor
@@ -150,7 +169,7 @@ class RemoteWeights:
                 t.name,
                 st_dtype=t.st_dtype,
                 shape=tuple(shape),
-                remote=Unread(self.checkpoint.files[t.file]),
+                remote=Unread(self.checkpoint.files[t.file], fetches=self.fetches),
             )
             tensor = unread_tensor(shape, t.dtype, self.origins, origin)
             self.current = (path, t.name)
@@ -158,7 +177,7 @@ class RemoteWeights:
             yield t.name, tensor
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self.tp_size > 1:
+        if self.unread:
             yield from self._unread()
             return
         by_name = self.checkpoint.tensors
@@ -216,8 +235,10 @@ class RemoteWeights:
             return_free_memory()
 
     def close(self) -> None:
-        """Stops the helper thread after the batch it is reading (the iterator was dropped)."""
+        """Stops the helper thread after the batch it is reading (the iterator was dropped),
+        and the fetches queued behind the weight loaders after the one being made."""
         self._stop.set()
+        self.fetches.stop()
 
 
 __all__ = ["BATCH_BYTES", "RemoteWeights", "batches"]

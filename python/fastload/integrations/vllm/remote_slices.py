@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import mmap
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from fastload.core.reading import fill_many
 
+from .remote_fetches import Fetches
 from .weights import Origin
 
 #: the tensor methods and properties that read no element of the tensor (metadata, and views
@@ -86,8 +87,15 @@ def fill_whole(t: torch.Tensor, origin: Origin, threads: int | None) -> None:
     assert origin.remote is not None
     if origin.remote.filled:
         return
-    fill_many([(origin.remote.file, [(origin.name, _whole(t, origin), None)])], threads)
+    item = (origin.name, _whole(t, origin), None)
+    fill_many([(origin.remote.file, [item])], threads, None, _counter(origin))
     origin.remote.filled = True
+
+
+def _counter(origin: Origin) -> Any:
+    """The progress counter of the load ``origin``'s tensor was handed out by, if any."""
+    fetches = origin.remote.fetches if origin.remote is not None else None
+    return fetches.counter if fetches is not None else None
 
 
 def copy_slice(
@@ -98,15 +106,23 @@ def copy_slice(
     threads: int | None,
 ) -> None:
     """``dst.copy_(src)`` for ``src``, the ``selection`` of an unread tensor (``None``: all of
-    it), fetching only those bytes: straight into ``dst`` where it has ``src``'s dtype and shape,
-    else through a temporary of them (torch converts)."""
+    it), fetching only those bytes: straight into ``dst`` where it has ``src``'s dtype and shape
+    (queued behind the weight loaders where the tensor's load queues fetches and ``dst`` is
+    contiguous CPU memory: :mod:`.remote_fetches`), else through a temporary of them (torch
+    converts)."""
     assert origin.remote is not None
-    file = origin.remote.file
-    if dst.shape == src.shape and dst.dtype == src.dtype:
-        fill_many([(file, [(origin.name, dst, selection)])], threads)
+    file, fetches = origin.remote.file, origin.remote.fetches
+    direct = dst.shape == src.shape and dst.dtype == src.dtype
+    if direct and fetches is not None and dst.device.type == "cpu" and dst.is_contiguous():
+        fetches.submit(file, origin.name, dst, selection)  # made behind the weight loaders
+        return
+    if fetches is not None:
+        fetches.wait_for([dst])  # a queued fetch into these bytes lands first
+    if direct:
+        fill_many([(file, [(origin.name, dst, selection)])], threads, None, _counter(origin))
         return
     tmp = torch.empty(src.shape, dtype=src.dtype)
-    fill_many([(file, [(origin.name, tmp, selection)])], threads)
+    fill_many([(file, [(origin.name, tmp, selection)])], threads, None, _counter(origin))
     dst.copy_(tmp)
 
 
@@ -126,6 +142,18 @@ def _reads_nothing(func: Any, args: tuple[Any, ...]) -> bool:
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in index)
     return name in VIEWS
+
+
+def wait_pending(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], queues: Iterable[Fetches]
+) -> None:
+    """Before ``func(*args, **kwargs)`` runs: every queued fetch made where one of its tensors
+    has one queued (:mod:`.remote_fetches`), unless ``func`` touches no element."""
+    if _reads_nothing(func, args):
+        return
+    tensors = list(_tensors(args, kwargs))
+    for queue in queues:
+        queue.wait_for(tensors)
 
 
 def fill_read(
@@ -148,4 +176,12 @@ def fill_read(
             fill_whole(t, origin, threads)
 
 
-__all__ = ["VIEWS", "copy_slice", "fill_read", "fill_whole", "is_unread", "unread_tensor"]
+__all__ = [
+    "VIEWS",
+    "copy_slice",
+    "fill_read",
+    "fill_whole",
+    "is_unread",
+    "unread_tensor",
+    "wait_pending",
+]

@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,9 @@ from fastload.core.staging import StagingPool
 
 from .options import VllmLoadOptions
 from .staged import staged_tensors
+
+if TYPE_CHECKING:
+    from .remote_fetches import Fetches
 
 _MADV_RANDOM = 1
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -108,6 +111,9 @@ class Unread:
 
     file: _core.SafetensorsFile
     filled: bool = False
+    #: where a weight loader's copy of it is queued to be fetched behind the weight loaders
+    #: (:mod:`.remote_fetches`); ``None``: fetched when copied
+    fetches: Fetches | None = None
 
 
 @dataclass(frozen=True)
