@@ -388,8 +388,8 @@ def _s(n: float | None) -> str:
     return "-" if n is None else f"{n:.2f}"
 
 
-def _x(n: float | None, floor: float) -> str:
-    return "-" if n is None else f"{n / floor:.2f}"
+def _x(n: float | None, floor: float | None) -> str:
+    return "-" if n is None or floor is None else f"{n / floor:.2f}"
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -477,7 +477,7 @@ def token_sets(runs: list[dict[str, Any]]) -> set[str]:
     return out
 
 
-def serve_table(rows: list[dict[str, Any]], cold: float, warm: float) -> list[str]:
+def serve_table(rows: list[dict[str, Any]], cold: float | None, warm: float | None) -> list[str]:
     """The ``--serve`` runs' table (none without them): process start to first token, and the
     loader's part of it (vLLM's "Loading weights took") as a ratio to the floor of its cache
     state; vLLM's CPU post-processing is the engine runs' ``post s`` above."""

@@ -18,7 +18,9 @@ Each from the server's page cache cold (its files evicted just before) and warm.
 ``benches/vllm_bench.py``'s (the loader's ``load_weights``, vLLM's post-processing, the whole
 ``load_model``, memory from the OS). The floor, once per repeat: every byte of the shards fetched
 with 8 MiB ranged GETs, 16 at a time, into one preallocated buffer (fastload's HTTP client, no
-engine, nothing else), with the server's cache warm. With ``--serve``, each run is followed by
+engine, nothing else), with the server's cache warm; twice: into a buffer touched before (the
+transport alone) and into fresh memory (the transport plus the page faults of a first write,
+which any first load pays for the model's memory). With ``--serve``, each run is followed by
 ``vllm serve`` of the same format timed from process start to the first token
 (benches/vllm_serve.py). Writes ``vllm-s3-<size>.{json,md}``.
 """
@@ -59,9 +61,11 @@ PARALLEL = 16
 BUCKET = "bench"
 
 
-def floor_ranged_gets(url: str, files: list[Path]) -> float:
+def floor_ranged_gets(url: str, files: list[Path], touched: bool = True) -> float:
     """Seconds to fetch every byte of ``files`` (objects under ``url``) with parallel ranged
-    GETs into one preallocated, touched buffer."""
+    GETs into one preallocated buffer: touched before (the transport alone), or not (``touched``
+    false: the transport and the first write to fresh memory, which a first load of a model
+    pays too; measured here: 0.2-0.45 s per GiB of page faults)."""
     import torch
 
     from fastload.core.object_store import open_store, read_into
@@ -69,7 +73,8 @@ def floor_ranged_gets(url: str, files: list[Path]) -> float:
     store = open_store(url)
     prefix = store.key.rstrip("/")
     sizes = [(f"{prefix}/{f.name}", f.stat().st_size) for f in files]
-    buffer = torch.ones(sum(size for _, size in sizes), dtype=torch.uint8)
+    total = sum(size for _, size in sizes)
+    buffer = (torch.ones if touched else torch.empty)(total, dtype=torch.uint8)
     jobs, at = [], 0
     for key, size in sizes:
         for off in range(0, size, RANGE):
@@ -90,7 +95,11 @@ def _server_cache(root: Path, mode: str) -> None:
 
 
 def markdown(results: dict[str, Any]) -> str:
-    floor = results["floor_s"]
+    floors = results["floor_s"]
+
+    def runs(key: str) -> str:
+        return ", ".join(f"{x:.2f}" for x in results["floors"][key])
+
     lines = [
         f"vLLM {results['vllm']} (CPU, {results['cpus']} cores), {results['model']}: bf16 Llama, "
         f"{results['model_bytes'] / (1 << 30):.2f} GiB in {results['shards']} shards, in s3s-fs "
@@ -99,14 +108,21 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"Command: `{results['command']}`",
         "",
-        f"Floor (same run): every byte fetched with {RANGE >> 20} MiB ranged GETs, {PARALLEL} at "
-        f"a time, into memory: {floor:.2f} s (runs: "
-        + ", ".join(f"{x:.2f}" for x in results["floor_all"])
-        + "). Cold/warm: the server's page cache.",
+        f"Floors (same run, the server's page cache as in the runs they are compared with): "
+        f"every byte fetched with {RANGE >> 20} MiB ranged GETs, {PARALLEL} at a time, into "
+        "memory touched before (the transport alone), and into fresh memory (the page faults "
+        "of a first write too, which a first load pays for the model's memory). "
+        "Cold/warm: the server's page cache.",
         "",
-        "| format | server cache | load_weights s | x floor | post s | load_model s | engine s "
-        "| peak RSS in load GiB | RSS after load GiB | runs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"- {key.replace('fresh_floor', 'fresh-memory floor').replace('_', ', ')}: "
+            f"{floors[key]:.2f} s (runs: {runs(key)})"
+            for key in sorted(floors)
+        ),
+        "",
+        "| format | server cache | load_weights s | x floor | x fresh-memory floor | post s "
+        "| load_model s | engine s | peak RSS in load GiB | RSS after load GiB | runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     served = [row for row in results["summary"] if row["format"].endswith(SERVED)]
     for row in results["summary"]:
@@ -125,13 +141,17 @@ def markdown(results: dict[str, Any]) -> str:
             return "-" if v is None else f"{v / (1 << 30):.2f}"
 
         weights = row.get("load_weights_s")
-        ratio = "-" if weights is None else f"{weights / floor:.2f}"
+        floor = floors.get(f"floor_{row['mode']}")
+        fresh = floors.get(f"fresh_floor_{row['mode']}")
+        ratio = "-" if weights is None or floor is None else f"{weights / floor:.2f}"
+        ratio_fresh = "-" if weights is None or fresh is None else f"{weights / fresh:.2f}"
         lines.append(
-            f"| {row['format']} | {row['mode']} | {s('load_weights_s')} | {ratio} | {s('post_s')} "
+            f"| {row['format']} | {row['mode']} | {s('load_weights_s')} | {ratio} "
+            f"| {ratio_fresh} | {s('post_s')} "
             f"| {s('load_model_s')} | {s('engine_s')} | {g('peak_rss_load')} "
             f"| {g('rss_after_load')} | {row['ok']} |"
         )
-    lines += serve_table(served, floor, floor)
+    lines += serve_table(served, floors.get("floor_cold"), floors.get("floor_warm"))
     tokens = token_sets(results["runs"])
     lines += ["", f"Greedy tokens of every successful run the same: {len(tokens) == 1}."]
     return "\n".join(lines) + "\n"
@@ -179,13 +199,16 @@ def main() -> None:
             "runai_streamer": (url, {"load_format": "runai_streamer"}),
         }
         results = describe(model, args.repeats, "vllm_s3_bench.py")
-        results.update(floor_all=[], runs=[])
+        results.update(floors={}, runs=[])
         size = results["model_bytes"]
         names = list(formats)
         for repeat in range(args.repeats):
-            _server_cache(root, "warm")
-            results["floor_all"].append(floor_ranged_gets(url, _shards(model)))
-            print(json.dumps({"repeat": repeat, "floor": results["floor_all"]}), flush=True)
+            for mode in args.modes.split(","):
+                for touched, key in ((True, "floor"), (False, "fresh_floor")):
+                    _server_cache(root, mode)
+                    took = floor_ranged_gets(url, _shards(model), touched=touched)
+                    results["floors"].setdefault(f"{key}_{mode}", []).append(took)
+            print(json.dumps({"repeat": repeat, "floors": results["floors"]}), flush=True)
             for name in rotated(names, repeat):
                 target, kwargs = formats[name]
                 for mode in args.modes.split(","):
@@ -202,7 +225,7 @@ def main() -> None:
                         results["runs"].append(r)
     finally:
         server.stop()
-    results["floor_s"] = statistics.median(results["floor_all"])
+    results["floor_s"] = {k: statistics.median(v) for k, v in results["floors"].items()}
     results["summary"] = summarize(results)
     save(Path(args.out), f"vllm-s3-{size / (1 << 30):.1f}GiB", results, markdown(results))
 
