@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastload.core.progress import DISABLE_VARS
 from fastload.integrations.vllm.adopt import CopyWatch
 from fastload.integrations.vllm.remote import RemoteWeights
 from fastload.integrations.vllm.weights import Origin
@@ -223,3 +224,67 @@ def test_a_packed_tensor_is_handed_out_whole(env: S3Server, tmp_path: Path) -> N
     got = _unread(url, origins)["f"]
     assert origins == {}
     assert torch.equal(got.view(torch.uint8), packed.view(torch.uint8))
+
+
+#: rank 0 of two: every tensor handed out unread, its weight loaders copy their half of the rows
+_RANK_ZERO = """
+import sys, torch
+from fastload.integrations.vllm.adopt import CopyWatch
+from fastload.integrations.vllm.remote import RemoteWeights
+
+origins = {}
+stream = RemoteWeights(sys.argv[1], tp_size=2, origins=origins, progress=sys.argv[2] == "on")
+with CopyWatch(origins, [], tp_size=2, adopt=False, remote=True):
+    for name, tensor in stream:
+        half = tensor.narrow(0, 0, tensor.shape[0] // 2)
+        torch.empty(half.shape, dtype=half.dtype).copy_(half)  # a parameter of this rank
+print(stream.fetched.done)
+"""
+
+
+@pytest.fixture(scope="module")
+def large(server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """72 MiB in four F32 tensors: above the size that shows a bar when stderr is no terminal."""
+    where = tmp_path_factory.mktemp("large") / "model.safetensors"
+    save_file({f"t{i}": torch.full((2048, 2304), float(i)) for i in range(4)}, where)
+    return server.upload(where, "models", "large/model.safetensors")
+
+
+def _rank_zero(url: str, progress: str, **env: str) -> tuple[int, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _RANK_ZERO, url, progress],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1]), done.stderr
+
+
+@pytest.fixture
+def bars_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in DISABLE_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_a_tensor_parallel_rank_draws_the_load_and_says_what_it_fetched(
+    env: S3Server, large: str, bars_allowed: None
+) -> None:
+    fetched, err = _rank_zero(large, "on")
+    assert fetched == 36 << 20  # half of each tensor's rows
+    # what the user sees last: the whole checkpoint taken by the weight loaders, and this
+    # rank's share of it fetched (not a bar stopped at half the checkpoint)
+    last = [s for s in err.replace("\r", "\n").splitlines() if s.strip()][-1]
+    assert last.startswith("fastload: loading weights (this rank fetches its slices): 100%"), err
+    assert "72.00/72.00 MiB" in last and last.endswith(", 36.00 MiB fetched]"), err
+
+
+@pytest.mark.parametrize(
+    ("progress", "switch"), [("off", {}), ("on", {"FASTLOAD_DISABLE_PROGRESS_BARS": "1"})]
+)
+def test_a_tensor_parallel_rank_draws_nothing_when_progress_is_off(
+    env: S3Server, large: str, bars_allowed: None, progress: str, switch: dict[str, str]
+) -> None:
+    fetched, err = _rank_zero(large, progress, **switch)
+    assert fetched == 36 << 20 and "fastload" not in err, err

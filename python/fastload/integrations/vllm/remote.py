@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
+from fastload import _core
 from fastload.core import object_store
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
 
-from .remote_slices import unread_tensor
+from .remote_slices import SliceProgress, this_rank, unread_tensor
 from .weights import Origin, Unread, refusing_unreadable
 
 #: the bytes of one batch of tensors read together (a larger tensor is a batch of its own); the
@@ -109,6 +110,9 @@ class RemoteWeights:
         self.current: tuple[str, str] | None = None
         #: tensor bytes handed out
         self.bytes = 0
+        #: under tensor parallelism, the engine's count of the bytes this rank fetched (its
+        #: weight loaders' slices); ``None`` on one rank, which reads every tensor handed out
+        self.fetched: _core.Progress | None = None
         self._stop = threading.Event()
 
     @property
@@ -134,28 +138,33 @@ class RemoteWeights:
 
     def _unread(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor unread (:func:`~.remote_slices.unread_tensor`): the weight loaders'
-        copies fetch what they take. A packed sub-byte tensor (its torch shape not its stored
-        one) is read whole now: the engine reads no slice of one."""
-        for t in self.tensors:
-            path = self.checkpoint.file_path(t)
-            shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
-            if list(shape) != list(t.shape):
-                [(_, tensor)] = self._read([t], None)
+        copies fetch what they take, counted in :attr:`fetched` (the bar of
+        :class:`~.remote_slices.SliceProgress`). A packed sub-byte tensor (its torch shape not
+        its stored one) is read whole now: the engine reads no slice of one."""
+        bar = SliceProgress(self.total, self.progress, this_rank())
+        self.fetched = bar.counter
+        try:
+            for t in self.tensors:
+                path = self.checkpoint.file_path(t)
+                shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
+                if list(shape) != list(t.shape):
+                    [(_, tensor)] = self._read([t], bar.counter)
+                else:
+                    file = self.checkpoint.files[t.file]
+                    origin = Origin(
+                        path,
+                        t.name,
+                        st_dtype=t.st_dtype,
+                        shape=tuple(shape),
+                        remote=Unread(file, progress=bar.counter),
+                    )
+                    tensor = unread_tensor(shape, t.dtype, self.origins, origin)
                 self.current = (path, t.name)
                 self.bytes += tensor.numel() * tensor.element_size()
                 yield t.name, tensor
-                continue
-            origin = Origin(
-                path,
-                t.name,
-                st_dtype=t.st_dtype,
-                shape=tuple(shape),
-                remote=Unread(self.checkpoint.files[t.file]),
-            )
-            tensor = unread_tensor(shape, t.dtype, self.origins, origin)
-            self.current = (path, t.name)
-            self.bytes += tensor.numel() * tensor.element_size()
-            yield t.name, tensor
+                bar.taken(t.nbytes)
+        finally:
+            bar.close()
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.tp_size > 1:

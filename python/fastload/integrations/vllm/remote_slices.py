@@ -22,18 +22,22 @@ written), recorded in the load's origins with the file it comes from
 
 Each unread tensor's record leaves the origins when its memory is freed (a finalizer on its
 mapping, which stays mapped until then), so a later allocation at the same address is never
-taken for it.
+taken for it. Every fetch counts its bytes in the load's :class:`SliceProgress`.
 """
 
 from __future__ import annotations
 
 import mmap
+import sys
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from fastload import _core
+from fastload.core.progress import bar_wanted, binary_unit
 from fastload.core.reading import fill_many
 
 from .weights import Origin
@@ -48,6 +52,67 @@ VIEWS = frozenset(
         "unsqueeze", "squeeze", "expand", "as_strided", "detach", "unbind",
     }
 )  # fmt: skip
+
+
+class SliceProgress:
+    """The progress of a tensor-parallel load from object storage, drawn where
+    :func:`~fastload.core.progress.bar_wanted` says so (``enabled``: the loader's ``progress``).
+
+    What a rank fetches is known only as its weight loaders copy (their slices, a norm whole), so
+    the bar advances over the checkpoint's ``total`` bytes as the weight loaders take each tensor
+    (:meth:`taken`), to 100 % as the local stream's does, and says beside it what this rank
+    (``rank``, the process's in ``torch.distributed``, where known) fetched: ``fastload: loading
+    weights (rank 0 fetches its slices): 100%|...| 1.09/1.09 GiB [00:04<00:00, 0.55 GiB
+    fetched]``. (A bar of the bytes fetched against the checkpoint would stop near 1/N of the way
+    on N ranks: a load that reads as cut short.)"""
+
+    #: seconds between two redraws for fetched bytes alone (tqdm's own pace)
+    REDRAW = 0.1
+
+    def __init__(self, total: int, enabled: bool, rank: int | None = None) -> None:
+        self._unit, self._size = binary_unit(total)
+        self._bar: Any = None
+        self._drawn = 0.0
+        if bar_wanted(total, enabled):
+            from tqdm.auto import tqdm
+
+            who = "this rank" if rank is None else f"rank {rank}"
+            self._bar = tqdm(
+                total=total / self._size,
+                unit=self._unit,
+                desc=f"fastload: loading weights ({who} fetches its slices)",
+                file=sys.stderr,
+                bar_format="{l_bar}{bar}| {n:.2f}/{total:.2f} "
+                + self._unit
+                + " [{elapsed}<{remaining}{postfix}]",
+            )
+        #: the engine's count of the bytes this rank fetched: every fetch of the load is given it
+        self.counter = _core.Progress(None if self._bar is None else self._fetched)
+
+    def _fetched(self, done: int) -> None:
+        self._bar.set_postfix_str(f"{done / self._size:.2f} {self._unit} fetched", refresh=False)
+        if time.monotonic() - self._drawn >= self.REDRAW:
+            self._drawn = time.monotonic()
+            self._bar.refresh()  # nothing once closed (tqdm): later fetches are only counted
+
+    def taken(self, nbytes: int) -> None:
+        """The weight loaders took a tensor of ``nbytes`` (stored) bytes."""
+        if self._bar is not None:
+            self._bar.update(nbytes / self._size)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            done = self.counter.done
+            self._bar.set_postfix_str(
+                f"{done / self._size:.2f} {self._unit} fetched", refresh=False
+            )
+            self._bar.close()  # drawn once more, as it ends
+
+
+def this_rank() -> int | None:
+    """This process's rank in ``torch.distributed`` (``None``: no process group)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 def unread_tensor(
@@ -86,7 +151,8 @@ def fill_whole(t: torch.Tensor, origin: Origin, threads: int | None) -> None:
     assert origin.remote is not None
     if origin.remote.filled:
         return
-    fill_many([(origin.remote.file, [(origin.name, _whole(t, origin), None)])], threads)
+    whole = [(origin.name, _whole(t, origin), None)]
+    fill_many([(origin.remote.file, whole)], threads, None, origin.remote.progress)
     origin.remote.filled = True
 
 
@@ -101,12 +167,12 @@ def copy_slice(
     it), fetching only those bytes: straight into ``dst`` where it has ``src``'s dtype and shape,
     else through a temporary of them (torch converts)."""
     assert origin.remote is not None
-    file = origin.remote.file
+    file, progress = origin.remote.file, origin.remote.progress
     if dst.shape == src.shape and dst.dtype == src.dtype:
-        fill_many([(file, [(origin.name, dst, selection)])], threads)
+        fill_many([(file, [(origin.name, dst, selection)])], threads, None, progress)
         return
     tmp = torch.empty(src.shape, dtype=src.dtype)
-    fill_many([(file, [(origin.name, tmp, selection)])], threads)
+    fill_many([(file, [(origin.name, tmp, selection)])], threads, None, progress)
     dst.copy_(tmp)
 
 
@@ -148,4 +214,13 @@ def fill_read(
             fill_whole(t, origin, threads)
 
 
-__all__ = ["VIEWS", "copy_slice", "fill_read", "fill_whole", "is_unread", "unread_tensor"]
+__all__ = [
+    "VIEWS",
+    "SliceProgress",
+    "copy_slice",
+    "fill_read",
+    "fill_whole",
+    "is_unread",
+    "this_rank",
+    "unread_tensor",
+]

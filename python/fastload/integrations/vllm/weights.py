@@ -104,10 +104,12 @@ def refusing_unreadable(instead: str) -> Iterator[None]:
 @dataclass
 class Unread:
     """Where the bytes of a tensor handed out unread are (tensor parallelism from object
-    storage, :mod:`.remote_slices`): its file in object storage; ``filled``: fetched whole since."""
+    storage, :mod:`.remote_slices`): its file in object storage; ``filled``: fetched whole since;
+    ``progress``: the counter of the bytes this rank fetched (the load's progress bar)."""
 
     file: _core.SafetensorsFile
     filled: bool = False
+    progress: _core.Progress | None = None
 
 
 @dataclass(frozen=True)
