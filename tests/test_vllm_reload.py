@@ -514,17 +514,22 @@ def test_two_tensor_parallel_ranks_reload_only_their_slices_from_object_storage(
     faulty_url = server.place(base, "models", "tp-faulty")
     config = _config_only(base, tmp_path / "config-only")
     # the shard of the final norm, the first tensor the reload reads (its shard is the index's
-    # first: it holds lm_head): changed in the store once the ranks opened it, at its first read
+    # first: it holds lm_head): changed in the store when both ranks, having opened it, ask for
+    # the norm (one read each: the shard's other tensors are unchanged), before either is served
     norm = "model.norm.weight"
     shard = _shard_of(base, norm).name
     stored = server.root / "models" / "tp-faulty" / shard
     header_end, _ = _header(stored)
     changed = threading.Event()
-    lock = threading.Lock()  # a rank's read waits here until the other's changed the object
+    both = threading.Barrier(2, timeout=120)  # bounded: a rank that never asks fails the test
+    lock = threading.Lock()
 
     def change_once(path: str, start: int) -> None:
+        if f"tp-faulty/{shard}" not in path or start < header_end or changed.is_set():
+            return
+        both.wait()
         with lock:
-            if f"tp-faulty/{shard}" in path and start >= header_end and not changed.is_set():
+            if not changed.is_set():
                 raw = bytearray(stored.read_bytes())
                 raw[header_end : header_end + 4096] = bytes(
                     b ^ 0xFF for b in raw[header_end:][:4096]
