@@ -22,6 +22,9 @@ end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`
   a fused parameter (qkv from q/k/v, gate_up from gate/up) is rebuilt from all of its inputs when
   any one changed, because vLLM re-materializes the whole layer. Which tensors feed which layer is
   seen once, at the first load (:class:`FeedWatch`);
+* **each rank its slices**: under tensor parallelism a rank reads only what its weight loaders
+  take, from object storage too: the tensors are handed out unread as at the first load
+  (:mod:`.remote_slices`), and the log says what the rank fetched;
 * **never torn**: a failure during the reload (a shard truncated or replaced, a read error, an
   error in vLLM's code) puts back every layer not yet filled, so they keep their old weights;
   where no layer had taken new bytes, the model is whole and the error says so; otherwise it
