@@ -498,6 +498,17 @@ def test_two_tensor_parallel_ranks_fetch_only_their_slices_from_object_storage(
         assert need < 0.55 * size, (needed, size)
         assert n < need + (12 << 20), (sent, needed, size, output)
     assert sum(readers.values()) > 0.95 * size, (sent, size, output)
+    # the progress bar, on rank 0 alone (vLLM's use_tqdm_on_load): the checkpoint to its end,
+    # and what that rank fetched of it
+    bar = "fastload: loading weights (rank 0 fetches its slices): 100%"
+    lines = output.replace("\r", "\n").splitlines()
+    ends = [line[line.index(bar) :].strip() for line in lines if bar in line]
+    assert ends and "rank 1 fetches" not in output, output
+    # "... 100%|...| 246.83/246.83 MiB [...]": what the rank fetched, to its end
+    shares = {line.split("| ")[-1].split(" MiB")[0] for line in ends}
+    assert len(shares) == 1, ends
+    done, total = (float(x) for x in shares.pop().split("/"))
+    assert done == total and done * (1 << 20) < 0.55 * size, ends
 
 
 @pytest.mark.parametrize("fault", ["replaced", "deleted"])

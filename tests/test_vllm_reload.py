@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from test_vllm import (
     ENGINE,
     MAX_TOKENS,
     PROMPTS,
+    _config_only,
     _env,
     _listening,
     _request,
@@ -469,19 +471,121 @@ def test_vllm_serve_reloads_between_two_requests(
     assert f"fastload: reloaded {tuned} in" in output and "6 tensors read" in output, output
 
 
+#: two tensor-parallel ranks in worker processes, each on a core of its own
+TP2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+
+
+def _tp2_env(**extra: str) -> dict[str, str]:
+    return _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0|1", **extra)
+
+
+@pytest.fixture(scope="module")
+def tp2_tokens(base: Path, tuned: Path) -> dict[str, list[list[int]]]:
+    """Greedy tokens of vLLM's own loader on two ranks, on each checkpoint: like is compared with
+    like (bf16 sums in another order than on one rank)."""
+    results, output = _tokens([base, tuned], _tp2_env(), load_format="safetensors", **TP2)
+    out = dict(zip(("base", "tuned"), results, strict=True))
+    assert out["base"] != out["tuned"], output
+    return out  # type: ignore[return-value]
+
+
 def test_two_tensor_parallel_ranks_reload_their_slices(
-    base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]]
+    base: Path, tuned: Path, tp2_tokens: dict[str, list[list[int]]]
 ) -> None:
-    env = _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    # vLLM's own loader on the same two ranks: like with like (bf16 sums in another order)
-    own, own_output = _tokens([base, tuned], env, load_format="safetensors", **tp2)
-    engine = Engine(base, env, load_format="fastload", **tp2)
+    engine = Engine(base, _tp2_env(), load_format="fastload", **TP2)
     try:
-        assert engine.generate() == own[0]
+        assert engine.generate() == tp2_tokens["base"]
         assert engine.reload(tuned) == ("RELOADED", None)
-        assert engine.generate() == own[1], own_output
+        assert engine.generate() == tp2_tokens["tuned"]
     finally:
         output = engine.close()
     # each rank left out the same unchanged layers
     assert output.count("15 unchanged tensors") == 2, output
+
+
+def test_two_tensor_parallel_ranks_reload_only_their_slices_from_object_storage(
+    base: Path, tuned: Path, tp2_tokens: dict[str, list[list[int]]], tmp_path: Path, server
+) -> None:
+    from s3_server import FaultProxy
+    from vllm_models import bytes_needed
+
+    base_url = server.place(base, "models", "tp-base")
+    tuned_url = server.place(tuned, "models", "tp-tuned")
+    faulty_url = server.place(base, "models", "tp-faulty")
+    config = _config_only(base, tmp_path / "config-only")
+    # the shard of the final norm, the first tensor the reload reads (its shard is the index's
+    # first: it holds lm_head): changed in the store when both ranks, having opened it, ask for
+    # the norm (one read each: the shard's other tensors are unchanged), before either is served
+    norm = "model.norm.weight"
+    shard = _shard_of(base, norm).name
+    stored = server.root / "models" / "tp-faulty" / shard
+    header_end, _ = _header(stored)
+    changed = threading.Event()
+    both = threading.Barrier(2, timeout=120)  # bounded: a rank that never asks fails the test
+    lock = threading.Lock()
+
+    def change_once(path: str, start: int) -> None:
+        if f"tp-faulty/{shard}" not in path or start < header_end or changed.is_set():
+            return
+        both.wait()
+        with lock:
+            if not changed.is_set():
+                raw = bytearray(stored.read_bytes())
+                raw[header_end : header_end + 4096] = bytes(
+                    b ^ 0xFF for b in raw[header_end:][:4096]
+                )
+                stored.write_bytes(bytes(raw))
+                server.tag("models", f"tp-faulty/{shard}")  # the new version's ETag
+                changed.set()
+
+    proxy = FaultProxy(server.port)  # counts the bytes it forwards to each client process
+    try:
+        extra = {"weights": base_url, "storage_options": {"max_retries": 8}}
+        env = _tp2_env(**server.env(proxy.endpoint))
+        engine = Engine(config, env, load_format="fastload", model_loader_extra_config=extra, **TP2)
+        try:
+            assert engine.generate() == tp2_tokens["base"]
+            before = dict(proxy.sent_to)
+            assert engine.reload(tuned_url) == ("RELOADED", None)
+            after = dict(proxy.sent_to)
+            assert engine.generate() == tp2_tokens["tuned"]
+            # a shard replaced in the store while the ranks fetch their slices: every rank stops
+            # naming it and the tensor, and every layer keeps its old weights (the norm's too,
+            # whose fetch failed in its weight loader)
+            proxy.on_get = change_once
+            word, error = engine.reload(faulty_url)
+            proxy.on_get = None
+            assert changed.is_set()
+            assert word == "ERROR", error
+            message = error[1]  # type: ignore[index]
+            assert f"{faulty_url}{shard}" in message and repr(norm) in message, message
+            assert f"keeps its previous weights ({tuned_url}) whole" in message, message
+            assert engine.generate() == tp2_tokens["tuned"]
+            # (no collective_rpc after it here: vLLM 0.32's executor raises the first rank's
+            # failure and leaves the second's reply queued, which the next call then returns)
+        finally:
+            output = engine.close()
+    finally:
+        proxy.close()
+    log = "\n".join(line for line in output.splitlines() if "fastload" in line)
+    # measured from outside: the response bytes (headers included) the store sent each process
+    # during the first reload
+    sent = {pid: n - before.get(pid, 0) for pid, n in after.items() if n > before.get(pid, 0)}
+    assert None not in sent and len(sent) == 2, (sent, log)
+    # what that reload reads: the fused layers of the fine-tune's changed tensors (q with k and
+    # v, gate with up) and the final norm; each rank its rows of each and the norm whole, plus
+    # the shards' headers (each read with the 256 KiB after it, in one request) and one
+    # response's HTTP header per ranged GET. Before each rank fetched every byte of them.
+    fused = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj")
+    read = {f"model.layers.0.{name}.weight" for name in (*fused, "mlp.up_proj")} | {norm}
+    shards = sorted(tuned.glob("*.safetensors"))
+    needed = bytes_needed(shards, ranks=2, names=read)
+    whole = bytes_needed(shards, ranks=1, names=read)[0]
+    opened = sum(min(f.stat().st_size, 8 + (256 << 10)) for f in shards)
+    for n, need in zip(sorted(sent.values()), sorted(needed), strict=True):
+        assert need < 0.55 * whole, (needed, whole)
+        assert n < need + opened + (64 << 10), (sent, needed, opened, log)
+    assert sum(sent.values()) - 2 * opened > 0.95 * whole, (sent, whole, log)  # it did come
+    # on each rank: the fine-tune's layers read, and what the rank fetched of them
+    assert log.count(" 6 tensors read (") == 2, log
+    assert log.count("this rank fetched") == 2, log

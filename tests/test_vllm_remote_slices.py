@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fastload import FastloadError
+from fastload.core.progress import DISABLE_VARS
 from fastload.integrations.vllm.adopt import CopyWatch
 from fastload.integrations.vllm.remote import RemoteWeights
 from fastload.integrations.vllm.weights import Origin
@@ -303,3 +304,82 @@ def test_a_queued_fetch_that_fails_stops_the_load_naming_the_file_and_the_tensor
     assert changed.is_set()
     message = str(raised.value)
     assert url in message and "'w'" in message, message
+
+
+#: rank 0 of N (argv[3]): every tensor handed out unread, its weight loaders copy their 1/N of
+#: the rows into CPU parameters
+_RANK_ZERO = """
+import sys, torch
+from fastload.integrations.vllm.adopt import CopyWatch
+from fastload.integrations.vllm.remote import RemoteWeights
+
+n = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+origins = {}
+stream = RemoteWeights(
+    sys.argv[1], tp_size=n, origins=origins, progress=sys.argv[2] == "on", unread=True
+)
+with CopyWatch(origins, [], tp_size=n, adopt=False, remote=True):
+    for name, tensor in stream:
+        part = tensor.narrow(0, 0, tensor.shape[0] // n)
+        torch.empty(part.shape, dtype=part.dtype).copy_(part)  # a parameter of this rank
+print(stream.fetches.progress.counter.done)
+"""
+
+
+@pytest.fixture(scope="module")
+def large(server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """72 MiB in four F32 tensors: above the size that shows a bar when stderr is no terminal."""
+    where = tmp_path_factory.mktemp("large") / "model.safetensors"
+    save_file({f"t{i}": torch.full((2048, 2304), float(i)) for i in range(4)}, where)
+    return server.upload(where, "models", "large/model.safetensors")
+
+
+def _rank_zero(url: str, progress: str, ranks: int = 2, **env: str) -> tuple[int, str]:
+    done = subprocess.run(
+        [sys.executable, "-c", _RANK_ZERO, url, progress, str(ranks)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout.split()[-1]), done.stderr
+
+
+@pytest.fixture
+def bars_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in DISABLE_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_a_tensor_parallel_rank_draws_the_load_and_says_what_it_fetched(
+    env: S3Server, large: str, bars_allowed: None
+) -> None:
+    fetched, err = _rank_zero(large, "on")
+    assert fetched == 36 << 20  # half of each tensor's rows
+    # what the user sees last: this rank's share fetched, to its end (not a bar of the
+    # checkpoint stopped at half of it, nor one ended before the fetches queued behind the
+    # weight loaders landed)
+    last = [s for s in err.replace("\r", "\n").splitlines() if s.strip()][-1]
+    assert last.startswith("fastload: loading weights (this rank fetches its slices): 100%"), err
+    assert "| 36.00/36.00 MiB [" in last, err
+
+
+def test_one_rank_draws_the_whole_checkpoint_fetched(
+    env: S3Server, large: str, bars_allowed: None
+) -> None:
+    fetched, err = _rank_zero(large, "on", ranks=1)
+    assert fetched == 72 << 20
+    last = [s for s in err.replace("\r", "\n").splitlines() if s.strip()][-1]
+    assert last.startswith("fastload: loading weights: 100%"), err
+    assert "| 72.00/72.00 MiB [" in last, err
+
+
+@pytest.mark.parametrize(
+    ("progress", "switch"), [("off", {}), ("on", {"FASTLOAD_DISABLE_PROGRESS_BARS": "1"})]
+)
+def test_a_tensor_parallel_rank_draws_nothing_when_progress_is_off(
+    env: S3Server, large: str, bars_allowed: None, progress: str, switch: dict[str, str]
+) -> None:
+    fetched, err = _rank_zero(large, progress, **switch)
+    assert fetched == 36 << 20 and "fastload" not in err, err

@@ -144,11 +144,13 @@ def rewrite_header(path: str | os.PathLike[str], edit: object) -> None:
     Path(path).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
-def _rank_spans(shards: list[Path], ranks: int) -> list[list[tuple[int, int]]]:
+def _rank_spans(
+    shards: list[Path], ranks: int, names: set[str] | None = None
+) -> list[list[tuple[int, int]]]:
     """The byte spans of ``shards`` (offsets counted over the shards one after the other) that
     each of ``ranks`` tensor-parallel ranks of a vLLM Llama takes: column-parallel weights (q/k/v,
     gate/up, the vocabulary's rows) split along their rows, row-parallel ones (o_proj, down_proj)
-    along their columns, norms whole."""
+    along their columns, norms whole (``names``: of those tensors alone)."""
     spans: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]
     at = 0
     for shard in shards:
@@ -158,6 +160,8 @@ def _rank_spans(shards: list[Path], ranks: int) -> list[list[tuple[int, int]]]:
         header.pop("__metadata__", None)
         for rank in range(ranks):
             for name, entry in header.items():
+                if names is not None and name not in names:
+                    continue
                 begin, end = (at + 8 + n + o for o in entry["data_offsets"])
                 if name.endswith(("o_proj.weight", "down_proj.weight")):
                     rows, cols = entry["shape"]
@@ -194,7 +198,8 @@ def pages_needed(shards: list[Path], ranks: int) -> list[int]:
     return needed
 
 
-def bytes_needed(shards: list[Path], ranks: int) -> list[int]:
+def bytes_needed(shards: list[Path], ranks: int, names: set[str] | None = None) -> list[int]:
     """The tensor bytes of ``shards`` that each of ``ranks`` tensor-parallel ranks of a vLLM Llama
-    takes (:func:`_rank_spans`): what a rank that fetches its slices alone asks a store for."""
-    return [sum(b - a for a, b in spans) for spans in _rank_spans(shards, ranks)]
+    takes (:func:`_rank_spans`; ``names``: of those tensors alone): what a rank that fetches its
+    slices alone asks a store for."""
+    return [sum(b - a for a, b in spans) for spans in _rank_spans(shards, ranks, names)]

@@ -221,9 +221,11 @@ class CopyWatch(TorchFunctionMode):
 
     def _remote_copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
         """``dst.copy_(src)`` where ``src`` is (a view of) an unread tensor from object storage:
-        only the slice it takes is fetched (:mod:`.remote_slices`)."""
-        if not remote_slices.is_unread(origin):
-            return False  # fetched whole already: torch copies
+        only the slice it takes is fetched (:mod:`.remote_slices`). Into a meta tensor nothing
+        is fetched: vLLM's layerwise reload runs each weight loader on the layer's meta
+        parameters first, to count what it copies, and again once the layer is materialized."""
+        if not remote_slices.is_unread(origin) or dst.is_meta:
+            return False  # fetched whole already (torch copies), or a copy that reads nothing
         selection = _selection(src, origin.shape, src.untyped_storage().data_ptr())
         if selection is False:  # not a slice the engine reads: the whole tensor, then torch
             remote_slices.fill_whole(src, origin, self.threads)

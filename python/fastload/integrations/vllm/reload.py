@@ -22,6 +22,9 @@ end. Around that, fastload's loader (:meth:`FastloadModelLoader.get_all_weights`
   a fused parameter (qkv from q/k/v, gate_up from gate/up) is rebuilt from all of its inputs when
   any one changed, because vLLM re-materializes the whole layer. Which tensors feed which layer is
   seen once, at the first load (:class:`FeedWatch`);
+* **each rank its slices**: under tensor parallelism a rank reads only what its weight loaders
+  take, from object storage too: the tensors are handed out unread as at the first load
+  (:mod:`.remote_slices`), and the log says what the rank fetched;
 * **never torn**: a failure during the reload (a shard truncated or replaced, a read error, an
   error in vLLM's code) puts back every layer not yet filled, so they keep their old weights;
   where no layer had taken new bytes, the model is whole and the error says so; otherwise it
@@ -231,16 +234,20 @@ class _Reload:
         # what the layers hold now (those vLLM finishes after this are sampled as unknown)
         sample_layers(self.model, record, {n for f in record.feeds.values() for n in f})
         unmark(record)
-        read = getattr(self.stream, "bytes", 0)
+        read = format_bytes(getattr(self.stream, "bytes", 0))
+        fetched = getattr(self.stream, "fetched", None)  # tensor parallelism from a store
+        if fetched is not None:
+            read += f", of which this rank fetched {format_bytes(fetched.done)}: its slices"
+        else:
+            read += f", {format_bytes(self.watch.engine_bytes)} of it copied by the engine"
         kept = sum(_nbytes(*record.catalog[n][:2]) for n in self.left_out if record.catalog)
         self.log.info(
-            "fastload: reloaded %s in %.2f s: %d tensors read (%s, %s of it copied by the "
-            "engine); %d unchanged tensors (%s, %d layers) neither read nor copied",
+            "fastload: reloaded %s in %.2f s: %d tensors read (%s); %d unchanged tensors (%s, "
+            "%d layers) neither read nor copied",
             self.source,
             time.perf_counter() - self.start,
             len(self.catalog or {}) - len(self.left_out),
-            format_bytes(read),
-            format_bytes(self.watch.engine_bytes),
+            read,
             len(self.left_out),
             format_bytes(kept),
             len(self.unchanged_layers),
@@ -357,6 +364,11 @@ def open_reload(
                 threads=options.threads,
                 progress=loader._start_stream(),
                 skip=skip,
+                # as at the first load: each rank's weight loaders fetch only their slices, but
+                # each as it is copied: the recovery takes a copy that returned for bytes written
+                tp_size=tp_size,
+                origins={},
+                queue_fetches=False,
             )
             first: Iterator[tuple[str, torch.Tensor]] = iter(stream)
         else:
@@ -397,6 +409,7 @@ def open_reload(
         adopt=False,  # the model's memory stays its own
         threads=options.threads,
         engine_min=0,
+        remote=isinstance(stream, RemoteWeights) and stream.tp_size > 1,
     )
     reload = _Reload(
         model,

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 
+from fastload import _core
 from fastload.core import object_store
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
 
-from .remote_fetches import Fetches
+from .remote_fetches import Fetches, FetchProgress, this_rank
 from .remote_slices import unread_tensor
 from .weights import Origin, Unread, refusing_unreadable
 
@@ -91,6 +92,7 @@ class RemoteWeights:
         tp_size: int = 1,
         origins: dict[int, Origin] | None = None,
         unread: bool | None = None,
+        queue_fetches: bool = True,
     ) -> None:
         self.url = url
         self.threads = threads
@@ -103,8 +105,9 @@ class RemoteWeights:
         #: whether tensors are handed out unread, their weight loaders' copies fetched straight
         #: into the parameters behind them (default: under tensor parallelism only)
         self.unread = tp_size > 1 if unread is None else unread
-        #: the fetches those copies queue (:mod:`.remote_fetches`)
-        self.fetches = Fetches(threads)
+        #: the fetches those copies queue (:mod:`.remote_fetches`; ``queue_fetches`` false: made
+        #: as each copy is)
+        self.fetches = Fetches(threads, defer=queue_fetches)
         self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
@@ -119,6 +122,9 @@ class RemoteWeights:
         self.current: tuple[str, str] | None = None
         #: tensor bytes handed out
         self.bytes = 0
+        #: under tensor parallelism, the engine's count of the bytes this rank fetched (its
+        #: weight loaders' slices); ``None`` otherwise (every tensor read whole)
+        self.fetched: _core.Progress | None = None
         self._stop = threading.Event()
 
     @property
@@ -144,21 +150,33 @@ class RemoteWeights:
 
     def _unread(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor unread (:func:`~.remote_slices.unread_tensor`): the weight loaders'
-        copies fetch what they take, queued behind them (:mod:`.remote_fetches`); the stream
-        ends when every queued fetch is made. A packed sub-byte tensor (its torch shape not its
-        stored one) is read whole now: the engine reads no slice of one."""
-        # one rank takes every tensor whole: the bar counts the checkpoint's bytes
-        total = self.total if self.tp_size == 1 else 0
-        with byte_progress(total, self.progress, desc="fastload: loading weights") as counter:
-            self.fetches.counter = counter
+        copies fetch what they take, queued behind them (:mod:`.remote_fetches`), drawn by a
+        :class:`~.remote_fetches.FetchProgress`; the stream ends when every queued fetch is
+        made. A packed sub-byte tensor (its torch shape not its stored one) is read whole now:
+        the engine reads no slice of one."""
+        slices = self.tp_size > 1
+        bar = FetchProgress(
+            self.total,
+            self.total // self.tp_size,
+            self.progress,
+            slices=slices,
+            rank=this_rank() if slices else None,
+        )
+        self.fetches.progress = bar
+        if slices:
+            self.fetched = bar.counter
+        try:
             yield from self._hand_out_unread()
             self.fetches.drain()
+        finally:
+            bar.close()
 
     def _hand_out_unread(self) -> Iterator[tuple[str, torch.Tensor]]:
         for t in self.tensors:
             path = self.checkpoint.file_path(t)
             shape = torch_shape(t.st_dtype, list(t.shape), where=f"{path}: tensor {t.name!r}")
             if list(shape) != list(t.shape):
+                self.fetches.ask(t.nbytes)
                 [(_, tensor)] = self._read([t], self.fetches.counter)
                 self.current = (path, t.name)
                 self.bytes += tensor.numel() * tensor.element_size()

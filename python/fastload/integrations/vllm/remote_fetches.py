@@ -19,17 +19,85 @@ its error there, or at the next copy queued, naming the file and the tensor.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from fastload import _core
+from fastload.core.progress import bar_wanted, binary_unit
 from fastload.core.reading import FillItem, fill_many
 
 #: the bytes of queued fetches one engine call takes at most (what is queued, up to this)
 TAKE_BYTES = 1 << 30
+
+
+class FetchProgress:
+    """The progress bar of a load whose tensors are handed out unread: the bytes fetched against
+    the bytes asked for (:meth:`ask`, as the weight loaders' copies queue or make their fetches).
+    What a tensor-parallel rank fetches is known only as its weight loaders copy (their slices, a
+    norm whole), so the total grows while they walk the checkpoint (quickly: nothing waits for
+    bytes then), and the bar then fills as the fetches land, to 100 % of this rank's share:
+    ``fastload: loading weights (rank 0 fetches its slices): 100%|...| 0.55/0.55 GiB``. (A bar of
+    the bytes fetched against the checkpoint would stop near 1/N of the way on N ranks: a load
+    that reads as cut short.) ``checkpoint``: the bytes handed out, which decide whether a bar is
+    drawn (:func:`~fastload.core.progress.bar_wanted`); ``expected``: the bytes expected to be
+    fetched (the checkpoint's on one rank, 1/N of it on N), the bar's first total and unit;
+    ``rank``: this process's rank, named under tensor parallelism (``slices``)."""
+
+    def __init__(
+        self,
+        checkpoint: int,
+        expected: int,
+        enabled: bool,
+        *,
+        slices: bool = False,
+        rank: int | None = None,
+    ) -> None:
+        self._unit, self._size = binary_unit(expected)
+        self.asked = 0
+        self._bar: Any = None
+        if bar_wanted(checkpoint, enabled):
+            from tqdm.auto import tqdm
+
+            who = "this rank" if rank is None else f"rank {rank}"
+            desc = "fastload: loading weights" + (f" ({who} fetches its slices)" if slices else "")
+            self._bar = tqdm(
+                total=expected / self._size,
+                unit=self._unit,
+                desc=desc,
+                file=sys.stderr,
+                bar_format="{l_bar}{bar}| {n:.2f}/{total:.2f} "
+                + self._unit
+                + " [{elapsed}<{remaining}, {rate_fmt}]",
+            )
+        #: the engine's count of the bytes fetched: every fetch of the load is given it
+        self.counter = _core.Progress(None if self._bar is None else self._advance)
+
+    def _advance(self, done: int) -> None:
+        self._bar.update(done / self._size - self._bar.n)
+
+    def ask(self, nbytes: int) -> None:
+        """A fetch of ``nbytes`` was queued or is being made."""
+        self.asked += nbytes
+        if self._bar is not None and self.asked / self._size > self._bar.total:
+            self._bar.total = self.asked / self._size
+
+    def close(self) -> None:
+        """Ends the bar at what was fetched, against what was asked for."""
+        if self._bar is not None:
+            self._bar.total = max(self.asked, self.counter.done) / self._size
+            self._advance(self.counter.done)
+            self._bar.close()
+
+
+def this_rank() -> int | None:
+    """This process's rank in ``torch.distributed`` (``None``: no process group)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
 @dataclass
@@ -47,19 +115,26 @@ class _Fetch:
 
 class Fetches:
     """The fetches queued by one load's weight loaders, made by a helper thread (module
-    docstring). ``threads``: the engine's threads; ``counter``: the progress counter the engine
-    advances as it writes (set by the stream that draws the bar)."""
+    docstring). ``threads``: the engine's threads."""
 
-    def __init__(self, threads: int | None = None, take_bytes: int | None = None) -> None:
+    def __init__(
+        self, threads: int | None = None, take_bytes: int | None = None, *, defer: bool = True
+    ) -> None:
         self.threads = threads
+        #: whether fetches are queued; ``False``: made by :meth:`submit` before it returns (a
+        #: reload, whose recovery takes a copy that returned for a layer filled)
+        self.defer = defer
         self.take_bytes = TAKE_BYTES if take_bytes is None else take_bytes
-        self.counter: _core.Progress | None = None
+        #: the load's bar, given every fetch's bytes (set by the stream that draws it)
+        self.progress: FetchProgress | None = None
         self._cond = threading.Condition()
         self._queue: list[_Fetch] = []
         #: storage address -> spans (first byte, end) queued or being written
         self._pending: dict[int, list[tuple[int, int]]] = {}
         self._error: BaseException | None = None
         self._worker: threading.Thread | None = None
+        #: the last worker, ended (joined by the next wait)
+        self._ended: threading.Thread | None = None
         self._stopped = False
 
     def submit(
@@ -70,11 +145,16 @@ class Fetches:
         selection: list[int] | None,
     ) -> None:
         """Queues the fetch of tensor ``name`` of ``file`` (``selection``: the slice, ``None``:
-        all of it) into ``dst``, a contiguous CPU tensor of its stored shape and dtype. Raises the
-        error of a fetch that failed since the last wait."""
+        all of it) into ``dst``, a contiguous CPU tensor of its stored shape and dtype (makes it
+        now unless :attr:`defer`). Raises the error of a fetch that failed since the last
+        wait."""
         storage = dst.untyped_storage().data_ptr()
         first = dst.data_ptr()
         fetch = _Fetch(file, name, dst, selection, (storage, first, first + dst.nbytes))
+        self.ask(fetch.nbytes)
+        if not self.defer:
+            fill_many([(file, [(name, dst, selection)])], self.threads, None, self.counter)
+            return
         with self._cond:
             self._raise_failure()
             while self._overlaps(fetch.span):  # an earlier write to these bytes lands first
@@ -89,6 +169,16 @@ class Fetches:
                 )
                 self._worker.start()
             self._cond.notify_all()
+
+    @property
+    def counter(self) -> _core.Progress | None:
+        """The engine's counter of the bytes fetched (the bar's), if any."""
+        return self.progress.counter if self.progress is not None else None
+
+    def ask(self, nbytes: int) -> None:
+        """Counts a fetch of ``nbytes`` in the bar's total (queued here, or made elsewhere)."""
+        if self.progress is not None:
+            self.progress.ask(nbytes)
 
     def pending(self, tensors: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``tensors`` (CPU tensors) shares memory with a fetch not yet made."""
@@ -107,10 +197,14 @@ class Fetches:
     def drain(self) -> None:
         """Waits until every queued fetch is made; raises the error of one that failed."""
         with self._cond:
-            while self._queue or self._pending:
-                if self._worker is None:  # stopped: nothing will make them
-                    break
+            while self._worker is not None:  # it ends once nothing is queued
                 self._cond.wait()
+            ended, self._ended = self._ended, None
+        # joined before returning: a process that ends right after its load must not find the
+        # worker still letting go of its tensors (torch aborts at exit under a live thread)
+        if ended is not None:
+            ended.join()
+        with self._cond:
             self._raise_failure()
 
     def stop(self) -> None:
@@ -119,7 +213,8 @@ class Fetches:
             self._stopped = True
             self._drop_queue()
             self._cond.notify_all()
-            worker = self._worker
+            worker = self._worker or self._ended
+            self._ended = None
         if worker is not None:
             worker.join()
 
@@ -148,7 +243,7 @@ class Fetches:
         """The next fetches to make, or ``None`` (the worker ends; a later submit starts one)."""
         with self._cond:
             if not self._queue or self._stopped:
-                self._worker = None
+                self._ended, self._worker = self._worker, None
                 self._cond.notify_all()
                 return None
             taken, size = [], 0
@@ -177,4 +272,4 @@ class Fetches:
             del taken, work
 
 
-__all__ = ["Fetches"]
+__all__ = ["FetchProgress", "Fetches", "this_rank"]

@@ -22,7 +22,8 @@ written), recorded in the load's origins with the file it comes from
 
 Each unread tensor's record leaves the origins when its memory is freed (a finalizer on its
 mapping, which stays mapped until then), so a later allocation at the same address is never
-taken for it.
+taken for it. Every fetch counts its bytes in the load's bar
+(:class:`~.remote_fetches.FetchProgress`).
 """
 
 from __future__ import annotations
@@ -87,15 +88,21 @@ def fill_whole(t: torch.Tensor, origin: Origin, threads: int | None) -> None:
     assert origin.remote is not None
     if origin.remote.filled:
         return
-    item = (origin.name, _whole(t, origin), None)
-    fill_many([(origin.remote.file, [item])], threads, None, _counter(origin))
+    whole = _whole(t, origin)
+    fill_many(
+        [(origin.remote.file, [(origin.name, whole, None)])], threads, None, _ask(origin, whole)
+    )
     origin.remote.filled = True
 
 
-def _counter(origin: Origin) -> Any:
-    """The progress counter of the load ``origin``'s tensor was handed out by, if any."""
+def _ask(origin: Origin, dst: torch.Tensor) -> Any:
+    """Counts a fetch of ``dst``'s bytes in the bar of the load ``origin``'s tensor was handed
+    out by, if any; returns the bar's counter for the engine (``None``: no bar)."""
     fetches = origin.remote.fetches if origin.remote is not None else None
-    return fetches.counter if fetches is not None else None
+    if fetches is None:
+        return None
+    fetches.ask(dst.numel() * dst.element_size())
+    return fetches.counter
 
 
 def copy_slice(
@@ -119,10 +126,10 @@ def copy_slice(
     if fetches is not None:
         fetches.wait_for([dst])  # a queued fetch into these bytes lands first
     if direct:
-        fill_many([(file, [(origin.name, dst, selection)])], threads, None, _counter(origin))
+        fill_many([(file, [(origin.name, dst, selection)])], threads, None, _ask(origin, dst))
         return
     tmp = torch.empty(src.shape, dtype=src.dtype)
-    fill_many([(file, [(origin.name, tmp, selection)])], threads, None, _counter(origin))
+    fill_many([(file, [(origin.name, tmp, selection)])], threads, None, _ask(origin, tmp))
     dst.copy_(tmp)
 
 
