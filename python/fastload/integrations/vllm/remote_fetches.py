@@ -32,7 +32,9 @@ from fastload.core.progress import bar_wanted, binary_unit
 from fastload.core.reading import FillItem, fill_many
 
 #: the bytes of queued fetches one engine call takes at most (what is queued, up to this)
-TAKE_BYTES = 1 << 30
+TAKE_BYTES = 256 << 20
+#: helper threads making the queued fetches
+WORKERS = 2
 
 
 class FetchProgress:
@@ -125,6 +127,9 @@ class Fetches:
         #: reload, whose recovery takes a copy that returned for a layer filled)
         self.defer = defer
         self.take_bytes = TAKE_BYTES if take_bytes is None else take_bytes
+        #: helper threads making fetches at once (one's engine call ends with few requests in
+        #: flight, its last GETs; another's fills the gap)
+        self.workers = WORKERS
         #: the load's bar, given every fetch's bytes (set by the stream that draws it)
         self.progress: FetchProgress | None = None
         self._cond = threading.Condition()
@@ -132,9 +137,9 @@ class Fetches:
         #: storage address -> spans (first byte, end) queued or being written
         self._pending: dict[int, list[tuple[int, int]]] = {}
         self._error: BaseException | None = None
-        self._worker: threading.Thread | None = None
-        #: the last worker, ended (joined by the next wait)
-        self._ended: threading.Thread | None = None
+        #: the helper threads making fetches, and those that ended (joined by the next wait)
+        self._workers: set[threading.Thread] = set()
+        self._ended: list[threading.Thread] = []
         self._stopped = False
 
     def submit(
@@ -163,11 +168,12 @@ class Fetches:
             self._queue.append(fetch)
             self._pending.setdefault(storage, []).append(fetch.span[1:])
             self._stopped = False
-            if self._worker is None:
-                self._worker = threading.Thread(
+            if len(self._workers) < self.workers:
+                worker = threading.Thread(
                     target=self._run, name="fastload-remote-fetches", daemon=True
                 )
-                self._worker.start()
+                self._workers.add(worker)
+                worker.start()
             self._cond.notify_all()
 
     @property
@@ -197,13 +203,13 @@ class Fetches:
     def drain(self) -> None:
         """Waits until every queued fetch is made; raises the error of one that failed."""
         with self._cond:
-            while self._worker is not None:  # it ends once nothing is queued
+            while self._workers:  # they end once nothing is queued
                 self._cond.wait()
-            ended, self._ended = self._ended, None
+            ended, self._ended = self._ended, []
         # joined before returning: a process that ends right after its load must not find the
         # worker still letting go of its tensors (torch aborts at exit under a live thread)
-        if ended is not None:
-            ended.join()
+        for thread in ended:
+            thread.join()
         with self._cond:
             self._raise_failure()
 
@@ -213,10 +219,10 @@ class Fetches:
             self._stopped = True
             self._drop_queue()
             self._cond.notify_all()
-            worker = self._worker or self._ended
-            self._ended = None
-        if worker is not None:
-            worker.join()
+            threads = [*self._workers, *self._ended]
+            self._ended = []
+        for thread in threads:
+            thread.join()
 
     def _raise_failure(self) -> None:
         error, self._error = self._error, None
@@ -243,7 +249,9 @@ class Fetches:
         """The next fetches to make, or ``None`` (the worker ends; a later submit starts one)."""
         with self._cond:
             if not self._queue or self._stopped:
-                self._ended, self._worker = self._worker, None
+                worker = threading.current_thread()
+                self._workers.discard(worker)
+                self._ended.append(worker)
                 self._cond.notify_all()
                 return None
             taken, size = [], 0
