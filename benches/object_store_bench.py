@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -213,7 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
     checkpoint = make_checkpoint(work, args.gib, "bfloat16")
-    server, env = _server(Path(tempfile.mkdtemp(prefix="s3-root-", dir=work)))
+    root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=work))
+    server, env = _server(root)
     prefix = f"llama-{args.gib:g}GiB-bfloat16"
     try:
         server.bucket(BUCKET)
@@ -255,6 +257,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the store's copy of the object
     return {"object_bytes": size, "runs": runs}
 
 

@@ -225,6 +225,7 @@ def main() -> None:
                         results["runs"].append(r)
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)  # the store's copy of the checkpoint
     results["floor_s"] = {k: statistics.median(v) for k, v in results["floors"].items()}
     results["summary"] = summarize(results)
     save(Path(args.out), f"vllm-s3-{size / (1 << 30):.1f}GiB", results, markdown(results))
