@@ -26,6 +26,7 @@ from test_vllm import (
     ENGINE,
     MAX_TOKENS,
     PROMPTS,
+    TIMEOUT,
     _config_only,
     _env,
     _listening,
@@ -521,7 +522,8 @@ def test_two_tensor_parallel_ranks_reload_only_their_slices_from_object_storage(
     stored = server.root / "models" / "tp-faulty" / shard
     header_end, _ = _header(stored)
     changed = threading.Event()
-    both = threading.Barrier(2, timeout=120)  # bounded: a rank that never asks fails the test
+    # bounded like every wait here (a rank that never asks fails the test), never by a pace
+    both = threading.Barrier(2, timeout=TIMEOUT)
     lock = threading.Lock()
 
     def change_once(path: str, start: int) -> None:
