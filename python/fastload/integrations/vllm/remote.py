@@ -122,10 +122,13 @@ class RemoteWeights:
         self.current: tuple[str, str] | None = None
         #: tensor bytes handed out
         self.bytes = 0
-        #: under tensor parallelism, the engine's count of the bytes this rank fetched (its
-        #: weight loaders' slices); ``None`` otherwise (every tensor read whole)
-        self.fetched: _core.Progress | None = None
         self._stop = threading.Event()
+
+    @property
+    def fetched(self) -> _core.Progress | None:
+        """Under tensor parallelism, the engine's count of the bytes this rank fetched (its
+        weight loaders' slices); ``None`` otherwise (every tensor read whole)."""
+        return self.fetches.counter if self.tp_size > 1 and self.unread else None
 
     @property
     def paths(self) -> list[str]:
@@ -163,8 +166,6 @@ class RemoteWeights:
             rank=this_rank() if slices else None,
         )
         self.fetches.progress = bar
-        if slices:
-            self.fetched = bar.counter
         try:
             yield from self._hand_out_unread()
             self.fetches.drain()

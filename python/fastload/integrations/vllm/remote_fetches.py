@@ -123,8 +123,8 @@ class Fetches:
         self, threads: int | None = None, take_bytes: int | None = None, *, defer: bool = True
     ) -> None:
         self.threads = threads
-        #: whether fetches are queued; ``False``: made by :meth:`submit` before it returns (a
-        #: reload, whose recovery takes a copy that returned for a layer filled)
+        #: whether the weight loaders' copies queue their fetches here; ``False``: each is made
+        #: as it is copied (a reload, whose recovery takes a copy that returned for a layer filled)
         self.defer = defer
         self.take_bytes = TAKE_BYTES if take_bytes is None else take_bytes
         #: helper threads making fetches at once (one's engine call ends with few requests in
@@ -150,16 +150,12 @@ class Fetches:
         selection: list[int] | None,
     ) -> None:
         """Queues the fetch of tensor ``name`` of ``file`` (``selection``: the slice, ``None``:
-        all of it) into ``dst``, a contiguous CPU tensor of its stored shape and dtype (makes it
-        now unless :attr:`defer`). Raises the error of a fetch that failed since the last
-        wait."""
+        all of it) into ``dst``, a contiguous CPU tensor of its stored shape and dtype. Raises the
+        error of a fetch that failed since the last wait."""
         storage = dst.untyped_storage().data_ptr()
         first = dst.data_ptr()
         fetch = _Fetch(file, name, dst, selection, (storage, first, first + dst.nbytes))
         self.ask(fetch.nbytes)
-        if not self.defer:
-            fill_many([(file, [(name, dst, selection)])], self.threads, None, self.counter)
-            return
         with self._cond:
             self._raise_failure()
             while self._overlaps(fetch.span):  # an earlier write to these bytes lands first

@@ -120,7 +120,8 @@ def copy_slice(
     assert origin.remote is not None
     file, fetches = origin.remote.file, origin.remote.fetches
     direct = dst.shape == src.shape and dst.dtype == src.dtype
-    if direct and fetches is not None and dst.device.type == "cpu" and dst.is_contiguous():
+    cpu = dst.device.type == "cpu" and dst.is_contiguous()
+    if direct and cpu and fetches is not None and fetches.defer:
         fetches.submit(file, origin.name, dst, selection)  # made behind the weight loaders
         return
     if fetches is not None:
