@@ -178,6 +178,16 @@ def test_auto_map_that_does_not_fit_in_max_memory_is_refused() -> None:
         resolve_device_map("auto", Stack(), max_memory={"cpu": 100})
 
 
+def test_auto_spilling_to_disk_keeps_room_on_the_cpu_for_the_largest_offloaded_block() -> None:
+    model = nn.Sequential(*(nn.Linear(8, 8, bias=False) for _ in range(4)))  # 256 bytes each
+    # 600 bytes would hold two blocks; the block being run from disk needs 256 of them
+    spilled = resolve_device_map("auto", model, max_memory={"cpu": 600}, disk=True)
+    assert spilled.as_strings() == {"0": "cpu", "1": "disk", "2": "disk", "3": "disk"}
+    # a model that fits keeps everything in memory, with no room set aside
+    fits = resolve_device_map("auto", model, max_memory={"cpu": 1024}, disk=True)
+    assert set(fits.as_strings().values()) == {"cpu"}
+
+
 def test_max_memory_without_auto_is_refused() -> None:
     with pytest.raises(RequestError, match="max_memory"):
         resolve_device_map("cpu", Stack(), max_memory={"cpu": 100})

@@ -106,3 +106,43 @@ def test_tensors_missing_from_the_checkpoint_under_a_disk_prefix_are_served_from
     )
     logits = outputs_of(model, example_inputs(model))[0]
     assert torch.isfinite(logits).all()
+
+
+def _mapped_file_at(address: int) -> str | None:
+    """The file whose mapping holds ``address``, from the kernel's map of this process."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, stop = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < stop:
+            return fields[5] if len(fields) == 6 else None
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+@pytest.mark.parametrize("mmap", ["auto", "copy"])
+def test_an_offloaded_block_runs_on_views_of_the_file_unless_mmap_is_copy(llama, tmp_path, mmap):
+    reference = load(str(llama))
+    model = load(
+        str(llama),
+        device_map={"model.layers.1": "disk", "": "cpu"},
+        offload_folder=tmp_path / "offload",
+        mmap=mmap,
+    )
+    seen: list[str | None] = []
+    up = model.model.layers[1].mlp.up_proj
+    run = up._old_forward  # what accelerate's hook calls once it has brought the weight in
+
+    def watched(*args, **kwargs):
+        seen.append(_mapped_file_at(up.weight.data_ptr()))
+        return run(*args, **kwargs)
+
+    up._old_forward = watched
+    assert_same_outputs(model, reference, example_inputs(reference))
+    assert seen, "the offloaded block did not run"
+    files = {Path(s).resolve() if s else None for s in seen}
+    checkpoint = {p.resolve() for p in Path(llama).glob("*.safetensors")}
+    if mmap == "auto":  # its bytes are the file's pages, not an allocation per forward
+        assert files <= checkpoint
+    else:
+        assert not files & checkpoint
+    assert up.weight.device.type == "meta"  # and it is put back after the forward

@@ -106,16 +106,7 @@ def plan_auto(
     tried. The layers on a device are thus consecutive, and activations cross each device
     boundary once. A unit larger than every remaining budget is a ``RequestError``.
     """
-    blocks = sorted(set(no_split), key=len)
-    units: dict[str, int] = {}
-    for name, nbytes in sizes.items():
-        if nbytes < 0:
-            raise RequestError(f"plan_auto: size of {name!r} is negative ({nbytes})")
-        block = next((b for b in blocks if within(b, name) and b != name), None)
-        if block is None:
-            block = name if name in blocks else name.rpartition(".")[0]
-        units[block] = units.get(block, 0) + nbytes
-
+    units = plan_units(sizes, no_split)
     left = [(str(device), None if b is None else int(b)) for device, b in budgets]
     if not left and units:
         raise RequestError("plan_auto: no device to place the model on")
@@ -141,6 +132,38 @@ def plan_auto(
                 f"left (budgets: {budget}); give more memory with max_memory or map it yourself"
             )
     return out
+
+
+def plan_units(sizes: Mapping[str, int], no_split: Iterable[str]) -> dict[str, int]:
+    """The units :func:`plan_auto` places whole, with their bytes, in model order: each no-split
+    block (outermost), else each module's own tensors."""
+    blocks = sorted(set(no_split), key=len)
+    units: dict[str, int] = {}
+    for name, nbytes in sizes.items():
+        if nbytes < 0:
+            raise RequestError(f"plan_auto: size of {name!r} is negative ({nbytes})")
+        block = next((b for b in blocks if within(b, name) and b != name), None)
+        if block is None:
+            block = name if name in blocks else name.rpartition(".")[0]
+        units[block] = units.get(block, 0) + nbytes
+    return units
+
+
+def _plan_with_disk(
+    sizes: Mapping[str, int], blocks: list[str], budgets: list[tuple[str, int | None]]
+) -> dict[str, str]:
+    """:func:`plan_auto`, leaving room on the main device (the first) for the largest unit when
+    anything goes to disk: accelerate's hooks bring each disk-offloaded module into memory there
+    while it runs, so a plan that filled that device's budget would outgrow it on the first
+    forward pass (accelerate's own planner keeps the same room)."""
+    plan = plan_auto(sizes, blocks, budgets)
+    if "disk" not in plan.values():
+        return plan
+    largest = max(plan_units(sizes, blocks).values(), default=0)
+    (main, room), rest = budgets[0], budgets[1:]
+    if main == "disk" or room is None:
+        return plan
+    return plan_auto(sizes, blocks, [(main, max(0, room - largest)), *rest])
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,7 +301,7 @@ def resolve_device_map(
         sizes = tensor_sizes(model, itemsize)
         blocks = no_split_names(model, None if no_split is None else list(no_split))
         budgets = default_budgets(max_memory) + ([("disk", None)] if disk else [])
-        plan = plan_auto(sizes, blocks, budgets)
+        plan = _plan_with_disk(sizes, blocks, budgets)
         resolved = DeviceMap({k: map_device(v, disk=disk) for k, v in plan.items()})
         logger.info("device_map='auto': %s", resolved.as_strings())
         return resolved
@@ -383,6 +406,7 @@ __all__ = [
     "map_device",
     "no_split_names",
     "plan_auto",
+    "plan_units",
     "resolve_device_map",
     "tensor_sizes",
 ]

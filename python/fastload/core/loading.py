@@ -350,7 +350,7 @@ def _finish(
     forget_constructor_values(module)
     dmap = planned.dmap
     if dmap is not None and dmap.has_disk:
-        dispatch_offloaded(module, dmap, groups, opened.ckpt)
+        dispatch_offloaded(module, dmap, groups, opened.ckpt, mmap=options.mmap)
     elif dmap is not None:
         dispatch(module, dmap)
     if planned.tp is not None:

@@ -2,10 +2,13 @@
 
 They are neither allocated nor read at load time; they stay on ``meta`` in the model, and
 accelerate's offload hooks (``dispatch_model`` with an ``offload_index`` naming each one's
-safetensors file and stored name) read them
-onto the execution device when their module runs: the first GPU of the map, or the CPU when there
-is none. Parameters under a disk prefix that the checkpoint lacks (initialized) or that a module
-passed in already holds are served from memory instead. Only safetensors files can be offloaded.
+safetensors file and stored name) read them onto the execution device when their module runs:
+the first GPU of the map, or the CPU when there is none. Where the load may map the file
+(``mmap``), a tensor stored in its load dtype is served as a view of the mapping: its bytes stay
+page cache, which the kernel can drop again, instead of a fresh allocation each time its module
+runs (which glibc may keep after it is freed). Parameters under a disk prefix that the checkpoint
+lacks (initialized) or that a module passed in already holds are served from memory instead. Only
+safetensors files can be offloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fastload.core.errors import UnsupportedError
 from fastload.core.keys import within
 from fastload.core.planning import Group
 from fastload.core.reading import read_tensor
+from fastload.core.sharing import SharedMapping, file_sharing
 
 
 def require_accelerate() -> None:
@@ -47,10 +51,16 @@ def offloaded_names(groups: Iterable[Group]) -> set[str]:
 
 
 def dispatch_offloaded(
-    model: nn.Module, device_map: DeviceMap, groups: list[Group], ckpt: OpenCheckpoint
+    model: nn.Module,
+    device_map: DeviceMap,
+    groups: list[Group],
+    ckpt: OpenCheckpoint,
+    *,
+    mmap: str = "auto",
 ) -> None:
     """Attaches accelerate's hooks so the model runs with its disk-mapped parameters read from
-    the checkpoint files when needed."""
+    the checkpoint files when needed (as views of a mapping where ``mmap`` lets the file be
+    mapped, :func:`fastload.core.sharing.file_sharing`)."""
     from accelerate import dispatch_model
     from accelerate.utils import extract_submodules_state_dict
 
@@ -92,7 +102,7 @@ def dispatch_offloaded(
         model,
         device_map=accel_map,
         main_device=main,
-        state_dict=OffloadedTensors(memory, disk_tensors),
+        state_dict=OffloadedTensors(memory, disk_tensors, mmap=mmap),
         offload_index={name: {} for name in disk_tensors},
         offload_buffers=False,
     )
@@ -100,22 +110,39 @@ def dispatch_offloaded(
 
 class OffloadedTensors(Mapping[str, torch.Tensor]):
     """The tensors accelerate's offload hooks fetch when a module runs: ``memory`` as they are,
-    and each disk-offloaded name read anew (on the CPU, in its load dtype) from the open file
-    the load validated."""
+    and each disk-offloaded name anew (on the CPU, in its load dtype) from the open file the
+    load validated: a view of its mapping where ``mmap`` allows one and the dtype is stored,
+    else read."""
 
     def __init__(
         self,
         memory: dict[str, torch.Tensor],
         disk: dict[str, tuple[_core.SafetensorsFile, str, torch.dtype]],
+        *,
+        mmap: str = "auto",
     ) -> None:
         self._memory = memory
         self._disk = disk
+        self._mmap = mmap
+        # by file: its mapping, or None where the file is read instead
+        self._mappings: dict[int, SharedMapping | None] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._memory:
             return self._memory[name]
         file, stored, dtype = self._disk[name]
+        mapping = self._mapping(file)
+        view = None if mapping is None else mapping.view(stored, dtype, track=False)
+        if view is not None:
+            return view
         return read_tensor(file, stored, device=torch.device("cpu"), dtype=dtype)
+
+    def _mapping(self, file: _core.SafetensorsFile) -> SharedMapping | None:
+        key = id(file)  # the files stay open (and alive) in the load's checkpoint
+        if key not in self._mappings:
+            shared, _ = file_sharing(file, self._mmap)
+            self._mappings[key] = SharedMapping(file) if shared else None
+        return self._mappings[key]
 
     def __contains__(self, name: object) -> bool:  # without reading (Mapping's would read)
         return name in self._memory or name in self._disk

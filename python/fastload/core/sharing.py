@@ -134,9 +134,11 @@ class SharedMapping:
                 f"loading (now {st.st_size} bytes)"
             )
 
-    def view(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
+    def view(self, name: str, dtype: torch.dtype, *, track: bool = True) -> torch.Tensor | None:
         """A view of tensor ``name`` if it can be shared as ``dtype``; ``None`` if it must be copied
-        (different dtype, or an offset not aligned for the element size)."""
+        (different dtype, or an offset not aligned for the element size). ``track=False`` leaves
+        it out of :meth:`prefetch` and the count of views (a disk-offloaded tensor, viewed anew
+        each time its module runs)."""
         st_dtype, shape, begin = self._info[name]
         stored = to_torch(st_dtype, where=f"{self.path}: tensor {name!r}")
         if stored != dtype:
@@ -154,8 +156,9 @@ class SharedMapping:
             out.set_(window.untyped_storage(), 0, tuple(shape))
         else:
             out.resize_(tuple(shape))
-        self._viewed.append((next(_view_order), offset, count * itemsize))
-        self.views += 1
+        if track:
+            self._viewed.append((next(_view_order), offset, count * itemsize))
+            self.views += 1
         return out
 
     def prefetch(self, threads: int | None = None, budget: MemoryBudget | None = None) -> int:
