@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from fastload import ModelMismatchError
+from fastload import FastloadError, ModelMismatchError
 from fastload.integrations.vllm.adopt import ENGINE_MIN, CopyWatch, _selection
 from fastload.integrations.vllm.options import VllmLoadOptions
 from fastload.integrations.vllm.weights import CheckpointWeights
@@ -113,6 +114,117 @@ def test_a_copy_of_another_shape_names_the_file_and_the_tensor(tmp_path: Path) -
             if name == "k":
                 wrong.copy_(tensor)
     stream.close()
+
+
+class _Gate:
+    """Holds the deferred copies' engine calls until :meth:`open`; counts those that ran."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from fastload.integrations.vllm import remote_fetches
+
+        self.opened = threading.Event()
+        self.done = 0
+        real = remote_fetches.fill_many
+
+        def held(*args: object, **kwargs: object) -> object:
+            self.opened.wait(timeout=60)
+            out = real(*args, **kwargs)
+            self.done += 1
+            return out
+
+        monkeypatch.setattr(remote_fetches, "fill_many", held)
+
+    def open_later(self, seconds: float) -> None:
+        threading.Timer(seconds, self.opened.set).start()
+
+
+def _qkv(tensors: dict[str, torch.Tensor]) -> torch.nn.Parameter:
+    rows = tensors["q"].shape[0] + tensors["k"].shape[0]
+    return torch.nn.Parameter(torch.zeros(rows, 256), requires_grad=False)
+
+
+def test_deferred_engine_copies_land_before_anything_reads_their_parameter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    gate = _Gate(monkeypatch)
+    origins: dict[int, object] = {}
+    qkv = _qkv(tensors)
+    rows_q = tensors["q"].shape[0]
+    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
+    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
+    with watch:
+        for name, tensor in stream:
+            if name in ("q", "k"):
+                rows = qkv.data.narrow(0, 0 if name == "q" else rows_q, tensor.shape[0])
+                rows.copy_(tensor)
+        assert gate.done == 0  # both copies returned while their engine calls were held
+        gate.open_later(0.2)
+        total = qkv.sum()  # waits for them
+    assert watch.engine_bytes == qkv.nbytes
+    assert torch.equal(total, torch.cat([tensors["q"], tensors["k"]]).sum())
+    assert torch.equal(qkv, torch.cat([tensors["q"], tensors["k"]]))
+
+
+def test_the_stream_ends_once_the_copies_queued_behind_it_are_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    gate = _Gate(monkeypatch)
+    origins: dict[int, object] = {}
+    qkv = _qkv(tensors)
+    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
+    stream = CheckpointWeights(
+        [str(path)], VllmLoadOptions(), origins=origins, deferred=watch.deferred
+    )
+    with watch:
+        tensors_seen = iter(stream)
+        qkv.data.narrow(0, 0, tensors["q"].shape[0]).copy_(
+            next(t for n, t in tensors_seen if n == "q")
+        )
+        gate.open_later(0.2)
+        list(tensors_seen)  # vLLM times its load_weights to here
+        assert gate.done >= 1
+    assert torch.equal(qkv[: tensors["q"].shape[0]], tensors["q"])
+
+
+def test_a_later_copy_into_bytes_a_deferred_copy_fills_lands_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    gate = _Gate(monkeypatch)
+    origins: dict[int, object] = {}
+    qkv = _qkv(tensors)
+    rows_k = tensors["k"].shape[0]
+    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
+    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
+    with watch:
+        handed = dict(stream)
+        qkv.data.narrow(0, 0, rows_k).copy_(handed["q"].narrow(0, 0, rows_k))  # queued
+        gate.open_later(0.2)
+        # torch's own copies (too small for the engine; another dtype) into some of those rows
+        qkv.data.narrow(0, 0, 2).copy_(handed["k"].narrow(0, 0, 2))
+        qkv.data.narrow(0, 2, 2).copy_(handed["k"].narrow(0, 2, 2).double())
+    assert torch.equal(qkv[:4], tensors["k"][:4])
+    assert torch.equal(qkv[4:rows_k], tensors["q"][4:rows_k])
+
+
+def test_a_deferred_copy_that_fails_stops_the_load_naming_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    gate = _Gate(monkeypatch)
+    origins: dict[int, object] = {}
+    qkv = _qkv(tensors)
+    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
+    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
+    with pytest.raises(FastloadError) as raised, watch:
+        handed = dict(stream)
+        qkv.data.narrow(0, 0, tensors["q"].shape[0]).copy_(handed["q"])  # queued, held
+        os.truncate(path, 1024)  # the checkpoint cut short before the copy is made
+        gate.opened.set()
+    message = str(raised.value)  # the file's fault, found before any of its tensors is read
+    assert str(path) in message and "[file-shrunk]" in message, message
 
 
 def _present_pages(address: int, nbytes: int) -> int:

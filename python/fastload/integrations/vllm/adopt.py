@@ -15,7 +15,10 @@ tensor fastload handed out, and:
   contiguous CPU destination of the same dtype and shape (a parameter, or the rows of a fused
   qkv/gate_up parameter): the Rust engine reads the bytes from the file (the page cache the
   read-ahead filled) on several threads with the GIL released, straight into the destination,
-  whose pages it faults in batches; no page of the mapping is touched;
+  whose pages it faults in batches; no page of the mapping is touched. In a load (``defer``) the
+  copy is queued and made behind the weight loaders, in batches (:class:`.remote_fetches.Fetches`:
+  nothing touches the destination before its bytes are in, writes to the same bytes land in the
+  order made, the weights stream's end and the mode's exit wait for them all);
 * under tensor parallelism **reads the slice** a weight loader takes just before torch copies it:
   exactly its pages (``POSIX_FADV_WILLNEED`` per row span, issued together so the disk serves
   them in parallel), the mapping being ``MADV_RANDOM`` so no fault reads the other ranks' bytes.
@@ -110,8 +113,12 @@ class CopyWatch(TorchFunctionMode):
         threads: int | None = None,
         engine_min: int = ENGINE_MIN,
         remote: bool = False,
+        defer: bool = False,
     ) -> None:
         super().__init__()
+        #: the engine's copies queued behind the weight loaders (one rank, local files), or None:
+        #: each made as it is asked (a reload's recovery takes a copy that returned as written)
+        self.deferred = Fetches(threads) if defer and tp_size == 1 else None
         #: bytes below which a copy stays torch's (a reload passes 0: no page of a mapping
         #: touched, so a file truncated meanwhile is a read error, never a SIGBUS)
         self.engine_min = engine_min
@@ -150,11 +157,12 @@ class CopyWatch(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        copy = func is torch.Tensor.copy_
+        if self._fetches and not (copy and self._handed_out(args)):
+            # nothing touches a parameter before the copies queued into it are made (a copy
+            # from a tensor handed out orders itself: queued behind them, or waits in _copy)
+            remote_slices.wait_pending(func, args, kwargs, self._fetches.values())
         if self.remote:
-            copy = func is torch.Tensor.copy_
-            if self._fetches and not (copy and self._from_unread(args)):
-                # nothing touches a parameter before the fetches queued into it are made
-                remote_slices.wait_pending(func, args, kwargs, self._fetches.values())
             # an unread tensor is fetched before anything reads it, or writes into it (a copy_
             # from one is the weight loaders' copy, below)
             reads = (args[:1], {}) if copy else (args, kwargs)
@@ -167,6 +175,8 @@ class CopyWatch(TorchFunctionMode):
                     handled = self._copy(dst, src, origin)
                     if handled:
                         return dst
+                    if self._fetches:  # torch copies: a queued copy into dst lands first
+                        remote_slices.wait_pending(func, (dst,), {}, self._fetches.values())
         return func(*args, **kwargs)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -178,11 +188,9 @@ class CopyWatch(TorchFunctionMode):
             else:
                 queue.stop()  # the load failed: what is queued is not made
 
-    def _from_unread(self, args: tuple[Any, ...]) -> bool:
+    def _handed_out(self, args: tuple[Any, ...]) -> bool:
         src = args[1] if len(args) >= 2 else None
-        return isinstance(src, torch.Tensor) and remote_slices.is_unread(
-            self.origins.get(src.untyped_storage().data_ptr())
-        )
+        return isinstance(src, torch.Tensor) and src.untyped_storage().data_ptr() in self.origins
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
         if dst.numel() != src.numel() and src.numel() != 1:
@@ -254,6 +262,10 @@ class CopyWatch(TorchFunctionMode):
         selection = _selection(src, origin.shape, src.untyped_storage().data_ptr())
         if selection is False:
             return False
+        if self.deferred is not None:  # made behind the weight loaders, in batches
+            self.deferred.submit(origin.mapping.file, origin.name, dst, selection)
+            self._fetches[id(self.deferred)] = self.deferred
+            return True
         copy_into(
             origin.mapping.file, [(origin.name, dst, origin.st_dtype, selection)], self.threads
         )

@@ -47,6 +47,7 @@ from .adopt import CopyWatch
 from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
 from .release import MappingRecord, release_unused
 from .remote import RemoteWeights
+from .remote_fetches import Fetches
 from .weights import CheckpointWeights, check_index
 
 logger = init_logger("vllm.model_executor.model_loader.fastload")
@@ -88,6 +89,8 @@ class FastloadModelLoader(DefaultModelLoader):
         self._mappings: list[MappingRecord] = []
         #: the device of the model's parameters (set by load_weights)
         self._device: torch.device | None = None
+        #: the engine's copies queued behind the weight loaders during load_weights (CopyWatch)
+        self._deferred: Fetches | None = None
 
     # -- which files -----------------------------------------------------------------------------
 
@@ -149,6 +152,7 @@ class FastloadModelLoader(DefaultModelLoader):
             index=index if use_safetensors and os.path.isfile(index) else None,
             origins=self._origins,
             device=self._device,
+            deferred=self._deferred,
         )
         self._streams.append(stream)
         self._mappings += [MappingRecord.of(m) for m in stream.mappings]
@@ -246,8 +250,10 @@ class FastloadModelLoader(DefaultModelLoader):
             adopt=self.options.share_weights and self.options.mmap != "copy",
             threads=self.options.threads,
             remote=self.options.weights is not None,
+            defer=True,
         )
         streams = self._streams
+        self._deferred = watch.deferred
 
         def current() -> str | None:  # the checkpoint tensor the weight loaders are copying
             where = streams[-1].current if streams else None
@@ -278,6 +284,7 @@ class FastloadModelLoader(DefaultModelLoader):
                 f"({type(e).__name__}: {e})"
             ) from e
         finally:
+            self._deferred = None
             for stream in self._streams:
                 stream.close()
         seconds = time.perf_counter() - start

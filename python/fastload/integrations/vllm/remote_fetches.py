@@ -15,6 +15,10 @@ waits for every queued fetch first (:meth:`Fetches.wait_for`); a queued copy int
 overlap a queued one waits too, so two writes to the same bytes land in the order they were made.
 The end of the load waits for all of them (:meth:`Fetches.drain`), and a fetch that failed raises
 its error there, or at the next copy queued, naming the file and the tensor.
+
+A one-rank load from local files queues the engine's copies the same way
+(:class:`~.adopt.CopyWatch` with ``defer``): made in batches behind the weight loaders instead of
+one engine call per tensor on their thread.
 """
 
 from __future__ import annotations

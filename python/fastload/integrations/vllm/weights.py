@@ -159,8 +159,12 @@ class CheckpointWeights:
         index: str | None = None,
         origins: dict[int, Origin] | None = None,
         device: torch.device | None = None,
+        deferred: Fetches | None = None,
     ) -> None:
         self.options = options
+        #: the engine's copies the weight loaders queue (:class:`~.adopt.CopyWatch`): the stream
+        #: ends once they are made, so the load's end (and vLLM's timing of it) includes them
+        self.deferred = deferred
         self.device = device if device is not None else torch.device("cpu")
         #: whether tensors are staged into the device's memory (see the ``staged`` option)
         self.staged = options.staged is True or (
@@ -435,6 +439,8 @@ class CheckpointWeights:
                         self._wake.notify_all()
                     if bar is not None:
                         bar.update(nbytes / binary_unit(self.total)[1])
+            if self.deferred is not None:
+                self.deferred.drain()  # raises a queued copy's failure, naming its tensor
         finally:
             self.close()
             if bar is not None:
