@@ -166,6 +166,8 @@ fn failure(e: object_store::Error) -> Error {
         E::NotImplemented { .. } => StoreFailure::Config,
         _ if matches!(status_in(&text), Some(404)) => StoreFailure::NotFound,
         _ if matches!(status_in(&text), Some(401 | 403)) => StoreFailure::Denied,
+        // a range inside the size the object had when opened: it is shorter now, another version
+        _ if matches!(status_in(&text), Some(416)) => StoreFailure::Changed,
         // a configured value the client parses only when it first needs it
         E::Generic {
             store: "Config", ..

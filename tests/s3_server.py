@@ -175,6 +175,16 @@ class S3Server:
             if e.errno != errno.ENAMETOOLONG:
                 raise
 
+    def rewrite(self, bucket: str, key: str, data: bytes) -> None:
+        """Replaces the object ``bucket/key`` with ``data`` as a store does (whole, at once: a
+        request sees the old bytes or the new ones, never a file cut short while it is
+        rewritten), then records its new ETag (:meth:`tag`)."""
+        path = self.root / bucket / key
+        fresh = path.with_name(f".{path.name}.rewrite")
+        fresh.write_bytes(data)
+        os.replace(fresh, path)
+        self.tag(bucket, key)
+
     def stop(self) -> None:
         self.process.terminate()
         try:

@@ -538,8 +538,7 @@ def test_a_shard_that_changes_during_a_tensor_parallel_load_from_s3_stops_every_
                 raw = bytearray(stored.read_bytes())
                 end = header_end + 4096
                 raw[header_end:end] = bytes(b ^ 0xFF for b in raw[header_end:end])
-                stored.write_bytes(bytes(raw))
-                s3.tag("models", f"llama/{shard}")  # the new version's ETag
+                s3.rewrite("models", f"llama/{shard}", bytes(raw))  # with its new ETag
 
         proxy.on_get = fault_once
         env = _env(**s3.env(proxy.endpoint), VLLM_CPU_OMP_THREADS_BIND="0|1")

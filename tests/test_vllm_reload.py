@@ -536,8 +536,7 @@ def test_two_tensor_parallel_ranks_reload_only_their_slices_from_object_storage(
                 raw[header_end : header_end + 4096] = bytes(
                     b ^ 0xFF for b in raw[header_end:][:4096]
                 )
-                stored.write_bytes(bytes(raw))
-                server.tag("models", f"tp-faulty/{shard}")  # the new version's ETag
+                server.rewrite("models", f"tp-faulty/{shard}", bytes(raw))  # with its ETag
                 changed.set()
 
     proxy = FaultProxy(server.port)  # counts the bytes it forwards to each client process

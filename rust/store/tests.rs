@@ -156,6 +156,21 @@ fn an_object_replaced_after_it_was_opened_is_not_read() {
 }
 
 #[test]
+fn a_range_the_object_no_longer_has_is_an_object_that_changed() {
+    // what a store answers a ranged GET of an object cut short since it was opened
+    let e = object_store::Error::Generic {
+        store: "S3",
+        source: "Error performing GET http://host/b/k in 1ms - Server returned non-2xx status \
+                 code: 416 Range Not Satisfiable: <Error><Code>InvalidRange</Code></Error>"
+            .into(),
+    };
+    match failure(e) {
+        Error::Store { failure, .. } => assert_eq!(failure, StoreFailure::Changed),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn options_are_checked_by_key_and_durations_parsed() {
     let settings = |options: &[(&str, &str)]| Settings {
         options: options
