@@ -227,6 +227,29 @@ def test_a_deferred_copy_that_fails_stops_the_load_naming_the_file(
     assert str(path) in message and "[file-shrunk]" in message, message
 
 
+def test_a_queue_of_copies_waits_to_stay_within_its_read_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastload import _core
+    from fastload.integrations.vllm.remote_fetches import Fetches
+
+    path, tensors = _checkpoint(tmp_path)
+    gate = _Gate(monkeypatch)
+    file = _core.SafetensorsFile(str(path), "pread")
+    q, k = torch.empty_like(tensors["q"]), torch.empty_like(tensors["k"])
+    queue = Fetches(ahead=q.nbytes + k.nbytes // 2)  # room for q, not for q and k
+    queue.submit(file, "q", q, None)  # one always may, however large
+    second = threading.Thread(target=queue.submit, args=(file, "k", k, None))
+    second.start()
+    second.join(timeout=0.3)
+    assert second.is_alive()  # waits: q is not made yet (its engine call is held)
+    gate.opened.set()
+    second.join(timeout=60)
+    assert not second.is_alive()
+    queue.drain()
+    assert torch.equal(q, tensors["q"]) and torch.equal(k, tensors["k"])
+
+
 def _present_pages(address: int, nbytes: int) -> int:
     """How many pages of ``[address, address + nbytes)`` this process has mapped (pagemap)."""
     page = os.sysconf("SC_PAGE_SIZE")

@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 
 from fastload.core.engine import copy_into
 from fastload.core.errors import ModelMismatchError
+from fastload.core.memory import memory_budget
 
 from . import remote_slices
 from .remote_fetches import Fetches
@@ -118,7 +119,11 @@ class CopyWatch(TorchFunctionMode):
         super().__init__()
         #: the engine's copies queued behind the weight loaders (one rank, local files), or None:
         #: each made as it is asked (a reload's recovery takes a copy that returned as written)
-        self.deferred = Fetches(threads) if defer and tp_size == 1 else None
+        self.deferred = (
+            Fetches(threads, ahead=memory_budget().read_ahead_room())
+            if defer and tp_size == 1
+            else None
+        )
         #: bytes below which a copy stays torch's (a reload passes 0: no page of a mapping
         #: touched, so a file truncated meanwhile is a read error, never a SIGBUS)
         self.engine_min = engine_min

@@ -124,9 +124,19 @@ class Fetches:
     docstring). ``threads``: the engine's threads."""
 
     def __init__(
-        self, threads: int | None = None, take_bytes: int | None = None, *, defer: bool = True
+        self,
+        threads: int | None = None,
+        take_bytes: int | None = None,
+        *,
+        defer: bool = True,
+        ahead: int | None = None,
     ) -> None:
         self.threads = threads
+        #: bytes queued and not yet made at most (``None``: no bound); a submit beyond it waits.
+        #: Copies from local files read what the read-ahead put in the page cache: a queue far
+        #: behind the weight loaders would let it be dropped before they are made
+        self.ahead = ahead
+        self._outstanding = 0
         #: whether the weight loaders' copies queue their fetches here; ``False``: each is made
         #: as it is copied (a reload, whose recovery takes a copy that returned for a layer filled)
         self.defer = defer
@@ -162,10 +172,11 @@ class Fetches:
         self.ask(fetch.nbytes)
         with self._cond:
             self._raise_failure()
-            while self._overlaps(fetch.span):  # an earlier write to these bytes lands first
-                self._cond.wait()
+            while self._overlaps(fetch.span) or self._behind(fetch.nbytes):
+                self._cond.wait()  # an earlier write to these bytes lands first
                 self._raise_failure()
             self._queue.append(fetch)
+            self._outstanding += fetch.nbytes
             self._pending.setdefault(storage, []).append(fetch.span[1:])
             self._stopped = False
             if len(self._workers) < self.workers:
@@ -229,7 +240,16 @@ class Fetches:
         if error is not None:
             raise error
 
+    def _behind(self, nbytes: int) -> bool:
+        """Whether queueing ``nbytes`` more would pass :attr:`ahead` (one fetch always may)."""
+        return (
+            self.ahead is not None
+            and 0 < self._outstanding
+            and (self._outstanding + nbytes > self.ahead)
+        )
+
     def _release(self, fetch: _Fetch) -> None:
+        self._outstanding -= fetch.nbytes
         storage, first, end = fetch.span
         spans = self._pending[storage]
         spans.remove((first, end))
