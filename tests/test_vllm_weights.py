@@ -138,30 +138,47 @@ class _Gate:
         threading.Timer(seconds, self.opened.set).start()
 
 
-def _qkv(tensors: dict[str, torch.Tensor]) -> torch.nn.Parameter:
-    rows = tensors["q"].shape[0] + tensors["k"].shape[0]
-    return torch.nn.Parameter(torch.zeros(rows, 256), requires_grad=False)
+class _Deferred:
+    """One rank's load with the engine's copies deferred (``CopyWatch(defer=True)``) into a
+    fused qkv parameter of zeros, their engine calls held by a :class:`_Gate`; the stream ends
+    only once they are made where ``stream_waits``."""
+
+    def __init__(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, stream_waits: bool = False
+    ) -> None:
+        self.path, self.tensors = _checkpoint(tmp_path)
+        self.gate = _Gate(monkeypatch)
+        origins: dict[int, object] = {}
+        rows = self.tensors["q"].shape[0] + self.tensors["k"].shape[0]
+        self.qkv = torch.nn.Parameter(torch.zeros(rows, 256), requires_grad=False)
+        self.watch = CopyWatch(
+            origins,  # type: ignore[arg-type]
+            [("qkv", self.qkv)],
+            tp_size=1,
+            adopt=True,
+            defer=True,
+        )
+        deferred = self.watch.deferred if stream_waits else None
+        self.stream = CheckpointWeights(
+            [str(self.path)], VllmLoadOptions(), origins=origins, deferred=deferred
+        )
 
 
 def test_deferred_engine_copies_land_before_anything_reads_their_parameter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, tensors = _checkpoint(tmp_path)
-    gate = _Gate(monkeypatch)
-    origins: dict[int, object] = {}
-    qkv = _qkv(tensors)
+    load = _Deferred(tmp_path, monkeypatch)
+    tensors, qkv = load.tensors, load.qkv
     rows_q = tensors["q"].shape[0]
-    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
-    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
-    with watch:
-        for name, tensor in stream:
+    with load.watch:
+        for name, tensor in load.stream:
             if name in ("q", "k"):
                 rows = qkv.data.narrow(0, 0 if name == "q" else rows_q, tensor.shape[0])
                 rows.copy_(tensor)
-        assert gate.done == 0  # both copies returned while their engine calls were held
-        gate.open_later(0.2)
+        assert load.gate.done == 0  # both copies returned while their engine calls were held
+        load.gate.open_later(0.2)
         total = qkv.sum()  # waits for them
-    assert watch.engine_bytes == qkv.nbytes
+    assert load.watch.engine_bytes == qkv.nbytes
     assert torch.equal(total, torch.cat([tensors["q"], tensors["k"]]).sum())
     assert torch.equal(qkv, torch.cat([tensors["q"], tensors["k"]]))
 
@@ -169,39 +186,27 @@ def test_deferred_engine_copies_land_before_anything_reads_their_parameter(
 def test_the_stream_ends_once_the_copies_queued_behind_it_are_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, tensors = _checkpoint(tmp_path)
-    gate = _Gate(monkeypatch)
-    origins: dict[int, object] = {}
-    qkv = _qkv(tensors)
-    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
-    stream = CheckpointWeights(
-        [str(path)], VllmLoadOptions(), origins=origins, deferred=watch.deferred
-    )
-    with watch:
-        tensors_seen = iter(stream)
-        qkv.data.narrow(0, 0, tensors["q"].shape[0]).copy_(
-            next(t for n, t in tensors_seen if n == "q")
-        )
-        gate.open_later(0.2)
-        list(tensors_seen)  # vLLM times its load_weights to here
-        assert gate.done >= 1
-    assert torch.equal(qkv[: tensors["q"].shape[0]], tensors["q"])
+    load = _Deferred(tmp_path, monkeypatch, stream_waits=True)
+    q = load.tensors["q"]
+    with load.watch:
+        handed = iter(load.stream)
+        load.qkv.data.narrow(0, 0, q.shape[0]).copy_(next(t for n, t in handed if n == "q"))
+        load.gate.open_later(0.2)
+        list(handed)  # vLLM times its load_weights to here
+        assert load.gate.done >= 1
+    assert torch.equal(load.qkv[: q.shape[0]], q)
 
 
 def test_a_later_copy_into_bytes_a_deferred_copy_fills_lands_last(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, tensors = _checkpoint(tmp_path)
-    gate = _Gate(monkeypatch)
-    origins: dict[int, object] = {}
-    qkv = _qkv(tensors)
+    load = _Deferred(tmp_path, monkeypatch)
+    tensors, qkv = load.tensors, load.qkv
     rows_k = tensors["k"].shape[0]
-    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
-    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
-    with watch:
-        handed = dict(stream)
+    with load.watch:
+        handed = dict(load.stream)
         qkv.data.narrow(0, 0, rows_k).copy_(handed["q"].narrow(0, 0, rows_k))  # queued
-        gate.open_later(0.2)
+        load.gate.open_later(0.2)
         # torch's own copies (too small for the engine; another dtype) into some of those rows
         qkv.data.narrow(0, 0, 2).copy_(handed["k"].narrow(0, 0, 2))
         qkv.data.narrow(0, 2, 2).copy_(handed["k"].narrow(0, 2, 2).double())
@@ -212,19 +217,14 @@ def test_a_later_copy_into_bytes_a_deferred_copy_fills_lands_last(
 def test_a_deferred_copy_that_fails_stops_the_load_naming_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path, tensors = _checkpoint(tmp_path)
-    gate = _Gate(monkeypatch)
-    origins: dict[int, object] = {}
-    qkv = _qkv(tensors)
-    watch = CopyWatch(origins, [("qkv", qkv)], tp_size=1, adopt=True, defer=True)  # type: ignore[arg-type]
-    stream = CheckpointWeights([str(path)], VllmLoadOptions(), origins=origins)
-    with pytest.raises(FastloadError) as raised, watch:
-        handed = dict(stream)
-        qkv.data.narrow(0, 0, tensors["q"].shape[0]).copy_(handed["q"])  # queued, held
-        os.truncate(path, 1024)  # the checkpoint cut short before the copy is made
-        gate.opened.set()
+    load = _Deferred(tmp_path, monkeypatch)
+    with pytest.raises(FastloadError) as raised, load.watch:
+        handed = dict(load.stream)
+        load.qkv.data.narrow(0, 0, load.tensors["q"].shape[0]).copy_(handed["q"])  # queued, held
+        os.truncate(load.path, 1024)  # the checkpoint cut short before the copy is made
+        load.gate.opened.set()
     message = str(raised.value)  # the file's fault, found before any of its tensors is read
-    assert str(path) in message and "[file-shrunk]" in message, message
+    assert str(load.path) in message and "[file-shrunk]" in message, message
 
 
 def test_a_queue_of_copies_waits_to_stay_within_its_read_ahead(
