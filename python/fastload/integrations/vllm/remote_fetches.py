@@ -136,7 +136,6 @@ class Fetches:
         #: Copies from local files read what the read-ahead put in the page cache: a queue far
         #: behind the weight loaders would let it be dropped before they are made
         self.ahead = ahead
-        self._outstanding = 0
         #: whether the weight loaders' copies queue their fetches here; ``False``: each is made
         #: as it is copied (a reload, whose recovery takes a copy that returned for a layer filled)
         self.defer = defer
@@ -176,7 +175,6 @@ class Fetches:
                 self._cond.wait()  # an earlier write to these bytes lands first
                 self._raise_failure()
             self._queue.append(fetch)
-            self._outstanding += fetch.nbytes
             self._pending.setdefault(storage, []).append(fetch.span[1:])
             self._stopped = False
             if len(self._workers) < self.workers:
@@ -242,14 +240,12 @@ class Fetches:
 
     def _behind(self, nbytes: int) -> bool:
         """Whether queueing ``nbytes`` more would pass :attr:`ahead` (one fetch always may)."""
-        return (
-            self.ahead is not None
-            and 0 < self._outstanding
-            and (self._outstanding + nbytes > self.ahead)
-        )
+        if self.ahead is None:
+            return False
+        outstanding = sum(end - first for spans in self._pending.values() for first, end in spans)
+        return 0 < outstanding and outstanding + nbytes > self.ahead
 
     def _release(self, fetch: _Fetch) -> None:
-        self._outstanding -= fetch.nbytes
         storage, first, end = fetch.span
         spans = self._pending[storage]
         spans.remove((first, end))
