@@ -152,13 +152,33 @@ class _Run:
         return "".join(self.lines) + self.log.read()
 
     def stop(self) -> None:
-        """Ends the process and everything it started; its output stays readable."""
+        """Ends the process and everything it started, and waits until they are gone (a worker
+        still dying holds its mappings of the checkpoint, whose pages the next test's eviction
+        would then leave cached); its output stays readable."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)  # the engine and workers too, if left
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while _session_alive(self.proc.pid):
+            if time.monotonic() > deadline:
+                pytest.fail(f"processes of session {self.proc.pid} outlived SIGKILL")
+            time.sleep(0.05)
         self._reader.join(timeout=TIMEOUT)  # stdout's end: every line is in the queue
+
+
+def _session_alive(session: int) -> bool:
+    """Whether a process of ``session`` is still alive (a zombie has let go of its memory)."""
+    import psutil
+
+    for p in psutil.process_iter(["status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.pid) == session:
+                return True
+        except OSError:  # gone meanwhile
+            continue
+    return False
 
 
 def _offline(
@@ -420,12 +440,16 @@ def tp2_reference(llama: Path) -> list[list[int]]:
 def test_two_tensor_parallel_ranks_each_read_about_half_of_a_cold_checkpoint(
     llama: Path, reference: list[list[int]], tp2_reference: list[list[int]]
 ) -> None:
-    from fastload.core.page_cache import evict
+    from fastload.core.page_cache import evict, resident_fraction
 
     shards = sorted(llama.glob("*.safetensors"))
     size = sum(f.stat().st_size for f in shards)
     for f in shards:
         evict(f)
+    # the precondition, checked from the kernel: no page of the checkpoint cached (the vLLM
+    # processes of earlier tests, which mapped it, are gone: _Run.stop)
+    cached = {f.name: resident_fraction(f) for f in shards}
+    assert not any(cached.values()), cached
     env = _env(VLLM_CPU_OMP_THREADS_BIND="0|1")
     run = _offline([llama], env, pause=True, load_format="fastload", **TP2)
     try:
