@@ -228,18 +228,19 @@ def test_a_packed_tensor_is_handed_out_whole(env: S3Server, tmp_path: Path) -> N
     assert torch.equal(got.view(torch.uint8), packed.view(torch.uint8))
 
 
-def _gate(proxy: FaultProxy) -> tuple[threading.Event, threading.Event]:
+def _gate(proxy: FaultProxy) -> tuple[threading.Event, threading.Event, threading.Event]:
     """Holds every data GET (past the header) until the returned ``open`` event is set (at
-    most 60 s); ``held`` is set when one is waiting."""
-    held, opened = threading.Event(), threading.Event()
+    most 60 s); ``held`` is set when one is waiting, ``released`` when one went on."""
+    held, opened, released = threading.Event(), threading.Event(), threading.Event()
 
     def wait(path: str, start: int) -> None:
         if start > 0:
             held.set()
             opened.wait(60)
+            released.set()
 
     proxy.on_get = wait
-    return held, opened
+    return held, opened, released
 
 
 def test_one_rank_queues_its_copies_and_nothing_reads_a_parameter_before_its_bytes(
@@ -251,7 +252,7 @@ def test_one_rank_queues_its_copies_and_nothing_reads_a_parameter_before_its_byt
     origins: dict[int, Origin] = {}
     unread = dict(RemoteWeights(url, origins=origins, unread=True))
     param = torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
-    held, opened = _gate(proxy)
+    held, opened, _ = _gate(proxy)
     with _watch(origins, {"param": param}):
         param.copy_(unread["w"])  # returns with its GET held by the proxy
         assert held.wait(60)
@@ -262,6 +263,44 @@ def test_one_rank_queues_its_copies_and_nothing_reads_a_parameter_before_its_byt
     want = tensors["w"].clone()
     want[:4] = 1
     assert torch.equal(param, want)
+
+
+def test_a_write_beside_a_queued_fetch_does_not_wait_for_it(stored, proxy) -> None:
+    # vLLM's vocabulary weight loader: the checkpoint's rows copied into the top of a padded
+    # embedding, then the padding rows below them zeroed, which touches no byte of the fetch
+    url, tensors = stored
+    origins: dict[int, Origin] = {}
+    unread = dict(RemoteWeights(url, origins=origins, unread=True))
+    param = torch.full((ROWS + 4, COLS), 7, dtype=torch.bfloat16)
+    held, opened, released = _gate(proxy)
+    with _watch(origins, {"param": param}):
+        param[:ROWS].data.copy_(unread["w"])  # queued, its GET held by the proxy
+        assert held.wait(60)
+        param[ROWS:].data.fill_(0)
+        assert not released.is_set()  # the zeroing did not wait for the fetch
+        threading.Timer(0.2, opened.set).start()
+        param[ROWS - 1 :].data.fill_(0)  # one row of the fetch's too: lands after it
+    want = torch.cat([tensors["w"][: ROWS - 1], torch.zeros(5, COLS, dtype=torch.bfloat16)])
+    assert torch.equal(param, want)
+
+
+def test_a_load_given_up_cancels_the_fetch_being_made(stored, proxy) -> None:
+    # a load given up does not wait for the engine call under way (up to 256 MiB of fetches,
+    # from a store that may be slow or stalled) to end
+    url, _ = stored
+    origins: dict[int, Origin] = {}
+    unread = dict(RemoteWeights(url, origins=origins, unread=True))
+    param = torch.zeros(ROWS, COLS, dtype=torch.bfloat16)
+    held, opened, released = _gate(proxy)
+    try:
+        with pytest.raises(RuntimeError, match="a weight loader failed"):
+            with _watch(origins, {"param": param}):
+                param.copy_(unread["w"])  # queued, its GET held by the proxy
+                assert held.wait(60)
+                raise RuntimeError("a weight loader failed")
+        assert not released.is_set()  # the load ended without waiting for the held GET
+    finally:
+        opened.set()
 
 
 def test_a_later_copy_into_the_same_bytes_lands_last(stored, proxy) -> None:
