@@ -269,7 +269,8 @@ impl PySafetensorsFile {
         let file = &*self.inner;
         let err = |e| to_py(py, file.path(), e);
         let workers = planning_workers(file, threads).map_err(err)?;
-        let plan = plan_jobs(file, jobs, workers).map_err(|e| match e {
+        let total = job_bytes(&jobs);
+        let plan = plan_jobs(file, jobs, total, workers).map_err(|e| match e {
             Planned::Py(e) => e,
             Planned::Core(e) => err(e),
         })?;
@@ -304,9 +305,19 @@ fn planning_workers(file: &SafetensorsFile, threads: Option<usize>) -> Result<us
     })
 }
 
-/// The engine's plan for `jobs` on `file`, its tasks sized for `workers` threads
-/// (`copy::plan_for_threads`); every job validated before any byte is written.
-fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>, workers: usize) -> Result<SendPlan, Planned> {
+/// The destination bytes of `jobs`.
+fn job_bytes(jobs: &[Job]) -> u64 {
+    jobs.iter().map(|j| j.2 as u64).fold(0, u64::saturating_add)
+}
+
+/// The engine's plan for `jobs` on `file`, its tasks sized for `workers` threads sharing a copy
+/// of `total` bytes (`copy::plan_for_threads`); every job validated before any byte is written.
+fn plan_jobs(
+    file: &SafetensorsFile,
+    jobs: Vec<Job>,
+    total: u64,
+    workers: usize,
+) -> Result<SendPlan, Planned> {
     let mut requests = Vec::with_capacity(jobs.len());
     for (name, ptr, len, dtype, sel) in jobs {
         let selection = parse_selection(&name, sel).map_err(Planned::Py)?;
@@ -320,7 +331,7 @@ fn plan_jobs(file: &SafetensorsFile, jobs: Vec<Job>, workers: usize) -> Result<S
         });
     }
     // Raw pointers are not Send; the plan only holds them as addresses.
-    copy::plan_for_threads(file, &requests, workers)
+    copy::plan_for_threads(file, &requests, total, workers)
         .map(SendPlan)
         .map_err(Planned::Core)
 }
@@ -371,11 +382,20 @@ fn copy_files(
 ) -> PyResult<u64> {
     let files: Vec<Arc<SafetensorsFile>> =
         items.iter().map(|(f, _)| f.get().inner.clone()).collect();
+    // Every file's tasks run on one pool: they are sized for its threads and the whole copy.
+    let total = items
+        .iter()
+        .map(|(_, jobs)| job_bytes(jobs))
+        .fold(0, u64::saturating_add);
+    let mut workers = 1;
+    for file in &files {
+        let planned = planning_workers(file, threads).map_err(|e| to_py(py, file.path(), e))?;
+        workers = workers.max(planned);
+    }
     let mut work = Vec::with_capacity(items.len());
     for (file, (_, jobs)) in files.iter().zip(items) {
         let err = |e| to_py(py, file.path(), e);
-        let workers = planning_workers(file, threads).map_err(err)?;
-        let plan = plan_jobs(file, jobs, workers).map_err(|e| match e {
+        let plan = plan_jobs(file, jobs, total, workers).map_err(|e| match e {
             Planned::Py(e) => e,
             Planned::Core(e) => err(e),
         })?;

@@ -250,6 +250,44 @@ def test_a_queue_of_copies_waits_to_stay_within_its_read_ahead(
     assert torch.equal(q, tensors["q"]) and torch.equal(k, tensors["k"])
 
 
+def test_once_the_load_waits_for_its_queue_the_rest_is_made_at_once_in_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # takes of TAKE_BYTES while the weight loaders queue; once the load waits for the queue
+    # (its end, or a read of a parameter not yet fetched), one engine call makes all the rest,
+    # started beside the call under way instead of after it
+    from fastload import _core
+    from fastload.integrations.vllm import remote_fetches
+
+    path, tensors = _checkpoint(tmp_path)
+    file = _core.SafetensorsFile(str(path), "pread")
+    queue = remote_fetches.Fetches(take_bytes=1)  # while queueing: one fetch per call
+    queue.workers = 1
+    calls: list[list[str]] = []
+    started, beside = threading.Event(), threading.Event()
+    real = remote_fetches.fill_many
+
+    def spy(work: list, *args: object, **kwargs: object) -> object:
+        calls.append([name for _, items in work for name, _, _ in items])
+        if len(calls) == 1:  # the first call ends only once the next one has started
+            started.set()
+            if beside.wait(30):
+                return real(work, *args, **kwargs)
+            raise AssertionError("the rest of the queue waited for the call under way")
+        beside.set()
+        return real(work, *args, **kwargs)
+
+    monkeypatch.setattr(remote_fetches, "fill_many", spy)
+    out = {name: torch.empty_like(t) for name, t in tensors.items()}
+    queue.submit(file, "q", out["q"], None)
+    assert started.wait(60)
+    for name in ("k", "norm", "o"):
+        queue.submit(file, name, out[name], None)
+    queue.drain()
+    assert calls == [["q"], ["k", "norm", "o"]]
+    assert all(torch.equal(out[name], t) for name, t in tensors.items())
+
+
 def _present_pages(address: int, nbytes: int) -> int:
     """How many pages of ``[address, address + nbytes)`` this process has mapped (pagemap)."""
     page = os.sysconf("SC_PAGE_SIZE")

@@ -299,8 +299,11 @@ fn planning_for_threads_cuts_the_same_bytes_into_more_tasks() {
     let mut out = vec![0u8; data.len()];
     let reqs = [req("w", &mut out, Dtype::U8, Selection::All)];
     assert_eq!(plan(&f, &reqs).unwrap().tasks(), 1);
-    let p = plan_for_threads(&f, &reqs, 4).unwrap();
+    let p = plan_for_threads(&f, &reqs, data.len() as u64, 4).unwrap();
     assert_eq!(p.tasks(), 4);
+    // The same file's share of a copy four times its size: tasks sized for the whole copy.
+    let p = plan_for_threads(&f, &reqs, 4 * data.len() as u64, 4).unwrap();
+    assert_eq!(p.tasks(), 1);
     assert_eq!(
         unsafe { execute(&f, &p, Some(4), None, None) }.unwrap(),
         data.len() as u64
