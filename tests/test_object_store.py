@@ -120,6 +120,36 @@ def test_a_sharded_checkpoint_reads_its_shards_in_parallel_and_equals_the_local_
     assert sorted(report.files) == [f"{url}{name}" for name in shards]
 
 
+def test_a_shards_small_share_of_a_fetch_is_not_cut_into_small_gets(env, proxy, tmp_path):
+    # the shards of one fetch share its threads: a small shard's requests are sized for the
+    # whole fetch (one 2 MiB GET here), not for its own bytes alone (1 MiB ones, each a request)
+    from fastload.core.object_store import open_file
+    from fastload.core.reading import fill_many
+
+    gen = torch.Generator().manual_seed(5)
+    shards = {
+        "large.safetensors": {"a": torch.randn(14, 1 << 18, generator=gen)},  # 14 MiB
+        "small.safetensors": {"b": torch.randn(2, 1 << 18, generator=gen)},  # 2 MiB
+    }
+    for name, tensors in shards.items():
+        fastload.save_file(tensors, tmp_path / name)
+    url = env.upload(tmp_path, "models", "shares")
+    data_gets: dict[str, int] = {}
+
+    def count(path: str, start: int) -> None:
+        if start > 0:  # past the header
+            key = path.rsplit("/", 1)[-1]
+            data_gets[key] = data_gets.get(key, 0) + 1
+
+    files = {name: open_file(f"{url}{name}") for name in shards}
+    proxy.on_get = count
+    out = {name: torch.empty_like(t) for ts in shards.values() for name, t in ts.items()}
+    work = [(files[name], [(n, out[n], None) for n in ts]) for name, ts in shards.items()]
+    fill_many(work, threads=4)  # 16 MiB on 4 threads: 4 MiB a request
+    assert all(torch.equal(out[n], t) for ts in shards.values() for n, t in ts.items())
+    assert data_gets == {"large.safetensors": 4, "small.safetensors": 1}
+
+
 def test_from_pretrained_of_a_transformers_model_in_s3_matches_the_local_load(env, tmp_path):
     """As a user runs it: a fresh interpreter, the AWS variables, a prefix URL."""
     pytest.importorskip("transformers")

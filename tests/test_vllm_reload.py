@@ -411,7 +411,7 @@ def test_an_engine_on_object_storage_weights_reloads_what_each_call_names(
     for f in base.iterdir():
         if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
             shutil.copy(f, config / f.name)
-    # more retries than the default: the server hashes each placed shard per request
+    # more retries than the default, as a margin: the server shares the cores with vLLM
     extra = {"weights": base_url, "storage_options": {"max_retries": 8}}
     env = _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", **server.env())
     engine = Engine(config, env, load_format="fastload", model_loader_extra_config=extra)
