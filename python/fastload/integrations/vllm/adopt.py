@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from fastload.core.engine import copy_into
 from fastload.core.errors import ModelMismatchError
 from fastload.core.memory import memory_budget
+from fastload.safetensors.saving import byte_span
 
 from . import remote_slices
 from .remote_fetches import Fetches
@@ -330,8 +331,8 @@ def _spans(t: torch.Tensor, base: int) -> list[tuple[int, int]]:
             for r in range(t.size(0))
         ]
     else:
-        last = first + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) * item
-        spans = [(first, last + item)]
+        start, end = byte_span(t)
+        spans = [(start - base, end - base)]
     merged: list[tuple[int, int]] = []
     for a, b in spans:
         a, b = a // _PAGE * _PAGE, -(-b // _PAGE) * _PAGE

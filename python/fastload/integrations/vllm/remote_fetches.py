@@ -35,6 +35,7 @@ import torch
 from fastload import _core
 from fastload.core.progress import bar_wanted, binary_unit
 from fastload.core.reading import FillItem, fill_many
+from fastload.safetensors.saving import byte_span
 
 #: the bytes of queued fetches one engine call takes at most while the weight loaders are still
 #: queueing (what is queued, up to this), so that fetches start behind them. Once the load waits
@@ -134,13 +135,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int, int] | None:
     in CPU memory."""
     if t.device.type != "cpu" or t.numel() == 0:
         return None
-    low = high = 0
-    for size, stride in zip(t.shape, t.stride(), strict=True):
-        reach = (size - 1) * stride
-        low, high = low + min(reach, 0), high + max(reach, 0)
-    itemsize = t.element_size()
-    first = t.data_ptr()
-    return t.untyped_storage().data_ptr(), first + low * itemsize, first + (high + 1) * itemsize
+    return (t.untyped_storage().data_ptr(), *byte_span(t))
 
 
 class Fetches:
