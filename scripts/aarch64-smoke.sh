@@ -28,7 +28,7 @@ torch_req="torch==${FASTLOAD_AARCH64_TORCH:-2.9.1}"
 wheel="${1:-}"
 if [ -z "$wheel" ]; then
     bash "$ROOT/scripts/wheels.sh" "$ROOT/dist" aarch64
-    wheel="$(ls "$ROOT"/dist/fastload-*-manylinux*_aarch64.whl)"
+    wheel="$(ls "$ROOT"/dist/fastload_safetensors-*-manylinux*_aarch64.whl)"
 fi
 wheel="$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")"
 

@@ -8,7 +8,8 @@ installed into the venv. Instead, with the venv's python::
 
     python scripts/checkout_env.py [--extras test,docs]
 
-* writes the checkout's package metadata beside its sources, ``python/fastload-<ver>.dist-info``
+* writes the checkout's package metadata beside its sources,
+  ``python/fastload_safetensors-<ver>.dist-info``
   (ignored by git): its entry points (``vllm.general_plugins``, the console script), which
   ``importlib.metadata`` finds on ``PYTHONPATH`` ahead of anything in the venv;
 * removes the ``fastload.pth`` an editable install left in the venv (it points at another clone);
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -44,7 +46,7 @@ def _pyproject() -> dict:
 
 
 def write_metadata(project: dict) -> Path:
-    """``python/fastload-<version>.dist-info`` with the checkout's name, version and entry
+    """``python/<name>-<version>.dist-info`` with the checkout's name, version and entry
     points, replacing any other version's (written aside, then renamed into place)."""
     groups = dict(project.get("entry-points", {}))
     if project.get("scripts"):
@@ -55,14 +57,17 @@ def write_metadata(project: dict) -> Path:
     )
     name, version = project["name"], project["version"]
     python = ROOT / "python"
-    target = python / f"{name}-{version}.dist-info"
+    # the folder is named by the normalized name, as an installed wheel's is (PEP 427, 503)
+    target = python / f"{re.sub(r'[-_.]+', '_', name).lower()}-{version}.dist-info"
     scratch = Path(tempfile.mkdtemp(prefix=".dist-info-", dir=python))
     (scratch / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
         f"Summary: this checkout ({ROOT}), on PYTHONPATH\n"
     )
     (scratch / "entry_points.txt").write_text(entry_points)
-    for old in python.glob(f"{name}-*.dist-info"):
+    # every earlier one, whatever the project was named then (only this script writes them
+    # here; two would declare the entry points twice)
+    for old in python.glob("*.dist-info"):
         shutil.rmtree(old)
     scratch.rename(target)
     return target

@@ -16,8 +16,8 @@ set -euo pipefail
 source "$(dirname "$0")/_env.sh"
 out="${1:-$ROOT/dist}"
 bash "$ROOT/scripts/wheels.sh" "$out" x86_64 aarch64 sdist
-wheel="$(ls "$out"/fastload-*-manylinux*_x86_64.whl)"
-sdist="$(ls "$out"/fastload-*.tar.gz)"
+wheel="$(ls "$out"/fastload_safetensors-*-manylinux*_x86_64.whl)"
+sdist="$(ls "$out"/fastload_safetensors-*.tar.gz)"
 
 scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
@@ -59,7 +59,7 @@ echo "== the sdist, built from scratch in a clean venv"
 # unset: the build must not reuse this clone's target folder
 (cd "$scratch" && env -u CARGO_TARGET_DIR "$scratch/sdist/bin/pip" wheel -q --no-deps \
     -w "$scratch/from-sdist" "$sdist")
-built="$(ls "$scratch"/from-sdist/fastload-*.whl)"
+built="$(ls "$scratch"/from-sdist/fastload_safetensors-*.whl)"
 echo "built $(basename "$built")"
 "$scratch/sdist/bin/pip" install -q --no-deps --no-index "$built"
 (cd "$scratch" && "$scratch/sdist/bin/python" -c "import fastload, fastload._core; print('import fastload from the sdist ok')")

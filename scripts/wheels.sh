@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the release artifacts and checks each Linux wheel against its manylinux policy:
-#   x86_64   fastload-<v>-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
-#   aarch64  fastload-<v>-cp310-abi3-manylinux_2_17_aarch64.manylinux2014_aarch64.whl
-#   sdist    fastload-<v>.tar.gz (builds with a Rust toolchain and a C compiler: wheel-check.sh)
+#   x86_64   fastload_safetensors-<v>-cp310-abi3-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
+#   aarch64  fastload_safetensors-<v>-cp310-abi3-manylinux_2_17_aarch64.manylinux2014_aarch64.whl
+#   sdist    fastload_safetensors-<v>.tar.gz (builds with a Rust toolchain and a C compiler: wheel-check.sh)
 # One abi3 wheel per platform serves every CPython >= 3.10. Both wheels are built on this host with
 # `maturin build --zig`: zig links against glibc 2.17 whatever the host's glibc is (that is what
 # makes them manylinux2014 without a manylinux container) and is the C compiler and linker of the
@@ -49,26 +49,26 @@ for item in "${what[@]}"; do
         if command -v rustup >/dev/null && ! rustup target list --installed | grep -qx "$triple"; then
             rustup target add "$triple"
         fi
-        rm -f "$out"/fastload-*-manylinux*_"$item".whl
+        rm -f "$out"/fastload_safetensors-*-manylinux*_"$item".whl
         (cd "$ROOT" && maturin build --release --zig --target "$triple" \
             --compatibility manylinux2014 -o "$out")
-        audit "$(ls "$out"/fastload-*-manylinux*_"$item".whl)" "$item"
+        audit "$(ls "$out"/fastload_safetensors-*-manylinux*_"$item".whl)" "$item"
         ;;
     sdist)
-        rm -f "$out"/fastload-*.tar.gz
+        rm -f "$out"/fastload_safetensors-*.tar.gz
         (cd "$ROOT" && maturin sdist -o "$out")
-        sdist="$(ls "$out"/fastload-*.tar.gz)"
+        sdist="$(ls "$out"/fastload_safetensors-*.tar.gz)"
         # what a build from it needs, and nothing of the clone's build outputs or tests
         listing="$(tar -tzf "$sdist")"
         for need in pyproject.toml Cargo.toml Cargo.lock rust/lib.rs python/fastload/__init__.py \
             python/fastload/py.typed README.md LICENSE; do
-            grep -qx "fastload-[^/]*/$need" <<<"$listing" || {
+            grep -qx "fastload_safetensors-[^/]*/$need" <<<"$listing" || {
                 echo "wheels: $need is missing from $(basename "$sdist")" >&2
                 exit 1
             }
         done
         # the clone's build outputs stay out (ignored by git, so by cargo's and maturin's lists)
-        if grep -E "^fastload-[^/]*/(target|dist)/|\.(so|whl|pyc)$" <<<"$listing"; then
+        if grep -E "^fastload_safetensors-[^/]*/(target|dist)/|\.(so|whl|pyc)$" <<<"$listing"; then
             echo "wheels: $(basename "$sdist") holds build outputs (above)" >&2
             exit 1
         fi

