@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,3 +249,75 @@ def test_inspect_json_never_shows_the_user_info_or_the_query(http_store):
     assert len(info["files"]) > 1 and info["tensors"] == 4
     for f in info["files"]:
         assert f["path"].startswith("http://<credentials hidden>@127.0.0.1:"), f["path"]
+
+
+# -- vLLM: the reload's log line and notes, through a logger fastload did not set up -------------
+
+
+def _vllm_reload(source: str, log: logging.Logger):
+    """A vLLM reload of ``source`` in progress (:class:`~fastload.integrations.vllm.reload._Reload`)
+    on a small model, as ``open_reload`` makes it, with ``log`` as vLLM's logger."""
+    from fastload.integrations.vllm.reload import _Reload
+    from fastload.integrations.vllm.reload_state import Held
+
+    model = _model()
+    held = Held(
+        model_arg="/srv/model",
+        source=source,
+        catalog=None,
+        digests={},
+        feeds={},
+        numel={},
+    )
+    return _Reload(
+        model,
+        SimpleNamespace(model=source, model_weights="", revision=None),
+        held,
+        SimpleNamespace(bytes=1 << 20),
+        iter(()),
+        source=source,
+        catalog=None,
+        digests={},
+        left_out=set(),
+        watch=SimpleNamespace(engine_bytes=0),
+        log=log,
+    )
+
+
+def _vllm_logger() -> logging.Logger:
+    """A logger as vLLM's ``init_logger`` makes one: outside ``fastload``, no filter."""
+    log = logging.getLogger("vllm.test_redaction")
+    log.filters.clear()
+    return log
+
+
+def test_vllm_the_reloaded_line_never_shows_the_user_info(caplog):
+    url = "http://user:PASSWORD@127.0.0.1:9/m/?sig=SIGSECRET"
+    log = _vllm_logger()
+    reload = _vllm_reload(url, log)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        reload.finish()
+    assert "fastload: reloaded http://<credentials hidden>@127.0.0.1:9/m/?<query hidden>" in (
+        caplog.text
+    )
+    _clean(caplog.text)
+    # the engine re-reads what it holds as given (a reload naming no path)
+    assert reload.record.source == url
+    with caplog.at_level(logging.INFO, logger=log.name):  # anything else logged there
+        log.info("fastload: reading %s", url)
+    _clean(caplog.text)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt(), RuntimeError("a weight loader failed")])
+def test_vllm_the_note_of_a_failed_reload_never_shows_the_user_info(monkeypatch, exc):
+    from fastload.integrations.vllm import reload as vllm_reload
+
+    url = "http://user:PASSWORD@127.0.0.1:9/m/?sig=SIGSECRET"
+    reload = _vllm_reload(url, _vllm_logger())
+    # vLLM's layerwise state, no layer filled yet: the engine keeps its previous weights
+    monkeypatch.setattr(vllm_reload, "_layerwise", lambda: ({}, lambda *a: None))
+    with pytest.raises(type(exc)) as caught:
+        reload.recover(exc)
+    shown = " ".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
+    assert "keeps its previous weights (http://<credentials hidden>@127.0.0.1:9/m/" in shown
+    _clean(shown)
