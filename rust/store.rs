@@ -222,10 +222,15 @@ impl Store {
             _ if key.is_empty() && parsed.query().is_none() => whole.to_string(),
             _ => base,
         };
-        Ok((Store { inner, base: root }, key))
+        // The root is shown (messages, `ObjectStore.url`, the files' paths, reports) and never
+        // parsed again (the client is built): kept without the URL's user-info, so nothing made
+        // from it can show a password.
+        let base = crate::redact::urls(&root);
+        Ok((Store { inner, base }, key))
     }
 
-    /// `scheme://bucket`: the URL of the store's root.
+    /// `scheme://bucket`: the URL of the store's root, its user-info hidden
+    /// ([`crate::redact::urls`]).
     pub fn base(&self) -> &str {
         &self.base
     }

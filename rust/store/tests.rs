@@ -49,6 +49,28 @@ fn a_query_in_a_url_never_reaches_a_message() {
 }
 
 #[test]
+fn the_root_and_every_url_made_from_it_hide_the_user_info() {
+    let settings = Settings {
+        options: vec![],
+        defaults: vec![],
+    };
+    for url in [
+        "http://user:PASSWORD@127.0.0.1:9/dir/m.safetensors",
+        "http://user:PASSWORD@127.0.0.1:9/dir/m.safetensors?sig=PASSWORD",
+        "http://user:PASSWORD@127.0.0.1:9",
+    ] {
+        let (store, _) = Store::from_url(url, &settings).unwrap();
+        for shown in [store.base().to_string(), store.url_of("dir/m.safetensors")] {
+            assert!(!shown.contains("PASSWORD"), "{url}: {shown}");
+            assert!(
+                shown.starts_with("http://<credentials hidden>@127.0.0.1:9"),
+                "{url}: {shown}"
+            );
+        }
+    }
+}
+
+#[test]
 fn an_object_opens_header_first_and_copies_like_a_file() {
     let store = memory_store();
     // a header longer than the first request's prefix too

@@ -50,6 +50,7 @@ from fastload.core.errors import (
 from fastload.core.keys import format_names
 from fastload.core.object_store import is_remote, is_url
 from fastload.core.placement import selected_shape
+from fastload.core.redaction import RedactedFields
 from fastload.core.reload_record import (
     Entry,
     LoadRecord,
@@ -71,9 +72,10 @@ Source = str | os.PathLike[str] | Mapping[str, torch.Tensor]
 
 
 @dataclass
-class ReloadReport:
+class ReloadReport(RedactedFields):
     """What a reload did: tensors and bytes read, and those skipped as unchanged (equal
-    digests in both checkpoints)."""
+    digests in both checkpoints). ``source`` and ``files`` are stored with a URL's query and
+    user-info hidden."""
 
     source: str
     files: list[str] = field(default_factory=list)

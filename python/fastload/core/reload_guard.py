@@ -28,6 +28,7 @@ from fastload.core.dtypes import to_st
 from fastload.core.errors import CheckpointError, MemoryBudgetError, ReloadError
 from fastload.core.keys import format_names
 from fastload.core.memory import memory_budget
+from fastload.core.redaction import add_note, redact
 from fastload.core.reload_record import LoadRecord
 from fastload.core.units import format_bytes
 
@@ -115,7 +116,7 @@ def fail(
     ``ReloadError`` for an error, the interrupt itself (with a note) for a ``KeyboardInterrupt``
     or ``SystemExit``."""
     torn = sorted(set(names) | set(record.torn[1] if record.torn else []))
-    message = (
+    message = redact(
         f"fastload.reload failed while {doing}: {len(torn)} tensors hold new or partly new "
         f"bytes, the others their old ones: {format_names(torn)}. The model refuses to run "
         "until a reload succeeds"
@@ -123,7 +124,7 @@ def fail(
     mark(model, record, torn, message)
     if isinstance(exc, Exception):
         raise ReloadError(f"{message} ({type(exc).__name__}: {exc})", torn) from exc
-    exc.add_note(message)
+    add_note(exc, message)  # a KeyboardInterrupt is not a FastloadError, which would redact it
     raise exc
 
 

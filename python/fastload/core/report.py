@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastload.core.redaction import RedactedFields
 from fastload.core.units import format_bytes
 
 
@@ -19,13 +20,16 @@ def _names(title: str, names: list[str], limit: int) -> list[str]:
 
 
 @dataclass
-class LoadReport:
+class LoadReport(RedactedFields):
     """What :func:`fastload.from_pretrained` did.
 
     Names in ``missing`` are model names; names in ``unexpected`` are checkpoint names. The
     ``authorized_*`` lists hold the names the model class declares as expected
     (``_keys_to_ignore_on_load_*``, layers the model does not build, buffers it computes itself):
     they are handled silently and never trigger a policy.
+
+    File names and URLs are stored with a URL's query and user-info hidden
+    (:class:`~fastload.core.redaction.RedactedFields`).
     """
 
     #: model tensors the checkpoint does not provide (initialized, or kept for a built module)

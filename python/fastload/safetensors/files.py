@@ -29,6 +29,7 @@ from fastload.core.reading import (
     read_tensor,
     resolve_read_mode,
 )
+from fastload.core.redaction import redact
 from fastload.core.staging import StagingPool
 from fastload.safetensors.slices import SafeSlice
 
@@ -182,7 +183,7 @@ class SafeOpen:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SafeOpen({self.path!r}, device={str(self.device)!r})"
+        return redact(f"SafeOpen({self.path!r}, device={str(self.device)!r})")
 
 
 def safe_open(

@@ -30,7 +30,7 @@ from typing import Any, NoReturn, TextIO
 
 from fastload.core import json_text
 from fastload.core.errors import CheckpointError, FastloadError, RequestError
-from fastload.core.redaction import redact
+from fastload.core.redaction import redact, redact_value
 from fastload.core.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
 from fastload.core.units import format_bytes
 
@@ -192,7 +192,9 @@ def _storage_options(pairs: list[str] | None) -> dict[str, str] | None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     info = _describe(args.path, _storage_options(args.storage_option))
     if args.json:
-        json.dump(info, sys.stdout, indent=2)
+        # every string of the document (the URL asked for, file paths, metadata) redacted as
+        # the lines _emit prints are
+        json.dump(redact_value(info), sys.stdout, indent=2)
         _emit()
     else:
         _print_description(info)

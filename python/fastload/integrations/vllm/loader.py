@@ -39,6 +39,7 @@ from vllm.model_executor.model_loader.weight_utils import (
     get_quant_config,
 )
 
+from fastload.core import redaction
 from fastload.core.errors import FastloadError, ModelMismatchError, UnsupportedError
 from fastload.core.units import format_bytes
 
@@ -51,6 +52,8 @@ from .remote_fetches import Fetches
 from .weights import CheckpointWeights, check_index
 
 logger = init_logger("vllm.model_executor.model_loader.fastload")
+# vLLM's logger, which has no redaction of its own: URLs' user-info and queries hidden there too
+redaction.install(logger)
 
 #: the index files vLLM's default loader reads (Hugging Face's, Mistral's consolidated one)
 _INDEX_FILES = ("model.safetensors.index.json", "consolidated.safetensors.index.json")

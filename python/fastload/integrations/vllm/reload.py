@@ -45,6 +45,7 @@ from torch import nn
 from fastload.core.errors import ReloadError, RequestError
 from fastload.core.keys import format_names
 from fastload.core.object_store import is_url
+from fastload.core.redaction import add_note, install, redact
 from fastload.core.units import format_bytes
 
 from .adopt import CopyWatch
@@ -159,13 +160,17 @@ class _Reload:
         self.model_config = model_config
         self.record = record
         self.stream = stream
+        #: what is read (kept as given: a later reload naming no path reads it again)
         self.source = source
+        #: what the log and the errors show: vLLM's logger has no redaction of its own
+        self.label = redact(source)
         self.catalog = catalog
         self.digests = digests
         self.left_out = left_out
         #: the weight loaders' copies out of the stream's views, made by the engine
         self.watch = watch
         self.log = log
+        install(log)  # whatever else is logged there about this reload
         self.start = time.perf_counter()
         #: layers all of whose inputs were left out (unchanged)
         self.unchanged_layers = {layer for name in left_out for layer in record.feeds.get(name, ())}
@@ -244,7 +249,7 @@ class _Reload:
         self.log.info(
             "fastload: reloaded %s in %.2f s: %d tensors read (%s); %d unchanged tensors (%s, "
             "%d layers) neither read nor copied",
-            self.source,
+            self.label,
             time.perf_counter() - self.start,
             len(self.catalog or {}) - len(self.left_out),
             read,
@@ -278,7 +283,7 @@ class _Reload:
             put_back(self.model_config, self.record)
             note = (
                 "fastload: reload_weights failed before any layer took new weights; the engine "
-                f"keeps its previous weights ({self.record.source}) whole"
+                f"keeps its previous weights ({redact(self.record.source)}) whole"
             )
             # in the message itself where it can be (notes do not cross vLLM's RPC)
             if (
@@ -288,7 +293,7 @@ class _Reload:
             ):
                 exc.args = (f"{exc.args[0]}. {note}", *exc.args[1:])
             else:
-                exc.add_note(note)
+                add_note(exc, note)
             raise exc
         self.record.digests = {}
         params = sorted(
@@ -298,14 +303,14 @@ class _Reload:
             if t is not None
         )
         message = (
-            f"fastload: reload_weights from {self.source} failed after {len(new)} layers "
+            f"fastload: reload_weights from {self.label} failed after {len(new)} layers "
             f"took new weights, the others keep their old ones: {format_names(params)}. The "
             "model refuses to run until a reload succeeds"
         )
         mark(self.model, self.record, params, message)
         if isinstance(exc, Exception):
             raise ReloadError(f"{message} ({type(exc).__name__}: {exc})", params) from exc
-        exc.add_note(message)
+        add_note(exc, message)
         raise exc
 
     def close(self) -> None:
