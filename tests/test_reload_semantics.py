@@ -1,4 +1,5 @@
-"""fastload.reload's contract where the first round left gaps (issue 57): a meta tensor in a state
+"""fastload.reload's contract where the first round left gaps (issue 57): a new checkpoint whose
+tied names hold different values is refused before a byte is written; a meta tensor in a state
 dict is a CheckpointError naming it."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 import fastload
+from fastload.core import reading
 
 
 class Stack(nn.Module):
@@ -35,6 +37,77 @@ def _same(model: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
 
 def _pointers(model: nn.Module) -> dict[str, int]:
     return {n: t.data_ptr() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+# -- ties stored twice ---------------------------------------------------------------------------
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(ids)))
+
+
+def _tied_state(seed: int, head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint that stores the tie under both names (as many transformers checkpoints do)."""
+    torch.manual_seed(seed)
+    state = {k: v.clone() for k, v in Tied().state_dict().items()}
+    state["head.weight"] = state["emb.weight"].clone() if head is None else head
+    return state
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in-place", "atomic"])
+@pytest.mark.parametrize("digests", [False, True], ids=["no-digests", "digests"])
+def test_a_checkpoint_whose_tied_names_differ_is_refused_naming_the_pair(tmp_path, atomic, digests):
+    a, new = tmp_path / "a.safetensors", tmp_path / "new.safetensors"
+    fastload.save_file(_tied_state(1), a, digests=digests)
+    model = fastload.from_pretrained(Tied, a, progress=False)
+    assert model.head.weight is model.emb.weight
+    old, before = _values(model), _pointers(model)
+    fastload.save_file(_tied_state(2, head=torch.randn(16, 8)), new, digests=digests)
+    with pytest.raises(fastload.CheckpointError, match="tied") as info:
+        fastload.reload(model, new, atomic=atomic)
+    message = str(info.value)
+    assert "'emb.weight' and 'head.weight'" in message and "new.safetensors" in message
+    assert "Nothing was written" in message
+    assert _same(model, old) and _pointers(model) == before
+    assert model.head.weight is model.emb.weight
+    model(torch.zeros(1, dtype=torch.long))  # not marked torn: nothing was written
+
+
+@pytest.mark.parametrize("digests", [False, True], ids=["no-digests", "digests"])
+def test_a_checkpoint_storing_a_tie_twice_with_equal_values_reloads(tmp_path, digests):
+    a, new = tmp_path / "a.safetensors", tmp_path / "new.safetensors"
+    fastload.save_file(_tied_state(1), a, digests=digests)
+    model = fastload.from_pretrained(Tied, a, progress=False)
+    fastload.save_file(_tied_state(2), new, digests=digests)
+    fastload.reload(model, new)
+    assert model.head.weight is model.emb.weight
+    assert _same(model, {k: v for k, v in _tied_state(2).items()})
+
+
+def test_equal_digests_of_a_tie_stored_twice_are_trusted_without_reading_it(tmp_path, monkeypatch):
+    a, new = tmp_path / "a.safetensors", tmp_path / "new.safetensors"
+    fastload.save_file(_tied_state(1), a, digests=True)
+    model = fastload.from_pretrained(Tied, a, progress=False)
+    fastload.save_file(_tied_state(2), new, digests=True)
+    read: list[str] = []
+    real_fill = reading.fill
+
+    def fill(file, items, *args, **kwargs):
+        items = list(items)
+        read.extend(name for name, _, _ in items)
+        return real_fill(file, items, *args, **kwargs)
+
+    monkeypatch.setattr(reading, "fill", fill)
+    fastload.reload(model, new)
+    assert "head.weight" not in read and read.count("emb.weight") == 1
 
 
 # -- meta tensors in a state dict ----------------------------------------------------------------

@@ -10,7 +10,8 @@ In order:
 1. **check**: the new checkpoint's headers are read and validated, and every tensor the model
    takes from it is checked by name, shape and dtype against the record and the model's tensor;
    a checkpoint that does not fit is refused (``CheckpointError``, ``ModelMismatchError``) naming
-   every tensor that does not, before a byte is written;
+   every tensor that does not, before a byte is written, as is one that stores a tie of the model
+   under two names with different values (:mod:`fastload.core.reload_ties`);
 2. **skip**: where the model's checkpoint and the new one both carry a digest of a tensor
    (:mod:`fastload.core.digests`) and the two are equal, it is neither read nor copied;
 3. **read**: each file's tensors are filled by the copy engine (CPU destinations directly,
@@ -58,6 +59,7 @@ from fastload.core.reload_record import (
     model_tensor,
     record_of,
 )
+from fastload.core.reload_ties import memory_key, refuse_differing_ties
 from fastload.core.source import open_source
 from fastload.core.staging import StagingPool
 from fastload.core.streaming import stream_into
@@ -170,6 +172,9 @@ def reload(
             f"{report.source}: reload(verify=True) checks the bytes against the digests the "
             "files record, and these record none (save them with digests=True)"
         )
+    refuse_differing_ties(
+        model, record, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, []), report.source
+    )
     if skip_unchanged:
         writes = _skip_unchanged(writes, record.digests, new_digests, ckpt, report)
     report.tensors_read = len(writes)
@@ -206,7 +211,7 @@ def _check(model: nn.Module, record: LoadRecord, ckpt: OpenCheckpoint) -> list[_
         if dest is None or dest.device.type == "meta":
             other.append(f"the model has no tensor {entry.name!r} any more (it was loaded)")
             continue
-        key = (dest.device, dest.data_ptr(), dest.dtype, tuple(dest.shape), dest.stride())
+        key = memory_key(dest)
         if key in seen:  # a tie, or an alias loaded into the same memory: filled once
             continue
         seen.add(key)
