@@ -1,6 +1,7 @@
-"""fastload.reload's contract where the first round left gaps (issue 57): a new checkpoint whose
-tied names hold different values is refused before a byte is written; a meta tensor in a state
-dict is a CheckpointError naming it."""
+"""fastload.reload's contract where the first round left gaps (issue 57): verify=True checks the
+bytes as read whatever the destination (a converted tensor here; tensor-parallel slices in
+test_reload_tensor_parallel.py); a new checkpoint whose tied names hold different values is
+refused before a byte is written; a meta tensor in a state dict is a CheckpointError naming it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 import fastload
 from fastload.core import reading
+from tensor_samples import flip_stored_byte
 
 
 class Stack(nn.Module):
@@ -37,6 +39,48 @@ def _same(model: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
 
 def _pointers(model: nn.Module) -> dict[str, int]:
     return {n: t.data_ptr() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+# -- verify=True whatever the destination --------------------------------------------------------
+
+
+def test_verify_checks_the_bytes_of_a_converted_tensor_as_read(tmp_path):
+    """A bf16 file into a float32 model: each tensor is converted during the copy, so the
+    staged copy is not the stored bytes; the bytes read are checked before the conversion."""
+    bf16 = {k: v.to(torch.bfloat16) for k, v in _stack(2).state_dict().items()}
+    a, good, bad = (tmp_path / f"{n}.safetensors" for n in ("a", "good", "bad"))
+    fastload.save_file({k: v.to(torch.bfloat16) for k, v in _stack(1).state_dict().items()}, a)
+    fastload.save_file(bf16, good, digests=True)
+    fastload.save_file(bf16, bad, digests=True)
+    flip_stored_byte(bad, "layers.3.weight")
+    model = fastload.from_pretrained(Stack, a, dtype=torch.float32, progress=False)
+    old, before = _values(model), _pointers(model)
+    with pytest.raises(fastload.CheckpointError, match="do not match the digest") as info:
+        fastload.reload(model, bad, atomic=True, verify=True)
+    assert "'layers.3.weight'" in str(info.value) and "bad.safetensors" in str(info.value)
+    assert "'layers.2.weight'" not in str(info.value)
+    assert _same(model, old)
+    report = fastload.reload(model, good, atomic=True, verify=True)
+    assert report.tensors_verified == len(bf16)
+    assert _pointers(model) == before
+    assert all(t.dtype == torch.float32 for t in model.parameters())
+    assert _same(model, {k: v.float() for k, v in bf16.items()})
+
+
+def test_verify_reads_in_batches_when_the_tensors_exceed_the_scratch_memory(tmp_path, monkeypatch):
+    """The whole stored tensors read for the check are held a batch at a time: each batch is
+    checked and copied into the staged tensors before the next is read."""
+    from fastload.core import reload_verify
+
+    monkeypatch.setattr(reload_verify, "SCRATCH_BYTES", 20_000)  # about two 8 KiB weights
+    bf16 = {k: v.to(torch.bfloat16) for k, v in _stack(2).state_dict().items()}
+    a, good = tmp_path / "a.safetensors", tmp_path / "good.safetensors"
+    fastload.save_file({k: v.to(torch.bfloat16) for k, v in _stack(1).state_dict().items()}, a)
+    fastload.save_file(bf16, good, digests=True)
+    model = fastload.from_pretrained(Stack, a, dtype=torch.float32, progress=False)
+    report = fastload.reload(model, good, atomic=True, verify=True)
+    assert report.tensors_verified == len(bf16)
+    assert _same(model, {k: v.float() for k, v in bf16.items()})
 
 
 # -- ties stored twice ---------------------------------------------------------------------------

@@ -17,8 +17,9 @@ In order:
 3. **read**: each file's tensors are filled by the copy engine (CPU destinations directly,
    :func:`fastload.core.reading.fill`; others through the staging ring,
    :func:`fastload.core.streaming.stream_into`): into the model's tensors, or with
-   ``atomic=True`` into new tensors first, checked against the digests, then copied into the
-   model's in one step that a Ctrl-C does not interrupt.
+   ``atomic=True`` into new tensors first, checked against the digests as read
+   (:mod:`fastload.core.reload_verify`), then copied into the model's in one step that a Ctrl-C
+   does not interrupt.
 
 A failure after the first write into the model (a file truncated meanwhile, a read error, an
 interrupt) raises :class:`~fastload.core.errors.ReloadError` naming the tensors that may hold new
@@ -39,6 +40,7 @@ from torch import nn
 
 from fastload.core import reading as reader
 from fastload.core import reload_guard as guard
+from fastload.core import reload_verify as verifier
 from fastload.core.arguments import check_bool
 from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.dtypes import CONVERTIBLE, to_st
@@ -90,8 +92,8 @@ class ReloadReport:
     atomic: bool = False
     #: bytes held by the staged copies of ``atomic=True``
     bytes_staged: int = 0
-    #: tensors whose bytes read were checked against their digest (``verify=True``: those read
-    #: whole in their stored dtype, whose file records a digest)
+    #: tensors whose bytes read were checked against their digest (``verify=True``: every one
+    #: read whose file records a digest, whatever its dtype, device or tensor-parallel part)
     tensors_verified: int = 0
     seconds: float = 0.0
 
@@ -413,19 +415,19 @@ def _atomic(
     for write in writes:
         for _, target, _ in write.parts:
             need[target.device] = need.get(target.device, 0) + _nbytes(target)
+    report.bytes_staged = sum(need.values())
+    items = [(p.stored, t, p.selection) for w in writes for p, t, _ in w.parts]
+    verifier.add_scratch(need, items, ckpt, new_digests)  # whole stored tensors, to hash
     guard.check_staging_memory(need, _label(ckpt))
     staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
                    for _, t, _ in w.parts]) for w in writes]  # fmt: skip
-    report.bytes_staged = sum(need.values())
     try:
-        _fill_files(ckpt, _by_file(staged), threads, [])
-        checks = [
-            (part.stored, tensor, part.selection)
-            for write, tensors in staged
-            for (part, _, _), tensor in zip(write.parts, tensors, strict=True)
-        ]
+        by_file = _by_file(staged)
         if new_digests:
-            report.tensors_verified = guard.verify(checks, ckpt, new_digests)
+            by_file, report.tensors_verified = verifier.read_verified(
+                by_file, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, [])
+            )
+        _fill_files(ckpt, by_file, threads, [])
     except BaseException as exc:
         exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
         raise
