@@ -1,9 +1,12 @@
-"""fastload.reload's contract where the first round left gaps (issue 57): verify=True checks the
-bytes as read whatever the destination (a converted tensor here; tensor-parallel slices in
-test_reload_tensor_parallel.py); a new checkpoint whose tied names hold different values is
-refused before a byte is written; a meta tensor in a state dict is a CheckpointError naming it."""
+"""fastload.reload's contract where the first round left gaps (issue 57): two reloads of one model
+at once run one after the other; verify=True checks the bytes as read whatever the destination
+(a converted tensor here; tensor-parallel slices in test_reload_tensor_parallel.py); a new
+checkpoint whose tied names hold different values is refused before a byte is written; a meta
+tensor in a state dict is a CheckpointError naming it."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -11,7 +14,13 @@ from torch import nn
 
 import fastload
 from fastload.core import reading
+from fastload.core import reload as reload_module
 from tensor_samples import flip_stored_byte
+
+#: how long the first reload, paused part way, leaves the second to run through (it finishes in
+#: milliseconds when nothing holds it back; with the fix it waits, and the first goes on after)
+PAUSE_S = 3
+JOIN_S = 120
 
 
 class Stack(nn.Module):
@@ -39,6 +48,93 @@ def _same(model: nn.Module, expected: dict[str, torch.Tensor]) -> bool:
 
 def _pointers(model: nn.Module) -> dict[str, int]:
     return {n: t.data_ptr() for n, t in model.state_dict(keep_vars=True).items()}
+
+
+# -- two reloads at once -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["in-place", "atomic"])
+def test_two_reloads_of_one_model_at_once_run_one_after_the_other(tmp_path, monkeypatch, atomic):
+    paths = [tmp_path / name for name in "abc"]
+    for seed, path in enumerate(paths, 1):
+        fastload.save_pretrained(_stack(seed), path, max_shard_size="40KB")
+    assert len(list(paths[1].glob("*.safetensors"))) >= 3
+    a, b, c = paths
+    model = fastload.from_pretrained(Stack, a, progress=False)
+    first = threading.current_thread()
+    second_done = threading.Event()
+    outcome: list[object] = []
+
+    def second() -> None:
+        try:
+            outcome.append(fastload.reload(model, c, atomic=atomic))
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            second_done.set()
+
+    worker = threading.Thread(target=second)
+
+    def start_the_second_and_let_it_run() -> None:
+        worker.start()
+        # not synchronization: with reloads serialized the second cannot finish now, and the
+        # first goes on when the wait ends; without, it writes all of c here, in the middle
+        second_done.wait(PAUSE_S)
+
+    if atomic:  # paused half way through the commit of the staged tensors
+        real_commit = reload_module._commit
+
+        def commit(pairs):
+            if threading.current_thread() is not first:
+                return real_commit(pairs)
+            half = len(pairs) // 2
+            real_commit(pairs[:half])
+            start_the_second_and_let_it_run()
+            real_commit(pairs[half:])
+
+        monkeypatch.setattr(reload_module, "_commit", commit)
+    else:  # paused after the first file's tensors are written
+        real_fill, calls = reading.fill, []
+
+        def fill(*args, **kwargs):
+            if threading.current_thread() is first:
+                calls.append(1)
+                if len(calls) == 2:
+                    start_the_second_and_let_it_run()
+            return real_fill(*args, **kwargs)
+
+        monkeypatch.setattr(reading, "fill", fill)
+    fastload.reload(model, b, atomic=atomic)
+    worker.join(JOIN_S)
+    assert not worker.is_alive()
+    assert isinstance(outcome[0], fastload.ReloadReport), outcome
+    # the second reload ran after the first: the model holds c whole, not a mix of b and c
+    assert _same(model, _values(_stack(3)))
+    assert model(torch.zeros(1, 64)).shape == (1, 64)
+
+
+def test_reloads_of_two_models_do_not_wait_for_each_other(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    fastload.save_pretrained(_stack(1), a)
+    fastload.save_pretrained(_stack(2), b)
+    one = fastload.from_pretrained(Stack, a, progress=False)
+    two = fastload.from_pretrained(Stack, a, progress=False)
+    first = threading.current_thread()
+    outcome: list[object] = []
+    real_fill = reading.fill
+
+    def fill(*args, **kwargs):
+        if threading.current_thread() is first and not outcome:
+            # the other model's reload runs to its end while this one is under way
+            worker = threading.Thread(target=lambda: outcome.append(fastload.reload(two, b)))
+            worker.start()
+            worker.join(JOIN_S)
+            assert outcome, "the reload of another model waited for this one"
+        return real_fill(*args, **kwargs)
+
+    monkeypatch.setattr(reading, "fill", fill)
+    fastload.reload(one, b)
+    assert _same(one, _values(_stack(2))) and _same(two, _values(_stack(2)))
 
 
 # -- verify=True whatever the destination --------------------------------------------------------

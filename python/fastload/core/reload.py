@@ -21,6 +21,8 @@ In order:
    (:mod:`fastload.core.reload_verify`), then copied into the model's in one step that a Ctrl-C
    does not interrupt.
 
+Reloads of one model run one at a time (the lock of its record).
+
 A failure after the first write into the model (a file truncated meanwhile, a read error, an
 interrupt) raises :class:`~fastload.core.errors.ReloadError` naming the tensors that may hold new
 bytes, and marks the model: its forward refuses to run until a reload succeeds.
@@ -59,6 +61,7 @@ from fastload.core.reload_record import (
     Part,
     checkpoint_digests,
     model_tensor,
+    one_at_a_time,
     record_of,
 )
 from fastload.core.reload_ties import memory_key, refuse_differing_ties
@@ -126,6 +129,7 @@ class _Write:
     file_of: list[int]
 
 
+@one_at_a_time
 def reload(
     model: nn.Module,
     source: Source,
