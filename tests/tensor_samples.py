@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import struct
+
 import torch
 
 from fastload.core.dtypes import ST_TO_TORCH
@@ -57,3 +61,15 @@ def assert_bitwise_equal(
         g = got[name]
         assert g.dtype == w.dtype and g.shape == w.shape, name
         assert torch.equal(raw_bytes(g), raw_bytes(w)), name
+
+
+def flip_stored_byte(path: str | os.PathLike[str], name: str) -> None:
+    """Corrupts a safetensors file in place the way a bad disk or a rewrite would: the first
+    byte of tensor ``name``'s data is inverted, the header left as it was."""
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        begin = json.loads(f.read(length))[name]["data_offsets"][0]
+        f.seek(8 + length + begin)
+        byte = f.read(1)
+        f.seek(8 + length + begin)
+        f.write(bytes([byte[0] ^ 0xFF]))

@@ -15,6 +15,7 @@ from torch import nn
 
 import fastload
 from spawn_ranks import free_port, leave_group, run_ranks
+from tensor_samples import flip_stored_byte
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -82,3 +83,58 @@ def test_each_rank_reloads_its_shards_in_place(tmp_path: Path) -> None:
         want = new(torch.ones(2, 64))
     for saved in ranks:
         torch.testing.assert_close(saved["out"], want)
+
+
+def _verify_rank(rank: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=TIMEOUT_S // 2)
+    )
+    try:
+        model = fastload.from_pretrained(MLP, Path(root) / "a", tp_plan=PLAN, progress=False)
+        old = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        try:
+            fastload.reload(model, Path(root) / "bad", atomic=True, verify=True)
+            refused = ""
+        except fastload.CheckpointError as exc:
+            refused = str(exc)
+        unchanged = all(torch.equal(v, old[k]) for k, v in model.state_dict().items())
+        report = fastload.reload(model, Path(root) / "b", atomic=True, verify=True)
+        torch.save(
+            {
+                "refused": refused,
+                "unchanged": unchanged,
+                "verified": report.tensors_verified,
+                "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            },
+            Path(root) / f"verify{rank}.pt",
+        )
+    finally:
+        leave_group()
+
+
+def test_verify_checks_each_ranks_slices_against_the_whole_tensors_digest(tmp_path: Path) -> None:
+    """A rank holds a slice of fc1 and fc2; verify=True reads each stored tensor whole (the
+    digest covers it) and checks it before its slice is staged: a byte flipped in the half of
+    fc2.weight that rank 0 does not take is refused on both ranks."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    torch.manual_seed(1)
+    fastload.save_pretrained(MLP(), tmp_path / "a", digests=True)
+    torch.manual_seed(2)
+    new = MLP()
+    fastload.save_pretrained(new, tmp_path / "b", digests=True)
+    fastload.save_pretrained(new, tmp_path / "bad", digests=True)
+    flip_stored_byte(tmp_path / "bad" / "model.safetensors", "fc2.weight")  # row 0, column 0
+    run_ranks(
+        _verify_rank, (free_port(), str(tmp_path)), world=WORLD, timeout_s=TIMEOUT_S, what="verify"
+    )
+    full = new.state_dict()
+    for r in range(WORLD):
+        saved = torch.load(tmp_path / f"verify{r}.pt", weights_only=True)
+        assert "do not match the digest" in saved["refused"], saved["refused"]
+        assert "'fc2.weight'" in saved["refused"] and "'fc1.weight'" not in saved["refused"]
+        assert saved["unchanged"]
+        assert saved["verified"] == len(full)
+        assert torch.equal(saved["state"]["fc2.weight"], full["fc2.weight"].chunk(WORLD, 1)[r])

@@ -42,7 +42,8 @@ def reload(
     loaded, in place: every parameter and buffer keeps its storage (``data_ptr``), ties stay
     ties, and each tensor is read as the load read it (key mapping, dtype, device,
     tensor-parallel part). Every header, name, shape and dtype is checked before the first byte
-    is written.
+    is written. Reloads of one model run one at a time: a second one, from another thread,
+    waits until the first has returned.
 
     Args:
         model: a module that ``fastload.from_pretrained`` returned (or that a reload refreshed).
@@ -53,11 +54,14 @@ def reload(
             refused before reading when it does not fit), check it, and only then copy it into
             the model: any failure leaves the old weights whole.
         skip_unchanged: skip tensors whose digest (``save_pretrained(..., digests=True)``) is
-            the same in the model's checkpoint and the new one. Pass ``False`` when the model's
-            weights were changed in place since (by training): the digests describe the files.
+            the same in the model's checkpoint and the new one. Equal digests are trusted: those
+            tensors are neither read nor checked. Pass ``False`` when the model's weights were
+            changed in place since (by training): the digests describe the files.
         verify: with ``atomic=True``, also check the bytes read against the digests the new
             files record before committing (a file rewritten in place or corrupted since it was
-            written is refused); hashing costs about 0.6 GB/s per core.
+            written is refused); hashing costs about 0.6 GB/s per core. The bytes are checked
+            as read, whatever the destination: a tensor converted, sliced (tensor parallelism)
+            or on an accelerator is read whole in its stored dtype into host memory first.
         threads: the copy engine's threads (default: what the load used).
         storage_options: for an object storage URL (default: those of the load, when it read
             one too).
@@ -77,9 +81,11 @@ def reload(
             takes none (a URL or a state dict).
         FastloadIOError: a model id that is neither in the cache nor on the hub.
         UnsupportedError: the load left tensors on disk (``offload_folder``).
-        CheckpointError: a tensor the model takes is missing, of a dtype that cannot convert, or
-            the checkpoint holds tensors the model's did not; ``ModelMismatchError`` for another
-            shape. Nothing was written.
+        CheckpointError: a tensor the model takes is missing, of a dtype that cannot convert, on
+            the meta device (a state dict), the checkpoint holds tensors the model's did not, or
+            stores a tie of the model under two names with different values (a reload cannot
+            untie); ``ModelMismatchError`` for another shape. Nothing was written. With
+            ``verify=True``, bytes read that do not match their digest (the model unchanged).
         MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
         ReloadError: the reload failed after writing into the model (see its ``tensors``).
     """

@@ -20,7 +20,7 @@ from fastload.core.errors import FastloadError
 from fastload.core.planning import Group
 from fastload.core.report import LoadReport
 from fastload.core.skeleton import FamilyInit, initialize
-from fastload.core.tying import Slot, group_slots, tensor_slots
+from fastload.core.tying import Slot, group_slots, same_values, tensor_slots
 
 logger = logging.getLogger("fastload")
 
@@ -52,10 +52,7 @@ def resolve_duplicates(groups: list[Group]) -> None:
         for slot, tensor in group.extra:
             if slot.key == canonical.key:
                 continue  # the same storage place under two names: nothing to untie
-            same = tensor.shape == group.new.shape and torch.equal(
-                tensor.to(group.new.device, group.new.dtype), group.new
-            )
-            if not same:
+            if not same_values(tensor, group.new):
                 logger.warning(
                     "%s and %s are tied in the model but stored with different values; "
                     "they are loaded untied",

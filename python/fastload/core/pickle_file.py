@@ -263,6 +263,11 @@ class StateDictFile(PickleFile):
                 )
             if value.layout != torch.strided:
                 raise CheckpointError(f"{name}: tensor {key!r} is a {value.layout} tensor")
+            if value.device.type == "meta":  # torch's own error names no tensor
+                raise CheckpointError(
+                    f"{name}: tensor {key!r} is on the meta device: it holds no data to read "
+                    "(a tensor of a model built on meta, never loaded); pass real tensors"
+                )
             tensors[key] = value.detach().cpu()
         self._index(tensors)
 

@@ -10,14 +10,18 @@ In order:
 1. **check**: the new checkpoint's headers are read and validated, and every tensor the model
    takes from it is checked by name, shape and dtype against the record and the model's tensor;
    a checkpoint that does not fit is refused (``CheckpointError``, ``ModelMismatchError``) naming
-   every tensor that does not, before a byte is written;
+   every tensor that does not, before a byte is written, as is one that stores a tie of the model
+   under two names with different values (:mod:`fastload.core.reload_ties`);
 2. **skip**: where the model's checkpoint and the new one both carry a digest of a tensor
    (:mod:`fastload.core.digests`) and the two are equal, it is neither read nor copied;
 3. **read**: each file's tensors are filled by the copy engine (CPU destinations directly,
    :func:`fastload.core.reading.fill`; others through the staging ring,
    :func:`fastload.core.streaming.stream_into`): into the model's tensors, or with
-   ``atomic=True`` into new tensors first, checked against the digests, then copied into the
-   model's in one step that a Ctrl-C does not interrupt.
+   ``atomic=True`` into new tensors first, checked against the digests as read
+   (:mod:`fastload.core.reload_verify`), then copied into the model's in one step that a Ctrl-C
+   does not interrupt.
+
+Reloads of one model run one at a time (the lock of its record).
 
 A failure after the first write into the model (a file truncated meanwhile, a read error, an
 interrupt) raises :class:`~fastload.core.errors.ReloadError` naming the tensors that may hold new
@@ -38,6 +42,7 @@ from torch import nn
 
 from fastload.core import reading as reader
 from fastload.core import reload_guard as guard
+from fastload.core import reload_verify as verifier
 from fastload.core.arguments import check_bool
 from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.dtypes import CONVERTIBLE, to_st
@@ -57,8 +62,10 @@ from fastload.core.reload_record import (
     Part,
     checkpoint_digests,
     model_tensor,
+    one_at_a_time,
     record_of,
 )
+from fastload.core.reload_ties import memory_key, refuse_differing_ties
 from fastload.core.source import open_source
 from fastload.core.staging import StagingPool
 from fastload.core.streaming import stream_into
@@ -90,8 +97,8 @@ class ReloadReport(RedactedFields):
     atomic: bool = False
     #: bytes held by the staged copies of ``atomic=True``
     bytes_staged: int = 0
-    #: tensors whose bytes read were checked against their digest (``verify=True``: those read
-    #: whole in their stored dtype, whose file records a digest)
+    #: tensors whose bytes read were checked against their digest (``verify=True``: every one
+    #: read whose file records a digest, whatever its dtype, device or tensor-parallel part)
     tensors_verified: int = 0
     seconds: float = 0.0
 
@@ -124,6 +131,7 @@ class _Write:
     file_of: list[int]
 
 
+@one_at_a_time
 def reload(
     model: nn.Module,
     source: Source,
@@ -172,6 +180,9 @@ def reload(
             f"{report.source}: reload(verify=True) checks the bytes against the digests the "
             "files record, and these record none (save them with digests=True)"
         )
+    refuse_differing_ties(
+        model, record, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, []), report.source
+    )
     if skip_unchanged:
         writes = _skip_unchanged(writes, record.digests, new_digests, ckpt, report)
     report.tensors_read = len(writes)
@@ -208,7 +219,7 @@ def _check(model: nn.Module, record: LoadRecord, ckpt: OpenCheckpoint) -> list[_
         if dest is None or dest.device.type == "meta":
             other.append(f"the model has no tensor {entry.name!r} any more (it was loaded)")
             continue
-        key = (dest.device, dest.data_ptr(), dest.dtype, tuple(dest.shape), dest.stride())
+        key = memory_key(dest)
         if key in seen:  # a tie, or an alias loaded into the same memory: filled once
             continue
         seen.add(key)
@@ -410,19 +421,19 @@ def _atomic(
     for write in writes:
         for _, target, _ in write.parts:
             need[target.device] = need.get(target.device, 0) + _nbytes(target)
+    report.bytes_staged = sum(need.values())
+    items = [(p.stored, t, p.selection) for w in writes for p, t, _ in w.parts]
+    verifier.add_scratch(need, items, ckpt, new_digests)  # whole stored tensors, to hash
     guard.check_staging_memory(need, _label(ckpt))
     staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
                    for _, t, _ in w.parts]) for w in writes]  # fmt: skip
-    report.bytes_staged = sum(need.values())
     try:
-        _fill_files(ckpt, _by_file(staged), threads, [])
-        checks = [
-            (part.stored, tensor, part.selection)
-            for write, tensors in staged
-            for (part, _, _), tensor in zip(write.parts, tensors, strict=True)
-        ]
+        by_file = _by_file(staged)
         if new_digests:
-            report.tensors_verified = guard.verify(checks, ckpt, new_digests)
+            by_file, report.tensors_verified = verifier.read_verified(
+                by_file, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, [])
+            )
+        _fill_files(ckpt, by_file, threads, [])
     except BaseException as exc:
         exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
         raise

@@ -3,7 +3,6 @@
 - :func:`check_staging_memory`: ``atomic=True`` is refused before it reads when its staged copies
   do not fit (the memory budget of :mod:`fastload.core.memory` for the CPU's, an accelerator's
   free memory for its);
-- :func:`verify`: staged bytes checked against the digests the new files record;
 - :func:`sigint_deferred`: the commit of staged tensors is not cut by a Ctrl-C;
 - :func:`fail`: a failure after the first write into the model marks it (its forward refuses to
   run, :func:`mark`) and names the tensors that may hold new bytes, until :func:`unmark`.
@@ -11,28 +10,23 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
-from fastload.core.checkpoint import OpenCheckpoint
-from fastload.core.digests import bytes_digest
-from fastload.core.dtypes import to_st
-from fastload.core.errors import CheckpointError, MemoryBudgetError, ReloadError
+from fastload.core.errors import MemoryBudgetError, ReloadError
 from fastload.core.keys import format_names
 from fastload.core.memory import memory_budget
 from fastload.core.redaction import add_note, redact
 from fastload.core.reload_record import LoadRecord
 from fastload.core.units import format_bytes
 
-__all__ = ["check_staging_memory", "verify", "sigint_deferred", "fail", "mark", "unmark"]
+__all__ = ["check_staging_memory", "sigint_deferred", "fail", "mark", "unmark"]
 
 
 def check_staging_memory(need: Mapping[torch.device, int], label: str) -> None:
@@ -55,39 +49,6 @@ def check_staging_memory(need: Mapping[torch.device, int], label: str) -> None:
                 "atomic=True (a failure then names the tensors written), or free memory",
                 nbytes,
             )
-
-
-def verify(
-    staged: Sequence[tuple[str, torch.Tensor, Any]],
-    ckpt: OpenCheckpoint,
-    digests: Mapping[str, str],
-) -> int:
-    """Checks staged tensors (stored name, tensor, selection) against the new checkpoint's
-    digests, where they hold the stored bytes as they are (a whole tensor in its stored dtype,
-    on the CPU); ``CheckpointError`` naming every tensor that differs. Returns how many were
-    checked."""
-    checks = []
-    for name, tensor, selection in staged:
-        digest = digests.get(name)
-        stored = ckpt.tensors[name]
-        exact = selection is None and to_st(tensor.dtype) == stored.st_dtype
-        if digest is not None and exact and tensor.device.type == "cpu":
-            checks.append((name, tensor, digest))
-    # hashlib hashes without the GIL: one thread per core
-    with ThreadPoolExecutor(max(1, min(os.cpu_count() or 1, 16, len(checks) or 1))) as pool:
-        equal = list(pool.map(lambda c: bytes_digest(c[1]) == c[2], checks))
-    stored_at = ckpt.file_path
-    wrong = [
-        f"{stored_at(ckpt.tensors[name])}: tensor {name!r}"
-        for (name, _, _), ok in zip(checks, equal, strict=True)
-        if not ok
-    ]
-    if wrong:
-        raise CheckpointError(
-            f"{len(wrong)} tensors read do not match the digest their file records (the file "
-            f"changed after it was written, or is corrupt): {format_names(wrong)}"
-        )
-    return len(checks)
 
 
 @contextmanager

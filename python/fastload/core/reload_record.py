@@ -12,10 +12,12 @@ reload writes is the memory the model runs on.
 
 from __future__ import annotations
 
+import functools
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -28,7 +30,18 @@ from fastload.core.load_options import LoadOptions
 from fastload.core.placement import Selection
 from fastload.core.planning import LoadPlan
 
-__all__ = ["Part", "Entry", "LoadRecord", "remember", "record_of", "checkpoint_digests"]
+__all__ = [
+    "Part",
+    "Entry",
+    "LoadRecord",
+    "remember",
+    "record_of",
+    "one_at_a_time",
+    "checkpoint_digests",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -73,6 +86,8 @@ class LoadRecord:
     unsupported: str | None = None
     #: set while the model is marked torn: the forward pre-hook's handle and the tensors named
     torn: tuple[Any, list[str]] | None = field(default=None, repr=False)
+    #: held by a reload of the model from start to end: reloads of one model run one at a time
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 _RECORDS: weakref.WeakKeyDictionary[nn.Module, LoadRecord] = weakref.WeakKeyDictionary()
@@ -81,6 +96,23 @@ _RECORDS: weakref.WeakKeyDictionary[nn.Module, LoadRecord] = weakref.WeakKeyDict
 def record_of(module: nn.Module) -> LoadRecord | None:
     """The record of ``module``'s load (``None``: fastload did not load it)."""
     return _RECORDS.get(module)
+
+
+def one_at_a_time(reload: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``reload(model, ...)`` holding the lock of ``model``'s record: reloads of one model run one
+    after the other (two at once would interleave their writes into one memory, and leave a
+    record describing one of them), those of different models side by side."""
+
+    @functools.wraps(reload)
+    def serialized(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        model = args[0] if args else kwargs.get("model")
+        record = record_of(model) if isinstance(model, nn.Module) else None
+        if record is None:  # refused by the reload itself
+            return reload(*args, **kwargs)
+        with record.lock:
+            return reload(*args, **kwargs)
+
+    return serialized
 
 
 def checkpoint_digests(ckpt: OpenCheckpoint) -> dict[str, str]:

@@ -26,6 +26,15 @@ def find_tie_groups(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
+def same_values(member: torch.Tensor, canonical: torch.Tensor) -> bool:
+    """Whether a further stored member of a tie group holds the canonical member's values (in
+    its dtype, on its device): a tie stored twice stays one tensor only then (a load unties the
+    two otherwise, a reload refuses the checkpoint)."""
+    return member.shape == canonical.shape and torch.equal(
+        member.to(canonical.device, canonical.dtype), canonical
+    )
+
+
 class Slot(NamedTuple):
     """One place a model holds a tensor: ``module.<attr>``, reached by the dotted ``name``.
 
