@@ -103,6 +103,96 @@ def make_llama(
     return out
 
 
+#: quantization methods :func:`quantize` writes, and the dtype vLLM runs each with on the CPU
+QUANTIZED = {"w8a8-int8": "bfloat16", "gptq": "float16", "awq": "float16"}
+
+
+def quantize(src: str | os.PathLike[str], out: str | os.PathLike[str], method: str) -> Path:
+    """Writes ``src`` (a :func:`make_llama` checkpoint) to ``out`` as a pre-quantized checkpoint
+    of ``method`` (:data:`QUANTIZED`), one safetensors file, with its ``quantization_config``:
+
+    * ``w8a8-int8``: compressed-tensors' ``int-quantized`` format (W8A8: int8 weights with a
+      scale per output channel, int8 activations quantized per token at run time), the decoder
+      layers' linear weights quantized from ``src``'s values (round to nearest);
+    * ``gptq`` / ``awq``: 4-bit weights packed into int32 (``qweight``, ``qzeros``), fp16
+      ``scales`` per group of 128 inputs (and GPTQ's ``g_idx``), each in its method's layout.
+      The packed words are random (seeded): what a loader is tested on is that every byte
+      arrives where the method's layout puts it, which the tokens show, whatever the values.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if not f.name.startswith("model"):
+            shutil.copy(f, out / f.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    gen = torch.Generator().manual_seed(0)
+    group = 128
+    float_dtype = getattr(torch, QUANTIZED[method])
+
+    def words(*shape: int) -> torch.Tensor:
+        return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=torch.int64).to(
+            torch.int32
+        )
+
+    def scales(*shape: int) -> torch.Tensor:
+        return (torch.rand(shape, generator=gen) * 0.01 + 0.001).to(torch.float16)
+
+    quantized: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if not (name.startswith("model.layers.") and name.endswith("proj.weight")):
+            quantized[name] = t.to(float_dtype) if t.is_floating_point() else t
+            continue
+        rows, cols = t.shape  # (outputs, inputs)
+        base = name.removesuffix("weight")
+        if method == "w8a8-int8":
+            w = t.float()
+            scale = w.abs().amax(dim=1, keepdim=True) / 127
+            quantized[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+            quantized[base + "weight_scale"] = scale.to(torch.bfloat16)
+        elif method == "gptq":
+            quantized[base + "qweight"] = words(cols // 8, rows)
+            quantized[base + "qzeros"] = words(cols // group, rows // 8)
+            quantized[base + "scales"] = scales(cols // group, rows)
+            quantized[base + "g_idx"] = (torch.arange(cols) // group).to(torch.int32)
+        else:  # awq
+            quantized[base + "qweight"] = words(cols, rows // 8)
+            quantized[base + "qzeros"] = words(cols // group, rows // 8)
+            quantized[base + "scales"] = scales(cols // group, rows)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = QUANTIZED[method]
+    config["quantization_config"] = {
+        "w8a8-int8": {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "quantization_status": "compressed",
+            "ignore": ["lm_head"],
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "int", "symmetric": True,
+                                "strategy": "channel", "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                                          "strategy": "token", "dynamic": True},
+                }
+            },
+        },
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+                 "sym": True, "checkpoint_format": "gptq"},
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                "version": "gemm"},
+    }[method]  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
