@@ -19,6 +19,7 @@ from fastload.core.page_cache import evict, resident_fraction
 from fastload.core.reading import open_file
 from fastload.core.staging import DEFAULT_STAGING_BYTES, StagingPool
 from fastload.core.streaming import stream_into
+from fastload.core.units import parse_bytes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -142,7 +143,9 @@ def test_a_tensor_at_an_odd_offset_of_the_file_is_delivered_exactly(tmp_path: Pa
         ("256MiB", (16 << 20, 16)),
         ("1GB", (16 << 20, 10**9 // (16 << 20))),
         (1 << 14, (4096, 4)),
-        (1000, (250, 4)),
+        (1000, (192, 5)),  # slots of whole 64 bytes: aligned for every dtype
+        ("10KB", (2496, 4)),
+        (300, (64, 4)),
     ],
 )
 def test_staging_bytes_is_cut_into_slots(size: int | str | None, slots: tuple[int, int]) -> None:
@@ -157,6 +160,39 @@ def test_a_staging_size_that_is_not_a_usable_size_is_refused_naming_what_it_need
 ) -> None:
     with pytest.raises(fastload.RequestError, match="staging"):
         StagingPool.sized(size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [1000, "10KB", 300, "5000", 20000])
+def test_any_accepted_staging_size_stages_an_ordinary_file_exactly(
+    tmp_path: Path, size: int | str
+) -> None:
+    # slots of sizes no element size divides (250, 2500 bytes) once failed in torch's view of a
+    # slot's bytes as the tensor's dtype (storage offset not a multiple of 8): f64 and i64 here,
+    # through the ring and through the engine's gathering (the column slice)
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "a": torch.randn(300, generator=gen),
+        "b": torch.randn(7, 9, generator=gen).bfloat16(),
+        "c": torch.arange(11, dtype=torch.int64),
+        "d": torch.randn(900, generator=gen).double(),
+        "m": torch.randn(24, 16, generator=gen).double(),
+    }
+    path = tmp_path / "f.safetensors"
+    st_save_file(state, str(path))
+    pool = StagingPool.sized(size)
+    assert pool.slot_bytes * pool.num_slots <= parse_bytes(size, where="x")
+    dest = {k: torch.empty_like(v) for k, v in state.items() if k != "m"}
+    cols = torch.empty(24, 5, dtype=torch.float64)
+    items = [(k, t, None) for k, t in dest.items()] + [("m", cols, [1, 3, 8])]
+    stream_into(open_file(path), items, pool=pool)  # type: ignore[arg-type]
+    for k, v in st_load_file(path).items():
+        assert torch.equal(cols if k == "m" else dest[k], v[:, 3:8] if k == "m" else v), k
+
+
+@pytest.mark.parametrize("slot_bytes", [250, 100, 2500])
+def test_a_slot_size_that_is_not_a_multiple_of_64_is_refused(slot_bytes: int) -> None:
+    with pytest.raises(fastload.RequestError, match="multiple of 64"):
+        StagingPool(slot_bytes, 4)
 
 
 def test_a_too_small_staging_size_says_the_size_it_needs() -> None:

@@ -30,7 +30,7 @@ from fastload import _core
 from fastload.core.dtypes import CONVERTIBLE, PACKED, ST_TO_TORCH, to_st
 from fastload.core.engine import TensorFile, copy_into
 from fastload.core.errors import RequestError
-from fastload.core.staging import Slab, StagingPool
+from fastload.core.staging import SLOT_UNIT, Slab, StagingPool
 
 #: (tensor name, destination, selection) as :func:`fastload.core.reading.fill` takes them
 Item = tuple[str, torch.Tensor, "list[int] | None"]
@@ -151,7 +151,7 @@ def _deliver(
     (on ``stream`` when given); returns destination bytes written."""
     src = slot[offset : offset + stop - start]
     itemsize = span.stored.itemsize
-    if offset % itemsize:
+    if src.storage_offset() % itemsize:
         src = src.clone()  # a tensor at an odd offset of the file: view needs aligned storage
     first, last = start // itemsize, stop // itemsize
     dst = span.dest[first:last]
@@ -262,7 +262,7 @@ def _gather(
     the other half run; returns destination bytes written."""
     cuda = stream is not None
     slab = pool.slab(pinned=cuda).data
-    half = slab.numel() // 2
+    half = slab.numel() // 2 // SLOT_UNIT * SLOT_UNIT  # the second half aligned as the first
     halves = [slab[:half], slab[half : 2 * half]]
     events: list[torch.cuda.Event | None] = [None, None]
     pieces = _pieces(items, half)
