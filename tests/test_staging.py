@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from safetensors.torch import save_file as st_save_file
 
 import fastload
 import fastload.core.streaming as streaming
+from fastload.core import reading
 from fastload.core.page_cache import evict, resident_fraction
 from fastload.core.reading import open_file
 from fastload.core.staging import DEFAULT_STAGING_BYTES, StagingPool
@@ -391,3 +394,63 @@ def test_an_accelerator_load_counts_its_staging_slots_against_the_memory_budget(
     with pytest.raises(fastload.MemoryBudgetError, match=r"64\.0 MiB.*pinned staging slots"):
         check_owned_memory(plan, "auto", pool, MemoryBudget(available=32 << 20, source="test"))
     check_owned_memory(plan, "auto", pool, MemoryBudget(available=128 << 20, source="test"))
+
+
+# --- one safe_open handle shared by threads -----------------------------------------------------
+
+
+def _two_threads_read_one_handle(path: Path, device: str) -> tuple[list[str], fastload.SafeOpen]:
+    """Two threads each read their own half of ``path``'s tensors from one handle, many times;
+    returns the names whose values differed from safetensors' (and the closed handle)."""
+    want = st_load_file(path)
+    names = sorted(want)
+    halves = [names[0::2], names[1::2]]
+    start = threading.Barrier(2)
+
+    def read(mine: list[str]) -> list[str]:
+        start.wait(timeout=60)
+        wrong = []
+        for _ in range(40):
+            for name in mine:
+                if not torch.equal(f.get_tensor(name).cpu(), want[name]):
+                    wrong.append(name)
+        return wrong
+
+    # 4 slots of 1 KiB: every tensor takes several fills of the ring, the slots turn over often
+    with fastload.safe_open(path, device=device, staging_bytes=4096) as f:
+        with ThreadPoolExecutor(2) as pool:
+            wrong = [name for found in pool.map(read, halves) for name in found]
+    return wrong, f
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Path:
+    gen = torch.Generator().manual_seed(4)
+    state = {f"f{i}": torch.randn(3000 + 17 * i, generator=gen) for i in range(4)}
+    state |= {f"b{i}": torch.randn(50, 61 + i, generator=gen).bfloat16() for i in range(2)}
+    state["i"] = torch.arange(2000, dtype=torch.int64) * 7
+    path = tmp_path / "mixed.safetensors"
+    st_save_file(state, str(path))
+    return path
+
+
+def test_two_threads_sharing_one_safe_open_handle_read_the_right_values(
+    mixed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the handle's one staging pool serves both threads' reads; CPU destinations are forced
+    # through the staged path (what every get_tensor to an accelerator takes)
+    def staged(file, items, threads=None, pool=None, progress=None):  # noqa: ANN001, ANN202
+        return stream_into(file, list(items), pool=pool, threads=threads, progress=progress)
+
+    monkeypatch.setattr(reading, "fill", staged)  # get_tensor's read: fastload.core.reading
+    wrong, f = _two_threads_read_one_handle(mixed, "cpu")
+    assert wrong == []
+    assert f.staging.allocations == 1
+    assert f.staging.direct_bytes + f.staging.cached_bytes > 0  # the reads were staged
+
+
+@needs_cuda
+def test_two_threads_sharing_one_cuda_safe_open_handle_read_the_right_values(mixed: Path) -> None:
+    wrong, f = _two_threads_read_one_handle(mixed, "cuda")
+    assert wrong == []
+    assert f.staging.allocations <= 1  # one pinned slab (or the process's cached one) for both

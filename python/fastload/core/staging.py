@@ -107,7 +107,11 @@ class StagingPool:
 
     Host memory stays at ``num_slots * slot_bytes`` for the whole load, plus, transiently, one
     buffer for a single tensor-parallel slice that must be gathered and is larger than the slab.
-    Not thread-safe: one pool per load, used by one thread.
+
+    A pool may be shared between threads (a ``safe_open`` handle's pool is): a staged copy holds
+    it (:meth:`in_use`) from its first read into a slot to its last copy out of one, and a copy
+    from another thread waits until then, as :meth:`release` does. The copies through one pool
+    run one at a time, whichever threads run them.
     """
 
     def __init__(
@@ -126,6 +130,9 @@ class StagingPool:
             )
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
+        # Reentrant: a copy holding the pool releases and takes the slab again (pinned after
+        # plain) under it.
+        self._lock = threading.RLock()
         self._slab: Slab | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         #: slabs this pool allocated (not taken from the process cache), for reports and tests
@@ -164,6 +171,11 @@ class StagingPool:
                 f"({MIN_SLOTS} slots of {SLOT_UNIT}), got {staging_bytes!r}"
             )
         return cls(slot, total // slot)
+
+    def in_use(self) -> threading.RLock:
+        """The pool's lock, held by a staged copy for as long as it uses the slots (``with
+        pool.in_use(): ...``): the slots hold one copy's bytes at a time."""
+        return self._lock
 
     @property
     def nbytes(self) -> int:
@@ -219,9 +231,11 @@ class StagingPool:
 
     def release(self) -> None:
         """Gives the slab back (after the copies out of it finished): a pinned one to the
-        process's cache, a plain one to the allocator. The pool can be used again."""
-        self.synchronize()
-        slab, self._slab = self._slab, None
+        process's cache, a plain one to the allocator. The pool can be used again. Waits for a
+        copy another thread runs through the pool."""
+        with self._lock:
+            self.synchronize()
+            slab, self._slab = self._slab, None
         if slab is not None and slab.pinned:
             _keep_pinned(slab)
 

@@ -115,6 +115,20 @@ def stream_into(
         if not dest.is_contiguous():
             raise RequestError(f"tensor {name!r}: staged destinations must be contiguous")
     pool = pool if pool is not None else StagingPool()
+    with pool.in_use():  # a pool shared between threads serves one copy at a time
+        return _stream(file, items, device, pool, threads, progress, direct, after)
+
+
+def _stream(
+    file: TensorFile,
+    items: list[Item],
+    device: torch.device,
+    pool: StagingPool,
+    threads: int | None,
+    progress: _core.Progress | None,
+    direct: bool,
+    after: torch.cuda.Stream | None,
+) -> int:
     cuda = device.type == "cuda"
     stream = pool.stream(device) if cuda else None
     if stream is not None:

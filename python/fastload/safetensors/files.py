@@ -48,6 +48,10 @@ class SafeOpen:
     collective: every rank of the group makes the same calls in the same order, each reads about
     1/N of the bytes from storage and receives the rest (:mod:`fastload.distributed.collective`);
     the headers of the ranks' files are compared on open. ``get_slice`` reads on each rank alone.
+
+    A handle may be shared between threads. Its reads to an accelerator go through its one staging
+    pool and take turns there, one at a time (for reads in parallel: one :meth:`get_tensors` or
+    :meth:`load_into` call, or a handle per thread).
     """
 
     def __init__(
