@@ -307,10 +307,27 @@ SIZES: dict[str, Callable[[Path, Path, object], object]] = {
     "save_pretrained max_shard_size": lambda path, tmp, size: fastload.save_pretrained(
         nn.Linear(3, 2), tmp / "out", max_shard_size=size
     ),
+    "vllm window": lambda path, tmp, size: _vllm_options({"window": size}),
 }
 
 
-@pytest.mark.parametrize("size", [2**70, 2**53, "5000000TB"], ids=repr)
+def _vllm_options(extra: dict[str, object]) -> object:
+    from fastload.integrations.vllm.options import parse_options  # no vLLM needed
+
+    return parse_options(extra)
+
+
+#: sizes past any memory, among them numbers a float overflows on (past 309 digits) and that
+#: ``int`` and ``repr`` refuse to convert (past 4300 digits)
+HUGE = [2**70, 2**53, "5000000TB", "9" * 400, "9" * 400 + "GB", "1" + "0" * 5000, 10**5000]
+
+
+def _size_id(size: object) -> str:
+    text = repr(size) if not isinstance(size, int) else f"int{size.bit_length()}bits"
+    return text if len(text) < 20 else f"{text[:8]}...({len(text)} chars)"
+
+
+@pytest.mark.parametrize("size", HUGE, ids=_size_id)
 @pytest.mark.parametrize("entry", SIZES)
 def test_a_size_past_any_memory_is_refused_naming_the_argument(small_file, tmp_path, entry, size):
     with pytest.raises(fastload.RequestError, match=entry.split()[1]) as info:

@@ -5,6 +5,10 @@ of the files or none."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ import fastload
 from fastload.core import new_files
 from fastload.core.side_files import WEIGHT_PATTERNS
 from fastload.tools.cli import main
-from s3_server import S3Server
+from s3_server import FaultProxy, S3Server
 
 pytest.importorskip("boto3")
 
@@ -112,3 +116,77 @@ def test_an_http_server_that_cannot_list_says_what_to_do(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1, err
     assert "does not list its files" in err and "PROPFIND" in err, err
     assert "<html" not in err.lower()
+
+
+#: every wait of the cases below; the client's timeouts are longer, so only a signal ends a fetch
+BOUND = 60
+NEVER = ["-o", "read_timeout=600s", "-o", "timeout=600s", "-o", "max_retries=0"]
+#: the ``fastload`` script in a fresh interpreter, with Ctrl-C raising as in a terminal whatever
+#: disposition of SIGINT the test run inherited (a background job, nohup)
+CLI = (
+    "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "import sys; from fastload.tools.cli import main; sys.exit(main())\n"
+)
+
+
+def _fetch_stopped_by(env, tmp_path: Path, sig: signal.Signals) -> tuple[str, Path, int, str]:
+    """``fastload fetch`` of a.json, b.json and c.json in a child process, through a proxy that
+    holds the GET of b.json: once it arrived (a.json's temporary written), ``sig`` is sent.
+    Returns the URL, the output directory, the exit status and stderr."""
+    files = {"a.json": b'{"a": 1}', "b.json": b'{"b": 2}', "c.json": b"{}"}
+    url = _prefix(env, tmp_path, f"stopped-{sig.name.lower()}", files)
+    out = tmp_path / "out"
+    proxy = FaultProxy(env.port)
+    held, release = threading.Event(), threading.Event()
+
+    def on_get(path: str, start: int) -> None:
+        if path.split("?")[0].endswith("/b.json"):
+            held.set()
+            release.wait(BOUND * 3)
+
+    proxy.on_get = on_get
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CLI, "fetch", url, str(out), *NEVER],
+        env={**clean, **env.env(proxy.endpoint)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert held.wait(BOUND), "the GET of b.json never arrived"
+        left = [name for name in os.listdir(out) if name.startswith(new_files.PREFIX)]
+        assert len(left) == 1, os.listdir(out)  # a.json's, not yet renamed
+        child.send_signal(sig)
+        _, err = child.communicate(timeout=BOUND)
+    except BaseException:
+        child.kill()
+        child.communicate()
+        raise
+    finally:
+        release.set()
+        proxy.close()
+    return url, out, child.returncode, err
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "said"),
+    [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_fetch_stopped_by_a_signal_leaves_no_temporary(env, tmp_path, sig, status, said):
+    _, out, code, err = _fetch_stopped_by(env, tmp_path, sig)
+    assert code == status, err
+    assert err.strip() == f"fastload: error: {said}"
+    assert os.listdir(out) == []
+
+
+def test_the_next_fetch_removes_the_temporary_a_killed_fetch_left(env, tmp_path, capsys):
+    url, out, code, _ = _fetch_stopped_by(env, tmp_path, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    (left,) = os.listdir(out)  # SIGKILL cannot be caught: a.json's temporary stays
+    assert left.startswith(new_files.PREFIX)
+    assert main(["fetch", url, str(out)]) == 0
+    assert sorted(os.listdir(out)) == ["a.json", "b.json", "c.json"]
+    assert (out / "b.json").read_bytes() == b'{"b": 2}'
+    capsys.readouterr()

@@ -5,7 +5,11 @@ retries run out.
 The store is a plain HTTP server on 127.0.0.1 (an ``http://`` URL) that serves a safetensors
 file with ranges but never answers the request it is told to stall. The client's timeouts are
 set to 10 minutes, longer than every bound here: only a cancelled request lets a case finish.
-SIGINT is sent once the stalled request has arrived, so no case depends on timing."""
+SIGINT is sent once the stalled request has arrived, so no case depends on timing.
+
+Each child sets Python's own SIGINT handler before anything else: a process started with SIGINT
+ignored keeps it ignored (a background job of a non-interactive shell, ``nohup``, ``setsid``
+started from one), and the suite must pass there too, so the children must not inherit it."""
 
 from __future__ import annotations
 
@@ -28,6 +32,11 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 #: every wait of a case, far below the client's 10-minute timeouts
 BOUND = 60
 NEVER = ["-o", "read_timeout=600s", "-o", "timeout=600s", "-o", "max_retries=0"]
+#: the first line of every child: Ctrl-C raises KeyboardInterrupt, as in a terminal, whatever
+#: disposition of SIGINT the test run inherited
+AS_AT_A_TERMINAL = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+#: the CLI's entry point (what the ``fastload`` script runs), after that first line
+CLI = AS_AT_A_TERMINAL + "import sys; from fastload.tools.cli import main; sys.exit(main())\n"
 
 
 class StallingStore:
@@ -121,7 +130,7 @@ def _interrupted(argv: list[str], store: StallingStore) -> subprocess.CompletedP
 @pytest.mark.parametrize("stall", ["HEAD", "data"])
 def test_ctrl_c_stops_load_file_while_the_store_stalls(checkpoint, stall):
     store = StallingStore(checkpoint, stall)
-    script = (
+    script = AS_AT_A_TERMINAL + (
         "import sys, fastload\n"
         "try:\n"
         "    fastload.load_file(sys.argv[1], storage_options={'read_timeout': '600s',\n"
@@ -140,6 +149,6 @@ def test_ctrl_c_stops_the_cli_while_the_store_stalls(checkpoint, command, stall,
     store = StallingStore(checkpoint, stall)
     url = store.url.rsplit("/", 1)[0] + "/" if command == "fetch" else store.url
     extra = [str(tmp_path / "out")] if command == "fetch" else []
-    done = _interrupted(["-m", "fastload.tools.cli", command, url, *extra, *NEVER], store)
+    done = _interrupted(["-c", CLI, command, url, *extra, *NEVER], store)
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip() == "fastload: error: interrupted"

@@ -5,6 +5,8 @@ directory, a temporary name short enough for any final name, nothing left on fai
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,4 +73,65 @@ def test_a_failed_write_leaves_no_temporary(tmp_path, monkeypatch):
     monkeypatch.setattr(new_files.os, "fsync", fsync)
     with pytest.raises(Boom):
         new_files.write_temporary(tmp_path, b"x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _temporary_name(hex8: str) -> str:
+    return f"{new_files.PREFIX}{hex8}{new_files.SUFFIX}"
+
+
+def test_a_sweep_removes_the_leftovers_and_nothing_else(tmp_path):
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious")
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    leftover = directory / _temporary_name("0123abcd")  # what a killed writer left: no lock
+    leftover.write_bytes(b"{")
+    planted = directory / _temporary_name("deadbeef")
+    planted.symlink_to(outside)
+    (directory / _temporary_name("cafe")).write_text("not of its naming")
+    (directory / "config.json").write_text("{}")
+    (directory / _temporary_name("feedf00d")).mkdir()
+    held = new_files.write_temporary(directory, b"being written")  # this process writes it
+
+    assert new_files.sweep(directory) == [leftover]
+
+    assert planted.is_symlink() and outside.read_text() == "precious"
+    assert held.read_bytes() == b"being written"
+    assert new_files.publish(held, directory / "new.json").read_bytes() == b"being written"
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        [
+            planted.name,
+            _temporary_name("cafe"),
+            "config.json",
+            _temporary_name("feedf00d"),
+            "new.json",
+        ]
+    )
+
+
+def test_a_temporary_another_process_writes_is_swept_only_once_that_process_is_gone(tmp_path):
+    # the lock is the kernel's: it goes when the process does, however it ends (SIGKILL here)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from pathlib import Path; from fastload.core import new_files\n"
+            "print(new_files.write_temporary(Path(sys.argv[1]), b'x'), flush=True)\n"
+            "sys.stdin.read()\n",
+            str(tmp_path),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        temporary = Path(writer.stdout.readline().strip())  # type: ignore[union-attr]
+        assert temporary.exists()
+        assert new_files.sweep(tmp_path) == []
+        assert temporary.exists()
+    finally:
+        writer.kill()
+        writer.communicate(timeout=60)
+    assert new_files.sweep(tmp_path) == [temporary]
     assert list(tmp_path.iterdir()) == []

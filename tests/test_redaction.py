@@ -188,8 +188,10 @@ def test_a_report_field_set_later_is_stored_redacted():
 
 
 #: a model loaded from one served checkpoint, then reloaded in place from another whose tensor
-#: data never comes: interrupted there, it prints the interrupt's notes
+#: data never comes: interrupted there, it prints the interrupt's notes. Python's SIGINT handler
+#: first: a test run that started with SIGINT ignored (a background job, nohup) passes it on
 _INTERRUPTED_RELOAD = """
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)
 import sys, torch, fastload
 from torch import nn
 options = {"read_timeout": "600s", "timeout": "600s", "max_retries": "0"}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,12 @@ from safetensors.torch import save_file as st_save_file
 
 import fastload
 import fastload.core.streaming as streaming
+from fastload.core import reading
 from fastload.core.page_cache import evict, resident_fraction
 from fastload.core.reading import open_file
 from fastload.core.staging import DEFAULT_STAGING_BYTES, StagingPool
 from fastload.core.streaming import stream_into
+from fastload.core.units import parse_bytes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -142,7 +146,9 @@ def test_a_tensor_at_an_odd_offset_of_the_file_is_delivered_exactly(tmp_path: Pa
         ("256MiB", (16 << 20, 16)),
         ("1GB", (16 << 20, 10**9 // (16 << 20))),
         (1 << 14, (4096, 4)),
-        (1000, (250, 4)),
+        (1000, (192, 5)),  # slots of whole 64 bytes: aligned for every dtype
+        ("10KB", (2496, 4)),
+        (300, (64, 4)),
     ],
 )
 def test_staging_bytes_is_cut_into_slots(size: int | str | None, slots: tuple[int, int]) -> None:
@@ -157,6 +163,39 @@ def test_a_staging_size_that_is_not_a_usable_size_is_refused_naming_what_it_need
 ) -> None:
     with pytest.raises(fastload.RequestError, match="staging"):
         StagingPool.sized(size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("size", [1000, "10KB", 300, "5000", 20000])
+def test_any_accepted_staging_size_stages_an_ordinary_file_exactly(
+    tmp_path: Path, size: int | str
+) -> None:
+    # slots of sizes no element size divides (250, 2500 bytes) once failed in torch's view of a
+    # slot's bytes as the tensor's dtype (storage offset not a multiple of 8): f64 and i64 here,
+    # through the ring and through the engine's gathering (the column slice)
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        "a": torch.randn(300, generator=gen),
+        "b": torch.randn(7, 9, generator=gen).bfloat16(),
+        "c": torch.arange(11, dtype=torch.int64),
+        "d": torch.randn(900, generator=gen).double(),
+        "m": torch.randn(24, 16, generator=gen).double(),
+    }
+    path = tmp_path / "f.safetensors"
+    st_save_file(state, str(path))
+    pool = StagingPool.sized(size)
+    assert pool.slot_bytes * pool.num_slots <= parse_bytes(size, where="x")
+    dest = {k: torch.empty_like(v) for k, v in state.items() if k != "m"}
+    cols = torch.empty(24, 5, dtype=torch.float64)
+    items = [(k, t, None) for k, t in dest.items()] + [("m", cols, [1, 3, 8])]
+    stream_into(open_file(path), items, pool=pool)  # type: ignore[arg-type]
+    for k, v in st_load_file(path).items():
+        assert torch.equal(cols if k == "m" else dest[k], v[:, 3:8] if k == "m" else v), k
+
+
+@pytest.mark.parametrize("slot_bytes", [250, 100, 2500])
+def test_a_slot_size_that_is_not_a_multiple_of_64_is_refused(slot_bytes: int) -> None:
+    with pytest.raises(fastload.RequestError, match="multiple of 64"):
+        StagingPool(slot_bytes, 4)
 
 
 def test_a_too_small_staging_size_says_the_size_it_needs() -> None:
@@ -355,3 +394,63 @@ def test_an_accelerator_load_counts_its_staging_slots_against_the_memory_budget(
     with pytest.raises(fastload.MemoryBudgetError, match=r"64\.0 MiB.*pinned staging slots"):
         check_owned_memory(plan, "auto", pool, MemoryBudget(available=32 << 20, source="test"))
     check_owned_memory(plan, "auto", pool, MemoryBudget(available=128 << 20, source="test"))
+
+
+# --- one safe_open handle shared by threads -----------------------------------------------------
+
+
+def _two_threads_read_one_handle(path: Path, device: str) -> tuple[list[str], fastload.SafeOpen]:
+    """Two threads each read their own half of ``path``'s tensors from one handle, many times;
+    returns the names whose values differed from safetensors' (and the closed handle)."""
+    want = st_load_file(path)
+    names = sorted(want)
+    halves = [names[0::2], names[1::2]]
+    start = threading.Barrier(2)
+
+    def read(mine: list[str]) -> list[str]:
+        start.wait(timeout=60)
+        wrong = []
+        for _ in range(40):
+            for name in mine:
+                if not torch.equal(f.get_tensor(name).cpu(), want[name]):
+                    wrong.append(name)
+        return wrong
+
+    # 4 slots of 1 KiB: every tensor takes several fills of the ring, the slots turn over often
+    with fastload.safe_open(path, device=device, staging_bytes=4096) as f:
+        with ThreadPoolExecutor(2) as pool:
+            wrong = [name for found in pool.map(read, halves) for name in found]
+    return wrong, f
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Path:
+    gen = torch.Generator().manual_seed(4)
+    state = {f"f{i}": torch.randn(3000 + 17 * i, generator=gen) for i in range(4)}
+    state |= {f"b{i}": torch.randn(50, 61 + i, generator=gen).bfloat16() for i in range(2)}
+    state["i"] = torch.arange(2000, dtype=torch.int64) * 7
+    path = tmp_path / "mixed.safetensors"
+    st_save_file(state, str(path))
+    return path
+
+
+def test_two_threads_sharing_one_safe_open_handle_read_the_right_values(
+    mixed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the handle's one staging pool serves both threads' reads; CPU destinations are forced
+    # through the staged path (what every get_tensor to an accelerator takes)
+    def staged(file, items, threads=None, pool=None, progress=None):  # noqa: ANN001, ANN202
+        return stream_into(file, list(items), pool=pool, threads=threads, progress=progress)
+
+    monkeypatch.setattr(reading, "fill", staged)  # get_tensor's read: fastload.core.reading
+    wrong, f = _two_threads_read_one_handle(mixed, "cpu")
+    assert wrong == []
+    assert f.staging.allocations == 1
+    assert f.staging.direct_bytes + f.staging.cached_bytes > 0  # the reads were staged
+
+
+@needs_cuda
+def test_two_threads_sharing_one_cuda_safe_open_handle_read_the_right_values(mixed: Path) -> None:
+    wrong, f = _two_threads_read_one_handle(mixed, "cuda")
+    assert wrong == []
+    assert f.staging.allocations <= 1  # one pinned slab (or the process's cached one) for both

@@ -291,8 +291,9 @@ def from_pretrained(
         staging_bytes: host memory for staging tensors bound for an accelerator: one ring of
             pinned slots (default 256 MiB, 16 slots; an int or ``"1GiB"``), allocated on
             first use and shared by every shard and device of the load, so host memory during a
-            GPU load stays bounded by it; at most the machine's physical memory. Unused for CPU
-            destinations.
+            GPU load stays bounded by it; at most the machine's physical memory, at least 256
+            bytes, rounded down to whole slots (:meth:`fastload.core.staging.StagingPool.sized`).
+            Unused for CPU destinations.
         read_ahead: ``False`` starts no read-ahead thread beside the skeleton build (with
             ``threads=1`` the whole load then runs on the calling thread); default ``True``.
         offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to

@@ -248,9 +248,11 @@ def _write_all(
     (:func:`_get_small`) and written to a
     new temporary (:mod:`fastload.core.new_files`: never through a link, a short name whatever
     the final one's length), then renamed into place once every one is written, so a failure
-    leaves no file of this fetch behind."""
+    leaves no file of this fetch behind. The temporaries an earlier fetch into ``destination``
+    left when it was killed are removed first (:func:`fastload.core.new_files.sweep`)."""
     dest = Path(os.fspath(destination))
     dest.mkdir(parents=True, exist_ok=True)
+    new_files.sweep(dest)
     staged: list[tuple[Path, Path]] = []
     try:
         for name, key, size in items:

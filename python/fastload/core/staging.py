@@ -32,8 +32,11 @@ DEFAULT_NUM_SLOTS = 16
 DEFAULT_STAGING_BYTES = DEFAULT_SLOT_BYTES * DEFAULT_NUM_SLOTS
 #: A ring needs one slot being read while another is copied out of; four keep both sides busy.
 MIN_SLOTS = 4
-# Below this a slot would turn the copy into many tiny host-to-device transfers.
-_MIN_SLOT_BYTES = 64
+#: Every slot is a whole multiple of this many bytes, so that each starts aligned for any dtype
+#: (torch views a slot's bytes as the tensor's dtype only at a multiple of its element size) and
+#: for the 64-byte packing of gathered pieces; it is also the smallest slot (below it the copy
+#: would be many tiny host-to-device transfers).
+SLOT_UNIT = 64
 #: Alignment of slots that direct reads (past the page cache) can fill: offset, length and address.
 ALIGN: int = _core.STAGE_ALIGN
 
@@ -104,20 +107,32 @@ class StagingPool:
 
     Host memory stays at ``num_slots * slot_bytes`` for the whole load, plus, transiently, one
     buffer for a single tensor-parallel slice that must be gathered and is larger than the slab.
-    Not thread-safe: one pool per load, used by one thread.
+
+    A pool may be shared between threads (a ``safe_open`` handle's pool is): a staged copy holds
+    it (:meth:`in_use`) from its first read into a slot to its last copy out of one, and a copy
+    from another thread waits until then, as :meth:`release` does. The copies through one pool
+    run one at a time, whichever threads run them.
     """
 
     def __init__(
         self, slot_bytes: int = DEFAULT_SLOT_BYTES, num_slots: int = DEFAULT_NUM_SLOTS
     ) -> None:
         for name, value, low in (
-            ("slot_bytes", slot_bytes, _MIN_SLOT_BYTES),
+            ("slot_bytes", slot_bytes, SLOT_UNIT),
             ("num_slots", num_slots, 2),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise RequestError(f"staging {name} must be an int >= {low}, got {value!r}")
+        if slot_bytes % SLOT_UNIT:
+            raise RequestError(
+                f"staging slot_bytes must be a multiple of {SLOT_UNIT} (a slot starts aligned for "
+                f"every dtype), got {slot_bytes!r}"
+            )
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
+        # Reentrant: a copy holding the pool releases and takes the slab again (pinned after
+        # plain) under it.
+        self._lock = threading.RLock()
         self._slab: Slab | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         #: slabs this pool allocated (not taken from the process cache), for reports and tests
@@ -130,11 +145,15 @@ class StagingPool:
 
     @classmethod
     def sized(cls, staging_bytes: int | str | None) -> StagingPool:
-        """A pool of ``staging_bytes`` (an int or a size string such as ``"256MiB"``; ``None``:
-        :data:`DEFAULT_STAGING_BYTES`), at most :func:`max_staging_bytes` (``RequestError`` naming
-        ``staging_bytes`` otherwise): slots of :data:`DEFAULT_SLOT_BYTES`, smaller where that
-        leaves fewer than :data:`MIN_SLOTS` (aligned to :data:`ALIGN` where they can be, so that
-        cold ranges are read past the page cache)."""
+        """A pool of at most ``staging_bytes`` (an int or a size string such as ``"256MiB"``;
+        ``None``: :data:`DEFAULT_STAGING_BYTES`), at most :func:`max_staging_bytes`
+        (``RequestError`` naming ``staging_bytes`` otherwise): slots of
+        :data:`DEFAULT_SLOT_BYTES`, smaller where that leaves fewer than :data:`MIN_SLOTS`.
+
+        A slot is a whole multiple of :data:`ALIGN` where it can be (from ``4 * ALIGN`` bytes on,
+        so that cold ranges are read past the page cache), of :data:`SLOT_UNIT` below that (so
+        that it starts aligned for every dtype); the pool is ``staging_bytes`` rounded down to
+        whole slots. Less than ``MIN_SLOTS * SLOT_UNIT`` (256 bytes) is refused, saying so."""
         if staging_bytes is None:
             return cls()
         total = parse_bytes(
@@ -145,14 +164,18 @@ class StagingPool:
             bound="the memory of this machine (the pool is host memory)",
         )
         slot = min(DEFAULT_SLOT_BYTES, total // MIN_SLOTS)
-        if slot >= ALIGN:
-            slot -= slot % ALIGN
-        if slot < _MIN_SLOT_BYTES:
+        slot -= slot % (ALIGN if slot >= ALIGN else SLOT_UNIT)
+        if slot < SLOT_UNIT:
             raise RequestError(
-                f"staging_bytes must be at least {_MIN_SLOT_BYTES * MIN_SLOTS} bytes "
-                f"({MIN_SLOTS} slots of {_MIN_SLOT_BYTES}), got {staging_bytes!r}"
+                f"staging_bytes must be at least {SLOT_UNIT * MIN_SLOTS} bytes "
+                f"({MIN_SLOTS} slots of {SLOT_UNIT}), got {staging_bytes!r}"
             )
         return cls(slot, total // slot)
+
+    def in_use(self) -> threading.RLock:
+        """The pool's lock, held by a staged copy for as long as it uses the slots (``with
+        pool.in_use(): ...``): the slots hold one copy's bytes at a time."""
+        return self._lock
 
     @property
     def nbytes(self) -> int:
@@ -208,9 +231,11 @@ class StagingPool:
 
     def release(self) -> None:
         """Gives the slab back (after the copies out of it finished): a pinned one to the
-        process's cache, a plain one to the allocator. The pool can be used again."""
-        self.synchronize()
-        slab, self._slab = self._slab, None
+        process's cache, a plain one to the allocator. The pool can be used again. Waits for a
+        copy another thread runs through the pool."""
+        with self._lock:
+            self.synchronize()
+            slab, self._slab = self._slab, None
         if slab is not None and slab.pinned:
             _keep_pinned(slab)
 
@@ -219,6 +244,7 @@ __all__ = [
     "DEFAULT_NUM_SLOTS",
     "DEFAULT_SLOT_BYTES",
     "DEFAULT_STAGING_BYTES",
+    "SLOT_UNIT",
     "StagingPool",
     "free_staging_memory",
     "max_staging_bytes",

@@ -30,7 +30,7 @@ from fastload import _core
 from fastload.core.dtypes import CONVERTIBLE, PACKED, ST_TO_TORCH, to_st
 from fastload.core.engine import TensorFile, copy_into
 from fastload.core.errors import RequestError
-from fastload.core.staging import Slab, StagingPool
+from fastload.core.staging import SLOT_UNIT, Slab, StagingPool
 
 #: (tensor name, destination, selection) as :func:`fastload.core.reading.fill` takes them
 Item = tuple[str, torch.Tensor, "list[int] | None"]
@@ -115,6 +115,20 @@ def stream_into(
         if not dest.is_contiguous():
             raise RequestError(f"tensor {name!r}: staged destinations must be contiguous")
     pool = pool if pool is not None else StagingPool()
+    with pool.in_use():  # a pool shared between threads serves one copy at a time
+        return _stream(file, items, device, pool, threads, progress, direct, after)
+
+
+def _stream(
+    file: TensorFile,
+    items: list[Item],
+    device: torch.device,
+    pool: StagingPool,
+    threads: int | None,
+    progress: _core.Progress | None,
+    direct: bool,
+    after: torch.cuda.Stream | None,
+) -> int:
     cuda = device.type == "cuda"
     stream = pool.stream(device) if cuda else None
     if stream is not None:
@@ -151,7 +165,7 @@ def _deliver(
     (on ``stream`` when given); returns destination bytes written."""
     src = slot[offset : offset + stop - start]
     itemsize = span.stored.itemsize
-    if offset % itemsize:
+    if src.storage_offset() % itemsize:
         src = src.clone()  # a tensor at an odd offset of the file: view needs aligned storage
     first, last = start // itemsize, stop // itemsize
     dst = span.dest[first:last]
@@ -262,7 +276,7 @@ def _gather(
     the other half run; returns destination bytes written."""
     cuda = stream is not None
     slab = pool.slab(pinned=cuda).data
-    half = slab.numel() // 2
+    half = slab.numel() // 2 // SLOT_UNIT * SLOT_UNIT  # the second half aligned as the first
     halves = [slab[:half], slab[half : 2 * half]]
     events: list[torch.cuda.Event | None] = [None, None]
     pieces = _pieces(items, half)

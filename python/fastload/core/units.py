@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from fastload.core.errors import RequestError
 
@@ -32,21 +33,40 @@ def parse_bytes(
     zero when ``positive``, more than ``maximum``, by default :data:`MAX_BYTES`; ``bound`` says
     what the maximum is)."""
     if isinstance(size, int) and not isinstance(size, bool):
-        value = size
+        value: int | Decimal = size
     elif isinstance(size, str) and (m := _SIZE_RE.match(size)):
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+        value = _number(m.group(1)) * _UNITS[(m.group(2) or "B").upper()]
     else:
         raise RequestError(
-            f"{where}: {size!r} is not a size; give bytes or a string like '5GB', '500MB', '2GiB'"
+            f"{where}: {_shown(size)} is not a size; give bytes or a string like '5GB', '500MB', "
+            "'2GiB'"
         )
     if value < 0 or (positive and value == 0):
         kind = "positive" if positive else "non-negative"
-        raise RequestError(f"{where}: size must be {kind}, got {size!r}")
+        raise RequestError(f"{where}: size must be {kind}, got {_shown(size)}")
     if value > maximum:
         raise RequestError(
-            f"{where}: {size!r} is more than {format_bytes(maximum)} ({maximum} bytes), {bound}"
+            f"{where}: {_shown(size)} is more than {format_bytes(maximum)} ({maximum} bytes), "
+            f"{bound}"
         )
-    return value
+    return int(value)
+
+
+def _number(digits: str) -> Decimal:
+    """The number ``digits`` spells, exactly (a float would overflow to infinity past 309 digits,
+    and ``int`` refuses more than 4300): anything past :data:`MAX_BYTES` compares as larger."""
+    whole = digits.partition(".")[0].lstrip("0")
+    if len(whole) > len(str(MAX_BYTES)):
+        return Decimal(10) ** len(str(MAX_BYTES))  # past every bound: refused as too large
+    return Decimal(digits)
+
+
+def _shown(size: object) -> str:
+    """``size`` for a message: a repr cut short (a size string may be hundreds of digits)."""
+    if isinstance(size, int) and size.bit_length() > 128:
+        return f"an int of {size.bit_length()} bits"  # repr refuses more than 4300 digits
+    text = repr(size)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-12:]} ({len(text)} characters)"
 
 
 def format_bytes(nbytes: int) -> str:

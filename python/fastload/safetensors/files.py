@@ -48,6 +48,10 @@ class SafeOpen:
     collective: every rank of the group makes the same calls in the same order, each reads about
     1/N of the bytes from storage and receives the rest (:mod:`fastload.distributed.collective`);
     the headers of the ranks' files are compared on open. ``get_slice`` reads on each rank alone.
+
+    A handle may be shared between threads. Its reads to an accelerator go through its one staging
+    pool and take turns there, one at a time (for reads in parallel: one :meth:`get_tensors` or
+    :meth:`load_into` call, or a handle per thread).
     """
 
     def __init__(
@@ -205,8 +209,9 @@ def safe_open(
     ``"mmap"``. ``strict=True`` refuses what fastload otherwise reads as safetensors does (an
     unknown field in a tensor entry, ``"__metadata__": null``). ``staging_bytes`` sizes the host
     staging slots used for accelerator destinations (default
-    :data:`fastload.core.staging.DEFAULT_STAGING_BYTES`, 256 MiB, pinned). ``process_group``:
-    collective reads (see :class:`SafeOpen`).
+    :data:`fastload.core.staging.DEFAULT_STAGING_BYTES`, 256 MiB, pinned; rounded down to whole
+    slots, :meth:`fastload.core.staging.StagingPool.sized`). ``process_group``: collective reads
+    (see :class:`SafeOpen`).
 
     ``path`` may be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
     ``az://``, ``http(s)://``): the header is read and validated on open, and each read fetches
@@ -247,7 +252,8 @@ def load_file(
     ``dtype`` converts floating-point tensors (F32/F16/BF16/F64) during the copy; other tensors
     keep their stored dtype. ``backend``/``read_mode`` and ``strict`` as in :func:`safe_open`.
     Accelerator destinations are staged through one ring of host slots of ``staging_bytes``
-    (default 256 MiB, pinned), so host memory stays bounded by it.
+    (default 256 MiB, pinned; rounded down to whole slots, as in :func:`safe_open`), so host memory
+    stays bounded by it.
 
     ``process_group`` (a ``torch.distributed`` group, e.g. ``dist.group.WORLD``): every rank of
     the group calls this on the same file (or its own copy of it), each reads about 1/N of the

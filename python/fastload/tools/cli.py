@@ -421,16 +421,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(BaseException):
+    """SIGTERM during a command: raised like Ctrl-C's ``KeyboardInterrupt``, so that what the
+    command was writing is removed on the way out (a fetch's temporaries); exit status 143."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` while the command runs, where it would otherwise end
+    the process on the spot (a handler or an ignore set by whoever started it is kept)."""
+    import signal
+    import threading
+
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``fastload`` script; returns the exit status."""
+    """Entry point of the ``fastload`` script; returns the exit status (130 after Ctrl-C, 143
+    after SIGTERM)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args_list and args_list[0] in _DELEGATED:
-            run, _ = _DELEGATED[args_list[0]]
-            with _one_line_usage_errors():
-                return run(args_list[1:])
-        args = build_parser().parse_args(args_list)
-        return int(args.run(args))
+        with _sigterm_raises():
+            if args_list and args_list[0] in _DELEGATED:
+                run, _ = _DELEGATED[args_list[0]]
+                with _one_line_usage_errors():
+                    return run(args_list[1:])
+            args = build_parser().parse_args(args_list)
+            return int(args.run(args))
     except _UsageError as e:
         return _fail(str(e), prefix="")
     except FastloadError as e:
@@ -442,6 +473,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"{PROG}: a dependency is missing: {e}")
     except KeyboardInterrupt:
         return _fail("interrupted", status=130)
+    except _Terminated:
+        return _fail("terminated", status=143)
 
 
 def _fail(message: str, status: int = 1, prefix: str = f"{PROG}: error: ") -> int:
