@@ -21,7 +21,8 @@ In order:
 
 A failure after the first write into the model (a file truncated meanwhile, a read error, an
 interrupt) raises :class:`~fastload.core.errors.ReloadError` naming the tensors that may hold new
-bytes, and marks the model: its forward refuses to run until a reload succeeds.
+bytes, and marks the model: neither it nor any of its submodules runs (called, or through
+``forward``) until a reload succeeds.
 """
 
 from __future__ import annotations
@@ -175,12 +176,16 @@ def reload(
     report.tensors_read = len(writes)
     report.bytes_read = sum(n for w in writes for _, _, n in w.parts)
     report.bytes_written = sum(_nbytes(w.dest) for w in writes)
+
+    def done() -> None:  # the model holds the new checkpoint whole
+        guard.unmark(record)
+        record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
+
     if atomic:
-        _atomic(model, record, ckpt, writes, new_digests if verify else {}, threads, report)
+        _atomic(model, record, ckpt, writes, new_digests if verify else {}, threads, report, done)
     else:
         _in_place(model, record, ckpt, writes, threads)
-    guard.unmark(record)
-    record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
+        done()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -401,9 +406,11 @@ def _atomic(
     new_digests: Mapping[str, str],
     threads: int | None,
     report: ReloadReport,
+    done: Callable[[], None],
 ) -> None:
     """Reads every new tensor into memory of its own, checks it against ``digests`` (none:
-    no check), then commits."""
+    no check), then commits and runs ``done``; a Ctrl-C during the commit is delivered after
+    ``done``."""
     need: dict[torch.device, int] = {}
     for write in writes:
         for _, target, _ in write.parts:
@@ -424,17 +431,23 @@ def _atomic(
     except BaseException as exc:
         exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
         raise
-    try:
-        pairs = [
-            (target, tensor)
-            for write, tensors in staged
-            for (_, target, _), tensor in zip(write.parts, tensors, strict=True)
-        ]
-        with guard.sigint_deferred():
+    pairs = [
+        (target, tensor)
+        for write, tensors in staged
+        for (_, target, _), tensor in zip(write.parts, tensors, strict=True)
+    ]
+    # The interrupt held back is raised once the block is done, outside the try: a commit that
+    # completed is not marked torn by it.
+    with guard.sigint_deferred(
+        "fastload.reload(atomic=True): the interrupt came during the commit, which completed: "
+        "the model holds the new weights whole"
+    ):
+        try:
             _commit(pairs)
-    except BaseException as exc:
-        names = [w.entry.name for w in writes]
-        guard.fail(model, record, names, exc, "committing the staged tensors")
+        except BaseException as exc:
+            names = [w.entry.name for w in writes]
+            guard.fail(model, record, names, exc, "committing the staged tensors")
+        done()
 
 
 def _commit(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -5,8 +5,9 @@
   free memory for its);
 - :func:`verify`: staged bytes checked against the digests the new files record;
 - :func:`sigint_deferred`: the commit of staged tensors is not cut by a Ctrl-C;
-- :func:`fail`: a failure after the first write into the model marks it (its forward refuses to
-  run, :func:`mark`) and names the tensors that may hold new bytes, until :func:`unmark`.
+- :func:`fail`: a failure after the first write into the model marks it (neither it nor any of
+  its submodules runs, :func:`mark`) and names the tensors that may hold new bytes, until
+  :func:`unmark`.
 """
 
 from __future__ import annotations
@@ -90,22 +91,30 @@ def verify(
 
 
 @contextmanager
-def sigint_deferred() -> Iterator[None]:
+def sigint_deferred(note: str | None = None) -> Iterator[None]:
     """Holds a Ctrl-C back until the block is done, then delivers it to the handler it would
-    have reached (Python's: ``KeyboardInterrupt``; ignored; the default: the process ends). Only
-    the main thread can hold it, and only a handler set from Python can be put back."""
+    have reached (Python's: ``KeyboardInterrupt``, with ``note`` added when the block completed;
+    ignored; the default: the process ends). Only the main thread can hold it, and only a
+    handler set from Python can be put back."""
     main = threading.current_thread() is threading.main_thread()
     if not main or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     caught: list[int] = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    completed = False
     try:
         yield
+        completed = True
     finally:
         signal.signal(signal.SIGINT, previous)
         if caught:
-            signal.raise_signal(signal.SIGINT)
+            try:
+                signal.raise_signal(signal.SIGINT)
+            except KeyboardInterrupt as exc:
+                if completed and note:
+                    exc.add_note(note)
+                raise
 
 
 def fail(
@@ -128,19 +137,56 @@ def fail(
 
 
 def mark(model: nn.Module, record: LoadRecord, names: list[str], message: str) -> None:
-    """The model's forward raises ``ReloadError`` until :func:`unmark`; the digests of what may
-    have changed no longer describe the model's bytes, so no later reload skips them."""
+    """The model and each of its submodules refuse to run (``ReloadError``), called or through
+    their ``forward``, until :func:`unmark`; the digests of what may have changed no longer
+    describe the model's bytes, so no later reload skips them."""
     for entry in record.entries:
         if entry.name in names:
             for part in entry.parts:
                 record.digests.pop(part.stored, None)
-
-    def refuse(module: nn.Module, args: Any) -> None:
-        raise ReloadError(message, names)
-
     if record.torn is not None:
         record.torn[0].remove()
-    record.torn = (model.register_forward_pre_hook(refuse), names)
+    record.torn = (_Refusal(model, _Refuse(message, names)), names)
+
+
+class _Refuse:
+    """What a torn model's modules run instead of their ``forward`` (a class, not a closure: a
+    torn model still pickles)."""
+
+    def __init__(self, message: str, names: list[str]) -> None:
+        self.message, self.names = message, names
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ReloadError(self.message, self.names)
+
+
+class _Refusal:
+    """``refuse`` set as the instance attribute ``forward`` of every module of ``model``:
+    ``module(x)`` (through ``nn.Module.__call__``, hooks included) and ``module.forward(x)`` both
+    reach it, for the model and for each submodule, where a forward pre-hook on the model saw
+    only ``model(x)``. Nothing is installed while the model is whole: it costs nothing then.
+    :meth:`remove` puts back what each module had (an ``forward`` of its own that a wrapper such
+    as accelerate's set, or none)."""
+
+    def __init__(self, model: nn.Module, refuse: _Refuse) -> None:
+        self.refuse = refuse
+        self.saved: list[tuple[nn.Module, Any]] = []
+        for module in model.modules():
+            self.saved.append((module, module.__dict__.get("forward", _NONE)))
+            module.__dict__["forward"] = refuse
+
+    def remove(self) -> None:
+        for module, own in self.saved:
+            if module.__dict__.get("forward") is not self.refuse:
+                continue  # replaced since by someone else: theirs now
+            if own is _NONE:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = own
+        self.saved = []
+
+
+_NONE = object()
 
 
 def unmark(record: LoadRecord) -> None:

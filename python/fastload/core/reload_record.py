@@ -71,7 +71,8 @@ class LoadRecord:
     source: str
     #: why this model cannot be reloaded (``None``: it can)
     unsupported: str | None = None
-    #: set while the model is marked torn: the forward pre-hook's handle and the tensors named
+    #: set while the model is marked torn: what refuses to run it (``remove()`` lifts it) and the
+    #: tensors named
     torn: tuple[Any, list[str]] | None = field(default=None, repr=False)
 
 
