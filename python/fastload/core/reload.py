@@ -161,7 +161,9 @@ def reload(
     check_threads(threads, "reload")
     if resolve is not None:
         source = resolve(source)
-    ckpt = open_source(source, record.read_mode, "copy", record.allow_pickle, storage_options)
+    # Positioned reads whatever read_mode the load used: a file truncated while a mapping of it
+    # is read kills the process (SIGBUS), where a short read is an error naming the file.
+    ckpt = open_source(source, "pread", "copy", record.allow_pickle, storage_options)
     report = ReloadReport(source=_label(ckpt), atomic=atomic)
     report.files = [str(f) for f in ckpt.location.files]
     writes = _check(model, record, ckpt)
