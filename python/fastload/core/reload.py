@@ -417,7 +417,7 @@ def _atomic(
     for write in writes:
         for _, target, _ in write.parts:
             need[target.device] = need.get(target.device, 0) + _nbytes(target)
-    guard.check_staging_memory(need, _label(ckpt))
+    guard.check_staging_memory(need, _label(ckpt), [t for w in writes for _, t, _ in w.parts])
     staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
                    for _, t, _ in w.parts]) for w in writes]  # fmt: skip
     report.bytes_staged = sum(need.values())

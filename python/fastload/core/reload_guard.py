@@ -1,8 +1,9 @@
 """What keeps a reload from leaving a model half old, half new without saying so.
 
 - :func:`check_staging_memory`: ``atomic=True`` is refused before it reads when its staged copies
-  do not fit (the memory budget of :mod:`fastload.core.memory` for the CPU's, an accelerator's
-  free memory for its);
+  do not fit (the memory budget of :mod:`fastload.core.memory` for the CPU's, with the pages its
+  commit copies where the model's weights are copy-on-write views of their files; an
+  accelerator's free memory for its);
 - :func:`verify`: staged bytes checked against the digests the new files record;
 - :func:`sigint_deferred`: the commit of staged tensors is not cut by a Ctrl-C;
 - :func:`fail`: a failure after the first write into the model marks it (neither it nor any of
@@ -28,33 +29,57 @@ from fastload.core.digests import bytes_digest
 from fastload.core.dtypes import to_st
 from fastload.core.errors import CheckpointError, MemoryBudgetError, ReloadError
 from fastload.core.keys import format_names
-from fastload.core.memory import memory_budget
+from fastload.core.memory import copy_on_write_bytes, memory_budget
 from fastload.core.reload_record import LoadRecord
 from fastload.core.units import format_bytes
 
 __all__ = ["check_staging_memory", "verify", "sigint_deferred", "fail", "mark", "unmark"]
 
 
-def check_staging_memory(need: Mapping[torch.device, int], label: str) -> None:
-    """Raises ``MemoryBudgetError`` when ``need`` (bytes to stage per device) does not fit."""
-    for device, nbytes in need.items():
+def check_staging_memory(
+    need: Mapping[torch.device, int], label: str, written: Sequence[torch.Tensor] = ()
+) -> None:
+    """Raises ``MemoryBudgetError`` when ``need`` (bytes to stage per device) does not fit, on
+    the CPU with what the commit's writes into ``written`` (the model's tensors) cost besides:
+    a tensor that is a copy-on-write view of its file (a load's view) copies each page on its
+    first write (:func:`~fastload.core.memory.copy_on_write_bytes`)."""
+    for device, staged in need.items():
+        cow = 0
         if device.type == "cpu":
             budget = memory_budget()
             free, where = budget.available, budget.describe()
             room = None if free is None else free + budget.swap
+            if room is not None:
+                cow = copy_on_write_bytes(_span(t) for t in written if t.device.type == "cpu")
         elif device.type == "cuda":
             room = free = torch.cuda.mem_get_info(device)[0]
             where = f"free on {device}"
         else:  # no figure to check against
             continue
+        nbytes = staged + cow
         if room is not None and nbytes > room:
+            views = (
+                f", and its commit writes into the model's weights that are copy-on-write views "
+                f"of their files, which copies {format_bytes(cow)} of their pages"
+                if cow
+                else ""
+            )
             raise MemoryBudgetError(
-                f"{label}: reload(atomic=True) stages {format_bytes(nbytes)} ({nbytes} bytes) on "
-                f"{device} before committing, but only {format_bytes(free or 0)} is available "
-                f"({where}). Refused before reading; the model is unchanged. Reload without "
-                "atomic=True (a failure then names the tensors written), or free memory",
+                f"{label}: reload(atomic=True) stages {format_bytes(staged)} on {device} before "
+                f"committing{views}: {format_bytes(nbytes)} ({nbytes} bytes) in all, but only "
+                f"{format_bytes(free or 0)} is available ({where}). Refused before reading; the "
+                "model is unchanged. Reload without atomic=True (a failure then names the "
+                "tensors written), or free memory",
                 nbytes,
             )
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses ``[start, stop)`` a tensor's elements lie in (strides are not negative)."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    reach = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
+    return (t.data_ptr(), t.data_ptr() + reach * t.element_size())
 
 
 def verify(
