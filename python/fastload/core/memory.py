@@ -26,6 +26,7 @@ Users of the figure:
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from collections.abc import Iterable
@@ -186,13 +187,17 @@ def copy_on_write_bytes(spans: Iterable[tuple[int, int]]) -> int:
         fd = os.open("/proc/self/pagemap", os.O_RDONLY)
     except OSError:
         return 0
+    ends = [end for _, end in mappings]
     total = 0
     try:
         for start, stop in pages:
-            for begin, end in mappings:
+            # the mappings (sorted, disjoint) that end after the span starts and begin before it
+            # stops
+            i = bisect.bisect_right(ends, start)
+            while i < len(mappings) and mappings[i][0] < stop:
+                begin, end = mappings[i]
+                i += 1
                 a, b = max(start, begin), min(stop, end)
-                if a >= b:
-                    continue
                 n = (b - a) // _PAGE
                 raw = os.pread(fd, 8 * n, a // _PAGE * 8)
                 if len(raw) != 8 * n:
@@ -232,7 +237,7 @@ def _private_file_mappings() -> list[tuple[int, int]]:
                 continue
             begin, _, end = fields[0].partition("-")
             out.append((int(begin, 16), int(end, 16)))
-    return out
+    return sorted(out)
 
 
 # ---------------------------------------------------------------------------------------------
