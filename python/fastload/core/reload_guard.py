@@ -190,7 +190,7 @@ class _Refusal:
     ``module(x)`` (through ``nn.Module.__call__``, hooks included) and ``module.forward(x)`` both
     reach it, for the model and for each submodule, where a forward pre-hook on the model saw
     only ``model(x)``. Nothing is installed while the model is whole: it costs nothing then.
-    :meth:`remove` puts back what each module had (an ``forward`` of its own that a wrapper such
+    :meth:`remove` puts back what each module had (a ``forward`` of its own that a wrapper such
     as accelerate's set, or none)."""
 
     def __init__(self, model: nn.Module, refuse: _Refuse) -> None:
