@@ -398,6 +398,32 @@ def test_a_shard_truncated_during_the_reload_leaves_old_weights_or_names_the_new
     assert "21 tensors read" in output, output
 
 
+def test_a_shard_truncated_during_the_reload_of_an_engine_of_another_dtype_is_an_error(
+    base: Path, tuned: Path, tmp_path: Path
+) -> None:
+    """A float32 engine serving the bf16 checkpoint: every weight loader's copy converts. The
+    engine makes those copies too (positioned reads, converting on the way), so a shard cut short
+    during the reload is an error naming it, as in an engine of the checkpoint's dtype, not a
+    SIGBUS that kills the engine (torch's converting copy read the file's mapping)."""
+    first = _shard_of(tuned, "model.layers.0.self_attn.q_proj.weight").name
+    engine = Engine(base, load_format="fastload", dtype="float32")
+    try:
+        before = engine.generate()
+        cut = rewrite(tuned, tmp_path / "cut-first")
+        begin, _ = _header(cut / first)
+        fault = {"kind": "truncate", "path": str(cut / first), "size": begin}
+        word, error = engine.reload(cut, fault)
+        assert word == "ERROR", error
+        assert str(cut / first) in error[1], error  # type: ignore[index]
+        assert "keeps its previous weights" in error[1], error  # type: ignore[index]
+        assert engine.generate() == before
+        assert engine.reload(tuned) == ("RELOADED", None)
+        assert engine.generate() != before
+    finally:
+        output = engine.close()
+    assert "OWN-ITERATOR-CALLED" not in output, output
+
+
 def test_an_engine_on_object_storage_weights_reloads_what_each_call_names(
     base: Path, tuned: Path, fresh_tokens: dict[str, list[list[int]]], tmp_path: Path, server
 ) -> None:

@@ -113,9 +113,9 @@ class ModelMismatchError(CheckpointError, RuntimeError):
 class ReloadError(FastloadError, RuntimeError):
     """A reload (:func:`fastload.reload`) failed after it had begun writing into the model: the
     tensors named (``tensors``) hold new or partly new bytes, the others their old ones, and the
-    model refuses to run forward (this error again) until a reload succeeds. A failure before
-    the first write, or in a reload with ``atomic=True`` before its commit, leaves every tensor as
-    it was and raises the failure itself instead. A ``RuntimeError`` too."""
+    model and its submodules refuse to run (this error again) until a reload succeeds. A failure
+    before the first write, or in a reload with ``atomic=True`` before its commit, leaves every
+    tensor as it was and raises the failure itself instead. A ``RuntimeError`` too."""
 
     def __init__(self, message: str, tensors: list[str] | None = None) -> None:
         super().__init__(message)

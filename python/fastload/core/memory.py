@@ -19,16 +19,22 @@ Users of the figure:
   reads ahead only what can stay resident (:meth:`MemoryBudget.read_ahead_room`);
 * loads that must own their memory (``mmap="copy"``, dtype conversion, pinned staging) are
   refused before anything is allocated when it is short (:func:`check_owned`);
-* ``device_map="auto"`` and accelerate's planners size ``"cpu"`` with it.
+* ``device_map="auto"`` and accelerate's planners size ``"cpu"`` with it;
+* ``reload(atomic=True)`` is refused before reading when its staged copies, plus the pages its
+  commit copies out of copy-on-write views (:func:`copy_on_write_bytes`), do not fit.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fastload.core.actions import Action, Mode
 from fastload.core.errors import MemoryBudgetError
@@ -39,6 +45,7 @@ _UNLIMITED = 1 << 60
 #: share of the budget that read-ahead may fill: the rest is left to what the load and the first
 #: forward allocate (the skeleton's buffers, activations, the allocator's caches)
 READ_AHEAD_SHARE = 0.5
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,74 @@ def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudge
         reasons.add("pinned staging slots")
     if owned:
         check_owned(owned, budget, ", ".join(sorted(reasons)))
+
+
+def copy_on_write_bytes(spans: Iterable[tuple[int, int]]) -> int:
+    """Bytes of new memory that writing every byte of the address ranges ``spans`` (``(start,
+    stop)``) takes for copy-on-write: the pages that lie in a private, writable mapping of a file
+    (the views of a load's mapping, :mod:`fastload.core.sharing`) and are not yet the process's
+    own (not present, or still the page cache's page: each is copied on its first write; a page
+    written before, resident or swapped, costs nothing more). From ``/proc/self/maps`` and
+    ``/proc/self/pagemap``; 0 where they cannot be read."""
+    pages = _pages_of(spans)
+    if not pages:
+        return 0
+    try:
+        mappings = _private_file_mappings()
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError:
+        return 0
+    ends = [end for _, end in mappings]
+    total = 0
+    try:
+        for start, stop in pages:
+            # the mappings (sorted, disjoint) that end after the span starts and begin before it
+            # stops
+            i = bisect.bisect_right(ends, start)
+            while i < len(mappings) and mappings[i][0] < stop:
+                begin, end = mappings[i]
+                i += 1
+                a, b = max(start, begin), min(stop, end)
+                n = (b - a) // _PAGE
+                raw = os.pread(fd, 8 * n, a // _PAGE * 8)
+                if len(raw) != 8 * n:
+                    continue
+                flags = torch.frombuffer(bytearray(raw), dtype=torch.int64)
+                # bit 63 (the sign) present, 62 swapped, 61 a file page (or shared anonymous)
+                present, swapped, file = flags < 0, (flags >> 62) & 1 == 1, (flags >> 61) & 1 == 1
+                total += int((~swapped & (~present | file)).sum())
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+    return total * _PAGE
+
+
+def _pages_of(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` widened to whole pages, sorted and merged (a page two tensors share counted
+    once)."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted((a // _PAGE * _PAGE, -(-b // _PAGE) * _PAGE) for a, b in spans):
+        if stop <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def _private_file_mappings() -> list[tuple[int, int]]:
+    """``(start, stop)`` of this process's private, writable mappings of files."""
+    out = []
+    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 5 or fields[4] == "0" or fields[1][1:4:2] != "wp":
+                continue
+            begin, _, end = fields[0].partition("-")
+            out.append((int(begin, 16), int(end, 16)))
+    return sorted(out)
 
 
 # ---------------------------------------------------------------------------------------------

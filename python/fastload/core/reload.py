@@ -25,7 +25,8 @@ Reloads of one model run one at a time (the lock of its record).
 
 A failure after the first write into the model (a file truncated meanwhile, a read error, an
 interrupt) raises :class:`~fastload.core.errors.ReloadError` naming the tensors that may hold new
-bytes, and marks the model: its forward refuses to run until a reload succeeds.
+bytes, and marks the model: neither it nor any of its submodules runs (called, or through
+``forward``) until a reload succeeds.
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ def reload(
     check_threads(threads, "reload")
     if resolve is not None:
         source = resolve(source)
-    ckpt = open_source(source, record.read_mode, "copy", record.allow_pickle, storage_options)
+    # Positioned reads whatever read_mode the load used: a file truncated while a mapping of it
+    # is read kills the process (SIGBUS), where a short read is an error naming the file.
+    ckpt = open_source(source, "pread", "copy", record.allow_pickle, storage_options)
     report = ReloadReport(source=_label(ckpt), atomic=atomic)
     report.files = [str(f) for f in ckpt.location.files]
     writes = _check(model, record, ckpt)
@@ -188,12 +191,16 @@ def reload(
     report.tensors_read = len(writes)
     report.bytes_read = sum(n for w in writes for _, _, n in w.parts)
     report.bytes_written = sum(_nbytes(w.dest) for w in writes)
+
+    def done() -> None:  # the model holds the new checkpoint whole
+        guard.unmark(record)
+        record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
+
     if atomic:
-        _atomic(model, record, ckpt, writes, new_digests if verify else {}, threads, report)
+        _atomic(model, record, ckpt, writes, new_digests if verify else {}, threads, report, done)
     else:
         _in_place(model, record, ckpt, writes, threads)
-    guard.unmark(record)
-    record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
+        done()
     report.seconds = time.perf_counter() - start
     return report
 
@@ -414,9 +421,11 @@ def _atomic(
     new_digests: Mapping[str, str],
     threads: int | None,
     report: ReloadReport,
+    done: Callable[[], None],
 ) -> None:
     """Reads every new tensor into memory of its own, checks it against ``digests`` (none:
-    no check), then commits."""
+    no check), then commits and runs ``done``; a Ctrl-C during the commit is delivered after
+    ``done``."""
     need: dict[torch.device, int] = {}
     for write in writes:
         for _, target, _ in write.parts:
@@ -424,7 +433,7 @@ def _atomic(
     report.bytes_staged = sum(need.values())
     items = [(p.stored, t, p.selection) for w in writes for p, t, _ in w.parts]
     verifier.add_scratch(need, items, ckpt, new_digests)  # whole stored tensors, to hash
-    guard.check_staging_memory(need, _label(ckpt))
+    guard.check_staging_memory(need, _label(ckpt), [t for w in writes for _, t, _ in w.parts])
     staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
                    for _, t, _ in w.parts]) for w in writes]  # fmt: skip
     try:
@@ -437,17 +446,23 @@ def _atomic(
     except BaseException as exc:
         exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
         raise
-    try:
-        pairs = [
-            (target, tensor)
-            for write, tensors in staged
-            for (_, target, _), tensor in zip(write.parts, tensors, strict=True)
-        ]
-        with guard.sigint_deferred():
+    pairs = [
+        (target, tensor)
+        for write, tensors in staged
+        for (_, target, _), tensor in zip(write.parts, tensors, strict=True)
+    ]
+    # The interrupt held back is raised once the block is done, outside the try: a commit that
+    # completed is not marked torn by it.
+    with guard.sigint_deferred(
+        "fastload.reload(atomic=True): the interrupt came during the commit, which completed: "
+        "the model holds the new weights whole"
+    ):
+        try:
             _commit(pairs)
-    except BaseException as exc:
-        names = [w.entry.name for w in writes]
-        guard.fail(model, record, names, exc, "committing the staged tensors")
+        except BaseException as exc:
+            names = [w.entry.name for w in writes]
+            guard.fail(model, record, names, exc, "committing the staged tensors")
+        done()
 
 
 def _commit(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -84,7 +84,8 @@ class LoadRecord:
     source: str
     #: why this model cannot be reloaded (``None``: it can)
     unsupported: str | None = None
-    #: set while the model is marked torn: the forward pre-hook's handle and the tensors named
+    #: set while the model is marked torn: what refuses to run it (``remove()`` lifts it) and the
+    #: tensors named
     torn: tuple[Any, list[str]] | None = field(default=None, repr=False)
     #: held by a reload of the model from start to end: reloads of one model run one at a time
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

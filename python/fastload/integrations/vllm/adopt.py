@@ -12,13 +12,15 @@ tensor fastload handed out, and:
   its pages leave the server's page tables as soon as nothing uses them (a parameter vLLM's
   post-load processing replaced);
 * **copies with the engine** (one rank) where the copy is a whole checkpoint tensor into a
-  contiguous CPU destination of the same dtype and shape (a parameter, or the rows of a fused
-  qkv/gate_up parameter): the Rust engine reads the bytes from the file (the page cache the
-  read-ahead filled) on several threads with the GIL released, straight into the destination,
-  whose pages it faults in batches; no page of the mapping is touched. In a load (``defer``) the
-  copy is queued and made behind the weight loaders, in batches (:class:`.remote_fetches.Fetches`:
-  nothing touches the destination before its bytes are in, writes to the same bytes land in the
-  order made, the weights stream's end and the mode's exit wait for them all);
+  contiguous CPU destination of the same shape (a parameter, or the rows of a fused
+  qkv/gate_up parameter), of its dtype or converted between F32, F16, BF16 and F64 (an engine
+  of another dtype than the checkpoint's): the Rust engine reads the bytes from the file (the
+  page cache the read-ahead filled) on several threads with the GIL released, straight into the
+  destination, whose pages it faults in batches; no page of the mapping is touched. In a load
+  (``defer``) the copy is queued and made behind the weight loaders, in batches
+  (:class:`.remote_fetches.Fetches`: nothing touches the destination before its bytes are in,
+  writes to the same bytes land in the order made, the weights stream's end and the mode's exit
+  wait for them all);
 * under tensor parallelism **reads the slice** a weight loader takes just before torch copies it:
   exactly its pages (``POSIX_FADV_WILLNEED`` per row span, issued together so the disk serves
   them in parallel), the mapping being ``MADV_RANDOM`` so no fault reads the other ranks' bytes.
@@ -49,6 +51,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fastload.core.dtypes import CONVERTIBLE, TORCH_TO_ST, to_st
 from fastload.core.engine import copy_into
 from fastload.core.errors import ModelMismatchError
 from fastload.core.memory import memory_budget
@@ -255,11 +258,14 @@ class CopyWatch(TorchFunctionMode):
 
     def _engine_copy(self, dst: torch.Tensor, src: torch.Tensor, origin: Origin) -> bool:
         """Copies ``src`` (a view of ``origin``, whole or sliced along one dimension) into ``dst``
-        with the engine; ``False`` (nothing done) where that is not such a copy."""
+        with the engine, converting between the floating-point dtypes it converts (an engine of
+        another dtype than the checkpoint's: torch's converting copy would read the mapping,
+        where a file truncated meanwhile is a SIGBUS); ``False`` (nothing done) where that is
+        not such a copy."""
         if (
             src.numel() * src.element_size() < self.engine_min
             or dst.device.type != "cpu"
-            or dst.dtype != src.dtype
+            or not _engine_converts(src.dtype, dst.dtype)
             or dst.shape != src.shape
             or not dst.is_contiguous()
             or origin.mapping is None
@@ -273,7 +279,7 @@ class CopyWatch(TorchFunctionMode):
             self._fetches[id(self.deferred)] = self.deferred
             return True
         copy_into(
-            origin.mapping.file, [(origin.name, dst, origin.st_dtype, selection)], self.threads
+            origin.mapping.file, [(origin.name, dst, to_st(dst.dtype), selection)], self.threads
         )
         return True
 
@@ -290,6 +296,14 @@ class CopyWatch(TorchFunctionMode):
         for start, stop in _spans(src, mapping.address):
             os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_WILLNEED)
         self.slices_read += 1
+
+
+def _engine_converts(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether the engine's copy gives ``dst`` from ``src``: the same dtype, or a conversion
+    between F32, F16, BF16 and F64 (made during the copy, as torch's ``copy_`` rounds)."""
+    if src == dst:
+        return True
+    return TORCH_TO_ST.get(src) in CONVERTIBLE and TORCH_TO_ST.get(dst) in CONVERTIBLE
 
 
 def _selection(src: torch.Tensor, shape: tuple[int, ...], base: int) -> list[int] | None | bool:

@@ -184,8 +184,9 @@ class Fetches:
         selection: list[int] | None,
     ) -> None:
         """Queues the fetch of tensor ``name`` of ``file`` (``selection``: the slice, ``None``:
-        all of it) into ``dst``, a contiguous CPU tensor of its stored shape and dtype. Raises the
-        error of a fetch that failed since the last wait."""
+        all of it) into ``dst``, a contiguous CPU tensor of its stored shape, of its stored dtype
+        or one the engine converts it to (F32, F16, BF16, F64). Raises the error of a fetch that
+        failed since the last wait."""
         storage = dst.untyped_storage().data_ptr()
         first = dst.data_ptr()
         fetch = _Fetch(file, name, dst, selection, (storage, first, first + dst.nbytes))
