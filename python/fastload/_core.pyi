@@ -1,5 +1,6 @@
 """Type stub of the Rust extension ``fastload._core``."""
 
+import builtins
 from collections.abc import Callable
 from os import PathLike
 
@@ -147,9 +148,12 @@ class ObjectStore:
         """Fill ``length`` bytes at ``address`` with those of ``key`` at ``offset`` (one ranged
         GET, GIL released: the raw transport). Private: call
         ``fastload.core.object_store.read_into``, which takes the address from a tensor."""
-    def list(self, prefix: str) -> list[tuple[str, int]]:
+    # builtins.list: inside the class body, after this method, ``list`` names the method
+    def list(self, prefix: str) -> builtins.list[tuple[str, int]]:
         """``(key, size)`` of the objects directly under ``prefix``."""
-    def open(self, keys: list[str], *, strict: bool = False) -> list[SafetensorsFile]:
+    def open(
+        self, keys: builtins.list[str], *, strict: bool = False
+    ) -> builtins.list[SafetensorsFile]:
         """Objects ``keys`` as safetensors files (mode "ranged-get"), opened in parallel: each
         one's header is read (8 bytes, then the header) and validated before anything else."""
 
