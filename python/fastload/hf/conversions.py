@@ -67,7 +67,7 @@ def transformers_merges(
         name = keymod.adjust(name, prefix, model_keys)
         return name if name in model_keys else None
 
-    shapes = {n: tuple(t.shape) for n, t in ckpt.tensors.items()}
+    shapes = {n: t.torch_shape for n, t in ckpt.tensors.items()}
     model_shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     return plan_merges(
         shapes,
