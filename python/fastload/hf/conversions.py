@@ -31,19 +31,21 @@ from fastload.core.hooks import Merge, Narrow, Piece, Select, View
 from fastload.hf.renames import transformers_renames
 
 
-def converters_of(model: Any) -> list[Any]:
-    """The ``WeightConverter`` entries transformers registers for ``model`` (none for a
-    transformers version without conversion mappings)."""
+def converters_of(model: Any, quantizer: Any = None) -> list[Any]:
+    """The ``WeightConverter`` entries transformers registers for ``model`` (with those its
+    ``quantizer`` adds for a pre-quantized checkpoint; none for a transformers version without
+    conversion mappings)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
     except ImportError:
         return []
-    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
+    return [t for t in mapping if isinstance(t, WeightConverter)]
 
 
 def transformers_merges(
-    model: Any, ckpt: Any, model_keys: set[str], rules: keymod.KeyRules
+    model: Any, ckpt: Any, model_keys: set[str], rules: keymod.KeyRules, *, quantizer: Any = None
 ) -> dict[str, Merge]:
     """The merges and splits transformers' conversion mapping makes for ``model`` on the
     checkpoint ``ckpt`` (``rules``: how names map); empty when every stored name already is a
@@ -51,10 +53,10 @@ def transformers_merges(
     known = model_keys.union(rules.computed)
     if all(rules.rename(k) in known for k in ckpt.tensors):
         return {}
-    converters = converters_of(model)
+    converters = converters_of(model, quantizer)
     if not converters:
         return {}
-    renames = transformers_renames(model, rules.source)
+    renames = transformers_renames(model, rules.source, quantizer)
     prefix = rules.base_model_prefix
 
     def rename(name: str) -> str:

@@ -1,0 +1,200 @@
+"""Pre-quantized checkpoints through fastload (:mod:`fastload.hf.quantized`): transformers'
+quantizer swaps the modules, fastload reads the tensors, and the model is transformers' own:
+the same module classes, parameters and buffers (bitwise, dtypes, trainability), logits,
+``hf_quantizer`` and ``save_pretrained`` files. The checkpoints are tiny Llamas quantized by
+compressed-tensors' own code (weight-only int8, and int4 packed into int32), the formats stored
+as they run on this machine's CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+import fastload  # noqa: E402
+from fastload.hf import patch  # noqa: E402
+from tensor_samples import raw_bytes  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("unpatched")
+
+# the format each bit width is stored in: int8 as is, int4 packed eight to an int32
+FORMATS = {8: "int-quantized", 4: "pack-quantized"}
+
+
+def _quantize(directory: Path, bits: int) -> Path:
+    """A tiny Llama quantized weight-only (per output channel, symmetric) by compressed-tensors,
+    compressed in its ``FORMATS[bits]`` format and saved as llm-compressor saves one."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(bits)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):  # what a calibration of the weights computes
+            w = module.weight.detach().float()
+            scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMATS[bits])
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=[8, 4], ids=["int8", "int4-packed"])
+def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _quantize(tmp_path_factory.mktemp(f"w{request.param}a16"), request.param)
+
+
+def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+
+
+def assert_same_quantized_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Module classes and attributes, parameters and buffers (names, dtypes, shapes, bytes,
+    trainability), the quantizer and the config's quantization config; then the logits of a
+    fixed input (last: compressed-tensors changes its modules on the first forward)."""
+    assert type(got) is type(want)
+    got_modules, want_modules = dict(got.named_modules()), dict(want.named_modules())
+    assert list(got_modules) == list(want_modules)
+    for name, module in want_modules.items():
+        mine = got_modules[name]
+        assert type(mine) is type(module), name
+        public = {k for k in vars(module) if not k.startswith("_")}
+        assert {k for k in vars(mine) if not k.startswith("_")} == public, name
+    for kind in ("named_parameters", "named_buffers"):
+        got_tensors, want_tensors = dict(getattr(got, kind)()), dict(getattr(want, kind)())
+        assert list(got_tensors) == list(want_tensors), kind
+        for name, w in want_tensors.items():
+            g = got_tensors[name]
+            assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
+            assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
+    assert type(got.hf_quantizer) is type(want.hf_quantizer)
+    assert got.config.quantization_config.to_dict() == want.config.quantization_config.to_dict()
+    assert got.training == want.training
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
+@pytest.mark.parametrize("read_mode", ["pread", "mmap"])
+def test_a_compressed_tensors_checkpoint_loads_as_transformers_loads_it(
+    quantized: Path, read_mode: str
+) -> None:
+    want = _transformers(quantized)
+    got, report = fastload.from_pretrained(quantized, read_mode=read_mode, output_loading_info=True)
+    assert report.quant_method == "compressed-tensors"
+    assert "quantized: compressed-tensors" in report.summary()
+    assert not report.missing and not report.unexpected and not report.mismatched
+    stored = {k for f in report.files for k in fastload.safe_open(f).keys()}
+    assert report.tensors_loaded == len(stored)  # every stored tensor read as it is stored
+    assert_same_quantized_model(got, want)
+
+
+def test_under_the_patch_a_compressed_tensors_checkpoint_is_read_by_fastload(
+    quantized: Path, tmp_path: Path, transformers_loads: list[str]
+) -> None:
+    want = _transformers(quantized)
+    transformers_loads.clear()
+    with fastload.patch_transformers():
+        got = _transformers(quantized)
+    assert transformers_loads == []
+    assert patch.last_fallback is None
+    assert patch.last_report is not None and patch.last_report.quant_method == "compressed-tensors"
+    want.save_pretrained(tmp_path / "transformers")
+    got.save_pretrained(tmp_path / "fastload")
+    names = sorted(p.name for p in (tmp_path / "transformers").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "fastload").iterdir())
+    for name in names:  # what save_pretrained writes of it is what it writes of transformers'
+        mine = (tmp_path / "fastload" / name).read_bytes()
+        assert mine == (tmp_path / "transformers" / name).read_bytes(), name
+    assert_same_quantized_model(got, want)
+
+
+def _with_quantization(directory: Path, tmp_path: Path, **changes: object) -> Path:
+    """A copy of the checkpoint whose config's quantization_config has ``changes``."""
+    copy = tmp_path / "changed"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_format_transformers_dequantizes_on_load_is_refused_naming_its_operation(
+    quantized: Path, tmp_path: Path
+) -> None:
+    directory = _with_quantization(quantized, tmp_path, dequantize=True)
+    with pytest.raises(
+        fastload.UnsupportedError,
+        match=r"quant_method='compressed-tensors'.*CompressedTensorsDequantize \(dequantize\)",
+    ):
+        fastload.from_pretrained(directory)
+
+
+def test_under_the_patch_a_format_with_a_load_operation_goes_to_transformers_saying_so(
+    quantized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, transformers_loads: list[str]
+) -> None:
+    directory = _with_quantization(quantized, tmp_path, dequantize=True)
+    caplog.set_level(logging.WARNING, logger="fastload")
+    with fastload.patch_transformers():
+        model = _transformers(directory)
+    assert transformers_loads == ["LlamaForCausalLM"]
+    assert patch.last_report is None
+    assert patch.last_fallback is not None and "CompressedTensorsDequantize" in patch.last_fallback
+    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
+    assert len(said) == 1 and "CompressedTensorsDequantize" in said[0]
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # dequantized
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor_before_reading(
+    quantized: Path, tmp_path: Path
+) -> None:
+    import safetensors.torch as st
+
+    directory = _with_quantization(quantized, tmp_path)
+    path = directory / "model.safetensors"
+    tensors = st.load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:7]
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[7, 1\]"):
+        fastload.from_pretrained(directory)
+
+
+def test_a_quantized_load_with_a_device_map_is_refused(quantized: Path) -> None:
+    with pytest.raises(fastload.UnsupportedError, match="quant_method='compressed-tensors'"):
+        fastload.from_pretrained(quantized, device_map={"": "cpu"})
