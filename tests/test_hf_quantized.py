@@ -198,3 +198,39 @@ def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor_before_reading(
 def test_a_quantized_load_with_a_device_map_is_refused(quantized: Path) -> None:
     with pytest.raises(fastload.UnsupportedError, match="quant_method='compressed-tensors'"):
         fastload.from_pretrained(quantized, device_map={"": "cpu"})
+
+
+def test_a_sharded_checkpoint_loaded_as_float16_loads_as_transformers_loads_it(
+    quantized: Path, tmp_path: Path
+) -> None:
+    _transformers(quantized).save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    want = _transformers(tmp_path, dtype=torch.float16)
+    got = fastload.from_pretrained(tmp_path, dtype=torch.float16)
+    assert got.model.layers[0].mlp.up_proj.weight_scale.dtype == torch.float16
+    assert_same_quantized_model(got, want)
+
+
+def test_a_quantized_model_reloads_in_place(quantized: Path, tmp_path: Path) -> None:
+    model = fastload.from_pretrained(quantized, mmap="copy")
+    weights = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fastload.reload(model, quantized)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights
+    assert_same_quantized_model(model, _transformers(quantized))
+
+
+def test_a_missing_scale_is_a_checkpoint_error_naming_it(quantized: Path, tmp_path: Path) -> None:
+    import safetensors.torch as st
+
+    directory = _with_quantization(quantized, tmp_path)
+    path = directory / "model.safetensors"
+    tensors = st.load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    del tensors[name]
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    # transformers reports it missing and keeps what it allocated; the direct API refuses it
+    with pytest.raises(fastload.CheckpointError, match=name):
+        fastload.from_pretrained(directory)
