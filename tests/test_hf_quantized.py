@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,9 +28,10 @@ pytestmark = pytest.mark.usefixtures("unpatched")
 FORMATS = {8: "int-quantized", 4: "pack-quantized"}
 
 
-def _quantize(directory: Path, bits: int) -> Path:
-    """A tiny Llama quantized weight-only (per output channel, symmetric) by compressed-tensors,
-    compressed in its ``FORMATS[bits]`` format and saved as llm-compressor saves one."""
+def _quantize(directory: Path, bits: int, *, moe: bool = False) -> Path:
+    """A tiny Llama (``moe``: Mixtral) quantized weight-only (per output channel, symmetric) by
+    compressed-tensors, compressed in its ``FORMATS[bits]`` format and saved as llm-compressor
+    saves one."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -38,10 +40,10 @@ def _quantize(directory: Path, bits: int) -> Path:
         apply_quantization_config,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(bits)
-    config = LlamaConfig(
+    sizes = dict(
         vocab_size=128,
         hidden_size=64,
         intermediate_size=128,
@@ -51,7 +53,11 @@ def _quantize(directory: Path, bits: int) -> Path:
         max_position_embeddings=64,
         dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if moe:
+        config: Any = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)
+        model = MixtralForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     apply_quantization_config(
@@ -234,3 +240,20 @@ def test_a_missing_scale_is_a_checkpoint_error_naming_it(quantized: Path, tmp_pa
     # transformers reports it missing and keeps what it allocated; the direct API refuses it
     with pytest.raises(fastload.CheckpointError, match=name):
         fastload.from_pretrained(directory)
+
+
+def test_a_merge_of_experts_that_needs_a_load_operation_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    # transformers 5 saves Mixtral's experts one per tensor, unquantized (compressed-tensors
+    # quantizes Linear modules, and the merged experts are not); its quantizer then puts its
+    # dequantize operation before the merge, which fastload does not run
+    directory = _quantize(tmp_path, 8, moe=True)
+    with pytest.raises(
+        fastload.UnsupportedError, match=r"needs CompressedTensorsDequantize, a load operation"
+    ):
+        fastload.from_pretrained(directory)
+    with fastload.patch_transformers(), pytest.raises(RuntimeError) as theirs:
+        _transformers(directory)  # transformers' own loader, and its own error
+    assert not isinstance(theirs.value, fastload.FastloadError)
+    assert patch.last_fallback is not None and "a load operation" in patch.last_fallback

@@ -168,6 +168,14 @@ def _check_own_operations(converter: Any, stored: str, source: str) -> None:
     operation replaced or patched (a subclass, a plugin, a mock) may do anything else."""
     for op in converter.operations:
         cls = type(op)
+        if getattr(op, "hf_quantizer", None) is not None:  # what a quantizer runs on load
+            raise UnsupportedError(
+                f"{source}: tensor {stored!r} needs {cls.__qualname__}, a load operation of "
+                "transformers' quantizer (here before the conversion "
+                f"{converter.source_patterns} -> {converter.target_patterns}); fastload reads "
+                "quantized tensors as they are stored and runs no load operation: load it with "
+                "transformers"
+            )
         convert = getattr(cls, "convert", None)
         own = (
             cls.__module__ == "transformers.core_model_loading"
