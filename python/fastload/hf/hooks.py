@@ -174,8 +174,9 @@ class TransformersHooks(ModelHooks):
             device_map=device_map,
         )
         if self.quantization is not None:  # last, as in transformers' from_pretrained
-            missing = {*report.missing, *report.authorized_missing, *report.initialized}
-            self.quantization.postprocess(model, missing | {n for n, _, _ in report.mismatched})
+            not_loaded = {*report.missing, *report.authorized_missing, *report.initialized}
+            not_loaded |= {name for name, _, _ in report.mismatched}
+            self.quantization.postprocess(model, not_loaded)
             report.quant_method = self.quantization.method
             report.quant_seconds = self.quantization.seconds
 

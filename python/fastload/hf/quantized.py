@@ -115,8 +115,8 @@ def quantization_for(
             f"{source}: transformers has no quantizer for quant_method={method!r}; load it with "
             "transformers"
         )
-    config_ = quantizer.quantization_config
-    mode = "dequantize" if getattr(config_, "dequantize", False) else "deserialize"
+    settings = quantizer.quantization_config
+    mode = "dequantize" if getattr(settings, "dequantize", False) else "deserialize"
     operation = quantizer.get_load_operations().get(mode)
     if operation is not None or quantizer.get_weight_conversions():
         name = getattr(operation, "__name__", "a load operation")
