@@ -257,3 +257,18 @@ def test_a_merge_of_experts_that_needs_a_load_operation_is_refused_naming_it(
         _transformers(directory)  # transformers' own loader, and its own error
     assert not isinstance(theirs.value, fastload.FastloadError)
     assert patch.last_fallback is not None and "a load operation" in patch.last_fallback
+
+
+def test_a_weight_of_the_wrong_dtype_is_refused_naming_it_before_reading(
+    quantized: Path, tmp_path: Path
+) -> None:
+    import safetensors.torch as st
+
+    directory = _with_quantization(quantized, tmp_path)
+    path = directory / "model.safetensors"
+    tensors = st.load_file(str(path))
+    name = next(k for k, t in tensors.items() if t.dtype in (torch.int8, torch.int32))
+    tensors[name] = tensors[name].to(torch.int16)
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(fastload.CheckpointError, match=rf"tensor '{name}' is stored as I16"):
+        fastload.from_pretrained(directory)
