@@ -2,8 +2,8 @@
 quantizer swaps the modules, fastload reads the tensors, and the model is transformers' own:
 the same module classes, parameters and buffers (bitwise, dtypes, trainability), logits,
 ``hf_quantizer`` and ``save_pretrained`` files. The checkpoints are tiny Llamas quantized by
-compressed-tensors' own code (weight-only int8, and int4 packed into int32), the formats stored
-as they run on this machine's CPU."""
+compressed-tensors' own code (weight-only int8, int4 packed into int32, FP8 e4m3), formats
+stored as they run, which transformers keeps as stored on a CPU."""
 
 from __future__ import annotations
 
@@ -24,14 +24,25 @@ from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
 
-# the format each bit width is stored in: int8 as is, int4 packed eight to an int32
-FORMATS = {8: "int-quantized", 4: "pack-quantized"}
+#: (id, value type, bits, compressed-tensors format): int8 stored as is, int4 packed eight to an
+#: int32, FP8 (e4m3) stored as is
+FORMATS = [
+    ("int8", "int", 8, "int-quantized"),
+    ("int4-packed", "int", 4, "pack-quantized"),
+    ("fp8", "float", 8, "float-quantized"),
+]
 
 
-def _quantize(directory: Path, bits: int, *, moe: bool = False) -> Path:
-    """A tiny Llama (``moe``: Mixtral) quantized weight-only (per output channel, symmetric) by
-    compressed-tensors, compressed in its ``FORMATS[bits]`` format and saved as llm-compressor
-    saves one."""
+def _quantize(
+    directory: Path,
+    kind: str = "int",
+    bits: int = 8,
+    form: str = "int-quantized",
+    moe: bool = False,
+) -> Path:
+    """A tiny Llama (``moe``: Mixtral) quantized weight-only (``bits`` of ``kind`` values per
+    output channel, symmetric) by compressed-tensors, compressed in its format ``form`` and
+    saved as llm-compressor saves one."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -58,7 +69,7 @@ def _quantize(directory: Path, bits: int, *, moe: bool = False) -> Path:
         model = MixtralForCausalLM(config).to(torch.bfloat16)
     else:
         model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="channel")
+    args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
@@ -69,16 +80,17 @@ def _quantize(directory: Path, bits: int, *, moe: bool = False) -> Path:
             scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMATS[bits])
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
     compressor.compress_model(model)
     model.save_pretrained(directory)
     compressor.update_config(directory)
     return directory
 
 
-@pytest.fixture(scope="module", params=[8, 4], ids=["int8", "int4-packed"])
+@pytest.fixture(scope="module", params=FORMATS, ids=[f[0] for f in FORMATS])
 def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _quantize(tmp_path_factory.mktemp(f"w{request.param}a16"), request.param)
+    name, kind, bits, form = request.param
+    return _quantize(tmp_path_factory.mktemp(name), kind, bits, form)
 
 
 def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
@@ -248,7 +260,7 @@ def test_a_merge_of_experts_that_needs_a_load_operation_is_refused_naming_it(
     # transformers 5 saves Mixtral's experts one per tensor, unquantized (compressed-tensors
     # quantizes Linear modules, and the merged experts are not); its quantizer then puts its
     # dequantize operation before the merge, which fastload does not run
-    directory = _quantize(tmp_path, 8, moe=True)
+    directory = _quantize(tmp_path, moe=True)
     with pytest.raises(
         fastload.UnsupportedError, match=r"needs CompressedTensorsDequantize, a load operation"
     ):
@@ -267,8 +279,12 @@ def test_a_weight_of_the_wrong_dtype_is_refused_naming_it_before_reading(
     directory = _with_quantization(quantized, tmp_path)
     path = directory / "model.safetensors"
     tensors = st.load_file(str(path))
-    name = next(k for k, t in tensors.items() if t.dtype in (torch.int8, torch.int32))
-    tensors[name] = tensors[name].to(torch.int16)
+    quantized_dtypes = (torch.int8, torch.int32, torch.float8_e4m3fn)
+    name = next(k for k, t in tensors.items() if t.dtype in quantized_dtypes)
+    stored = tensors[name]  # its values as int16 (FP8 through its bytes: no cast from it)
+    tensors[name] = (stored.view(torch.uint8) if stored.is_floating_point() else stored).to(
+        torch.int16
+    )
     st.save_file(tensors, str(path), metadata={"format": "pt"})
     with pytest.raises(fastload.CheckpointError, match=rf"tensor '{name}' is stored as I16"):
         fastload.from_pretrained(directory)
