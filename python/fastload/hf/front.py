@@ -160,6 +160,10 @@ def load_hf(
                     "fastload reads a quantized checkpoint onto one device; load it with "
                     "transformers"
                 )
+            if quant is not None and not contract and not {"missing", "strict"} & set(given):
+                # a scale or packed weight absent from the file has no value its method gives
+                # it (integer ones have no NaN to be found by): refused from the plan, by name
+                options = dataclasses.replace(options, missing="error")
             _prepare_config(cfg, opts.config_attrs, init_kwargs, source)
             cfg.name_or_path = os.fspath(path) if path is not None else cfg.name_or_path
             hooks.config = cfg  # dtype="auto" reads the config's dtype
