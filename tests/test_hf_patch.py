@@ -85,6 +85,35 @@ def test_an_option_fastload_refuses_falls_back_to_transformers_with_one_log_line
     assert type(model).__name__ == "BertForMaskedLM"
 
 
+def test_after_a_call_left_to_transformers_no_earlier_report_remains(bert, caplog):
+    from transformers import BertForMaskedLM
+
+    caplog.set_level(logging.WARNING, logger="fastload")
+    with fastload.patch_transformers():
+        BertForMaskedLM.from_pretrained(bert)
+        served = patch.last_report
+        assert served is not None and served.tensors_loaded > 0 and patch.last_fallback is None
+        BertForMaskedLM.from_pretrained(bert, offload_buffers=True)  # refused: transformers'
+        assert patch.last_report is None
+        assert patch.last_fallback is not None and "offload_buffers" in patch.last_fallback
+        said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
+        assert len(said) == 1 and patch.last_fallback in said[0]
+        BertForMaskedLM.from_pretrained(bert)
+        assert patch.last_report is not None and patch.last_report is not served
+        assert patch.last_fallback is None
+
+
+def test_after_a_patched_call_that_raises_no_earlier_report_remains(bert, tmp_path):
+    from transformers import BertForMaskedLM
+
+    with fastload.patch_transformers():
+        BertForMaskedLM.from_pretrained(bert)
+        assert patch.last_report is not None
+        with pytest.raises(OSError):
+            BertForMaskedLM.from_pretrained(tmp_path / "absent")
+    assert patch.last_report is None and patch.last_fallback is None
+
+
 def test_the_context_manager_undoes_the_patch(bert):
     from transformers.modeling_utils import PreTrainedModel
 

@@ -45,6 +45,7 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "docs/memory.md": (1, 0),
     "docs/object-storage.md": (0, 1),
     "docs/options.md": (1, 0),
+    "docs/quantized.md": (0, 1),
     "docs/reload.md": (3, 1),
     "docs/saving.md": (1, 0),
     "docs/serving-vllm.md": (0, 1),

@@ -112,10 +112,10 @@ def _fastload(cls: type, directory: Path, kwargs: dict[str, Any], patched: bool)
         return Loaded(model, report.to_dict())
     import fastload.hf.patch as patch
 
-    before = patch.last_report
     with fastload.patch_transformers():
         loaded = _from_pretrained(cls, directory, kwargs)
-    loaded.served = patch.last_report is not before
+    # each patched call sets it anew: None when the call was left to transformers
+    loaded.served = patch.last_report is not None
     return loaded
 
 

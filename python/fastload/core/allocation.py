@@ -81,7 +81,7 @@ def allocate(
                     assert view is not None  # the plan checked dtype and alignment
                     tensor = view
                 else:
-                    shape = selected_shape(stored.shape, dest.selection)
+                    shape = selected_shape(stored.torch_shape, dest.selection)
                     tensor = torch.empty(shape, dtype=dest.dtype, device=dest.memory)
                     copy_into(stored, tensor, dest.selection)
                 if i == 0:

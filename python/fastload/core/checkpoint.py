@@ -33,7 +33,7 @@ import torch
 
 from fastload import _core
 from fastload.core import json_text
-from fastload.core.dtypes import to_torch
+from fastload.core.dtypes import to_torch, torch_shape
 from fastload.core.engine import READ_MODES, TensorFile
 from fastload.core.errors import (
     CheckpointError,
@@ -142,7 +142,11 @@ class CheckpointFiles:
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One tensor of the checkpoint: the file that holds it and its stored dtype and shape."""
+    """One tensor of the checkpoint: the file that holds it and its stored dtype and shape.
+
+    ``shape`` is the header's, counting values; the tensor torch makes of the bytes has
+    :attr:`torch_shape` (they differ for packed dtypes: an ``F4`` ``[8, 16]`` is a
+    ``float4_e2m1fn_x2`` ``[8, 8]``)."""
 
     name: str
     file: int  # index into OpenCheckpoint.files
@@ -156,6 +160,13 @@ class StoredTensor:
     def dtype(self) -> torch.dtype:
         """The stored torch dtype (``UnsupportedError`` if torch has none)."""
         return to_torch(self.st_dtype, where=f"tensor {self.name!r}")
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        """The shape of the torch tensor holding it (:func:`~fastload.core.dtypes.torch_shape`,
+        the one mapping safetensors' ``load_file`` also makes; ``UnsupportedError`` for a packed
+        tensor torch cannot hold)."""
+        return tuple(torch_shape(self.st_dtype, list(self.shape), where=f"tensor {self.name!r}"))
 
 
 @dataclass

@@ -155,7 +155,7 @@ def check_owned_memory(load_plan: Any, mmap: str, pool: Any, budget: MemoryBudge
                 reasons.add("tensor-parallel shards")
                 continue
             # the elements of its part of the stored tensor, in the destination's dtype
-            elements = math.prod(stored.shape) * src.nbytes // max(stored.nbytes, 1)
+            elements = math.prod(stored.torch_shape) * src.nbytes // max(stored.nbytes, 1)
             owned += elements * dest.dtype.itemsize
             if src.mode == Mode.CONVERT:
                 reasons.add(f"conversion to {str(dest.dtype).removeprefix('torch.')}")

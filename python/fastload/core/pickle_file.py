@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fastload.core.dtypes import CONVERTIBLE, parse_dtype, to_st
+from fastload.core.dtypes import CONVERTIBLE, parse_dtype, st_shape, to_st
 from fastload.core.errors import (
     CheckpointError,
     RequestError,
@@ -147,7 +147,9 @@ class PickleFile:
                     "load"
                 ) from None
             nbytes = t.numel() * t.element_size()
-            self._info[name] = (st_dtype, list(t.shape), offset, offset + nbytes)
+            # the header's shape, as a safetensors file's: a packed dtype's counts values
+            shape = st_shape(t.dtype, t.shape, where=f"{self._path}: tensor {name!r}")
+            self._info[name] = (st_dtype, shape, offset, offset + nbytes)
             offset += nbytes
 
     @property

@@ -187,7 +187,7 @@ def plan(
         dest = placement.destination(model_name, group.template, stored, is_buffer=slot.is_buffer)
         # A selection (a tensor-parallel shard) is taken from the model's full shape: the stored
         # tensor must have that full shape.
-        got, want = tuple(stored.shape), tuple(group.template.shape)
+        got, want = _torch_shape(ckpt, stored), tuple(group.template.shape)
         if got != want:
             report.mismatched.append((model_name, got, want))
             wrong.append(
@@ -394,7 +394,7 @@ def _add_merge(
         nbytes = t.nbytes
         if p.selection is not None:
             dim, start, stop = p.selection
-            nbytes = t.nbytes * (stop - start) // max(t.shape[dim], 1)
+            nbytes = t.nbytes * (stop - start) // max(t.torch_shape[dim], 1)
         selection = None if p.selection is None else list(p.selection)
         group.pieces.append(StoredPiece(t, p.views, selection, nbytes))
 
@@ -426,6 +426,15 @@ def _alias_pairs(
     return pairs
 
 
+def _torch_shape(ckpt: OpenCheckpoint, stored: StoredTensor) -> tuple[int, ...]:
+    """``stored``'s torch shape; ``UnsupportedError`` naming its file where torch has no tensor
+    of that shape (a packed dtype whose last dimension does not pack)."""
+    try:
+        return stored.torch_shape
+    except UnsupportedError as e:
+        raise UnsupportedError(f"{ckpt.file_path(stored)}: {e}") from None
+
+
 def _check_dtype(
     ckpt: OpenCheckpoint, stored: StoredTensor, model_name: str, template: torch.Tensor
 ) -> None:
@@ -447,10 +456,11 @@ def source_bytes(stored: StoredTensor, dest: Destination) -> int:
     """The bytes of ``stored`` that fill ``dest``."""
     if dest.selection is None:
         return stored.nbytes
-    total = math.prod(stored.shape) or 1
+    shape = stored.torch_shape
+    total = math.prod(shape) or 1
     if dest.tensor is not None:  # the family's own tensor holds exactly its part
         return stored.nbytes * dest.tensor.numel() // total
-    return stored.nbytes * math.prod(selected_shape(stored.shape, dest.selection)) // total
+    return stored.nbytes * math.prod(selected_shape(shape, dest.selection)) // total
 
 
 def _apply_policies(report: LoadReport, missing: str, unexpected: str, source: str) -> None:

@@ -255,14 +255,14 @@ def _check(model: nn.Module, record: LoadRecord, ckpt: OpenCheckpoint) -> list[_
             target = dest
             for view in part.views:
                 target = view.apply(target)
-            want = selected_shape(tuple(stored.shape), part.selection)
+            want = selected_shape(stored.torch_shape, part.selection)
             if tuple(target.shape) != want:
                 shapes.append(
                     f"{where}: the model's {entry.name!r} now has shape {list(target.shape)} "
                     f"where the load filled {list(want)}"
                 )
                 continue
-            nbytes = stored.nbytes * max(1, target.numel()) // max(1, _numel(stored.shape))
+            nbytes = stored.nbytes * max(1, target.numel()) // max(1, _numel(stored.torch_shape))
             write.parts.append((part, target, nbytes if target.numel() else 0))
             write.file_of.append(stored.file)
         writes.append(write)

@@ -99,6 +99,12 @@ class LoadReport(RedactedFields):
     #: how the views were read ahead: the whole files, all views, the first ones that fit the
     #: budget, or paced by the first forward (a model larger than the budget); "" for none
     read_ahead: str = ""
+    #: the quantization method of a pre-quantized checkpoint, as its config names it; "" for an
+    #: unquantized one
+    quant_method: str = ""
+    #: seconds its quantizer's hooks took (module swaps, post-processing), within the phases
+    #: ``seconds`` lists and apart from the reads
+    quant_seconds: float = 0.0
 
     @property
     def total_seconds(self) -> float:
@@ -138,6 +144,14 @@ class LoadReport(RedactedFields):
             f"{self.model_class or 'the model'} in {self.total_seconds:.3f} s ({rate:.0f} MiB/s)",
             f"  from: {files}",
             f"  read mode: {self.read_mode}, device: {self.device}, dtype: {self.dtype}",
+            *(
+                [
+                    f"  quantized: {self.quant_method} (its quantizer's hooks "
+                    f"{self.quant_seconds * 1000:.1f} ms)"
+                ]
+                if self.quant_method
+                else []
+            ),
             *(
                 [
                     f"  shared (copy-on-write views of the file, not copied): "

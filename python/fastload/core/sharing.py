@@ -40,7 +40,7 @@ import torch
 
 from fastload import _core
 from fastload.core import paced as pacing
-from fastload.core.dtypes import to_torch
+from fastload.core.dtypes import to_torch, torch_shape
 from fastload.core.errors import CheckpointError, FastloadError, FastloadIOError, RequestError
 from fastload.core.memory import MemoryBudget, memory_budget
 from fastload.core.units import format_bytes
@@ -139,8 +139,11 @@ class SharedMapping:
         (different dtype, or an offset not aligned for the element size). ``track=False`` leaves
         it out of :meth:`prefetch` and the count of views (a disk-offloaded tensor, viewed anew
         each time its module runs)."""
-        st_dtype, shape, begin = self._info[name]
-        stored = to_torch(st_dtype, where=f"{self.path}: tensor {name!r}")
+        st_dtype, header_shape, begin = self._info[name]
+        where = f"{self.path}: tensor {name!r}"
+        stored = to_torch(st_dtype, where=where)
+        # the tensor torch makes of the bytes (a packed dtype's header counts values)
+        shape = torch_shape(st_dtype, header_shape, where=where)
         if stored != dtype:
             return None
         offset = self.file.data_start + begin

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from fastload import _core
-from fastload.core.dtypes import CONVERTIBLE, PACKED, ST_TO_TORCH, to_st
+from fastload.core.dtypes import CONVERTIBLE, PACKED, ST_TO_TORCH, TORCH_TO_ST, to_st
 from fastload.core.engine import TensorFile, copy_into
 from fastload.core.errors import RequestError
 from fastload.core.staging import SLOT_UNIT, Slab, StagingPool
@@ -242,6 +242,9 @@ class _Piece:
     start: int  # first element (of the flattened tensor)
     stop: int
     selection: list[int] | None  # None for whole-tensor reads in one piece
+    #: the whole tensor in one piece, read without a selection (the engine cuts no packed
+    #: sub-byte tensor, so one is never read as a range of elements)
+    whole: bool = False
 
 
 def _pieces(items: list[Item], buffer_bytes: int) -> list[_Piece]:
@@ -249,6 +252,9 @@ def _pieces(items: list[Item], buffer_bytes: int) -> list[_Piece]:
     for name, dest, selection in items:
         numel, itemsize = dest.numel(), dest.element_size()
         flat = dest.view(-1)
+        if selection is None and TORCH_TO_ST.get(dest.dtype) in PACKED:
+            out.append(_Piece(name, flat, 0, numel, None, whole=True))
+            continue
         if selection is not None:
             # A slice is gathered whole (in a buffer of its own when larger than the slab).
             out.append(_Piece(name, flat, 0, numel, selection))
@@ -309,7 +315,7 @@ def _gather(
             buf = own.data
         jobs = []
         for p, off, nbytes in batch:
-            sel = p.selection if p.selection is not None else [p.start, p.stop]
+            sel = p.selection if p.selection is not None or p.whole else [p.start, p.stop]
             jobs.append((p.name, buf[off : off + nbytes], to_st(p.dest.dtype), sel))
         copy_into(file, jobs, threads, progress)
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -309,7 +309,7 @@ def _finish(target: _Target) -> None:
     stored = target.stored
     assert target.whole is not None
     dtype = to_torch(stored.st_dtype, where=f"tensor {stored.name!r}")
-    source = target.whole.view(dtype).view(stored.shape)
+    source = target.whole.view(dtype).view(stored.torch_shape)
     for dest, selection in target.fills:
         part = source
         if hasattr(selection, "take"):  # a richer selection (several ranges of one dimension)

@@ -14,6 +14,9 @@ specific to the Hugging Face ecosystem, and calls the core:
 * :mod:`~fastload.hf.conversions`: transformers' tensor merges and splits (MoE experts, fused
   ``qkv``) planned as reads into slices; :mod:`~fastload.hf.dtype_rules`: what ``dtype="auto"``
   means for a transformers model, and the modules kept in float32;
+* :mod:`~fastload.hf.quantized`: pre-quantized checkpoints, read into the modules transformers'
+  own quantizer makes (its hooks driven in transformers' order; methods it has load operations
+  for refused by name);
 * :mod:`~fastload.hf.patch`: :func:`patch_transformers`, routing ``PreTrainedModel.from_pretrained``
   (hence ``AutoModel*``, pipelines, sentence-transformers) through fastload.
 

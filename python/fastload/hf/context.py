@@ -9,9 +9,10 @@ arguments:
 * the **environment**: ``HF_DEACTIVATE_ASYNC_LOAD`` true makes transformers load on the calling
   thread alone; fastload then starts no read-ahead thread and copies on the calling thread
   (:func:`ambient_core_options`);
-* a **quantization config** (in config.json, or passed on the config): fastload loads
-  unquantized models only, so such a load is refused by name (:func:`check_not_quantized`) and,
-  under the patch, goes to transformers' own loader.
+* a **quantization config** (in config.json, or passed on the config): its method is named by
+  :func:`quantization_method`; :mod:`fastload.hf.quantized` drives transformers' quantizer for
+  the methods fastload reads and refuses the others, which under the patch go to transformers'
+  own loader.
 
 fastload's direct API (``fastload.from_pretrained``) takes its device from ``device=`` /
 ``device_map=`` only; the ambient device never leaks into a load
@@ -24,7 +25,6 @@ import os
 from typing import Any
 
 from fastload.core.devices import ambient_device
-from fastload.core.errors import UnsupportedError
 
 #: transformers' words (``check_and_set_device_map``) for a load under an ambient meta device
 META_CONTEXT_MESSAGE = (
@@ -77,16 +77,3 @@ def quantization_method(config: Any) -> str | None:
         method = getattr(quantization, "quant_method", None)
     method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
     return str(method) if method is not None else "?"
-
-
-def check_not_quantized(config: Any, source: Any) -> None:
-    """``UnsupportedError`` when ``config`` carries a quantization config: fastload would load
-    the checkpoint as an unquantized model (or fail on its packed tensors), never what
-    transformers' quantizer makes of it."""
-    method = quantization_method(config)
-    if method is not None:
-        raise UnsupportedError(
-            f"{source}: the config has a quantization_config (quant_method={method!r}); fastload "
-            "loads unquantized models only and never loads a quantized checkpoint as another "
-            "model: load it with transformers"
-        )

@@ -31,19 +31,21 @@ from fastload.core.hooks import Merge, Narrow, Piece, Select, View
 from fastload.hf.renames import transformers_renames
 
 
-def converters_of(model: Any) -> list[Any]:
-    """The ``WeightConverter`` entries transformers registers for ``model`` (none for a
-    transformers version without conversion mappings)."""
+def converters_of(model: Any, quantizer: Any = None) -> list[Any]:
+    """The ``WeightConverter`` entries transformers registers for ``model`` (with those its
+    ``quantizer`` adds for a pre-quantized checkpoint; none for a transformers version without
+    conversion mappings)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter
     except ImportError:
         return []
-    return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightConverter)]
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
+    return [t for t in mapping if isinstance(t, WeightConverter)]
 
 
 def transformers_merges(
-    model: Any, ckpt: Any, model_keys: set[str], rules: keymod.KeyRules
+    model: Any, ckpt: Any, model_keys: set[str], rules: keymod.KeyRules, *, quantizer: Any = None
 ) -> dict[str, Merge]:
     """The merges and splits transformers' conversion mapping makes for ``model`` on the
     checkpoint ``ckpt`` (``rules``: how names map); empty when every stored name already is a
@@ -51,10 +53,10 @@ def transformers_merges(
     known = model_keys.union(rules.computed)
     if all(rules.rename(k) in known for k in ckpt.tensors):
         return {}
-    converters = converters_of(model)
+    converters = converters_of(model, quantizer)
     if not converters:
         return {}
-    renames = transformers_renames(model, rules.source)
+    renames = transformers_renames(model, rules.source, quantizer)
     prefix = rules.base_model_prefix
 
     def rename(name: str) -> str:
@@ -67,7 +69,7 @@ def transformers_merges(
         name = keymod.adjust(name, prefix, model_keys)
         return name if name in model_keys else None
 
-    shapes = {n: tuple(t.shape) for n, t in ckpt.tensors.items()}
+    shapes = {n: t.torch_shape for n, t in ckpt.tensors.items()}
     model_shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
     return plan_merges(
         shapes,
@@ -166,6 +168,14 @@ def _check_own_operations(converter: Any, stored: str, source: str) -> None:
     operation replaced or patched (a subclass, a plugin, a mock) may do anything else."""
     for op in converter.operations:
         cls = type(op)
+        if getattr(op, "hf_quantizer", None) is not None:  # what a quantizer runs on load
+            raise UnsupportedError(
+                f"{source}: tensor {stored!r} needs {cls.__qualname__}, a load operation of "
+                "transformers' quantizer (here before the conversion "
+                f"{converter.source_patterns} -> {converter.target_patterns}); fastload reads "
+                "quantized tensors as they are stored and runs no load operation: load it with "
+                "transformers"
+            )
         convert = getattr(cls, "convert", None)
         own = (
             cls.__module__ == "transformers.core_model_loading"

@@ -23,11 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastload.core.checkpoint import resolve as resolve_files
 from fastload.core.errors import (
     CheckpointError,
     FastloadError,
     FastloadFileNotFoundError,
     RequestError,
+    UnsupportedError,
     also_as,
 )
 from fastload.core.load_options import LoadOptions
@@ -40,10 +42,10 @@ from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
 from fastload.hf import hub as hubmod
 from fastload.hf.auto import is_auto_class, resolve_class
-from fastload.hf.context import check_not_quantized
 from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
+from fastload.hf.quantized import Quantization, quantization_for
 from fastload.training.gradient_checkpointing import (
     drop_legacy_config_key,
     gradient_checkpointing_enable,
@@ -145,12 +147,28 @@ def load_hf(
                 trust_remote_code=opts.trust_remote_code,
                 code_revision=opts.code_revision,
             )
-            # never a quantized checkpoint loaded as an unquantized model (fastload.hf.context)
-            check_not_quantized(cfg, path if path is not None else cls.__name__)
+            # a quantized checkpoint is read into the modules transformers' quantizer makes, or
+            # refused; never loaded as an unquantized model (fastload.hf.quantized)
+            quant = quantization_for(
+                cfg,
+                path if path is not None else cls.__name__,
+                files=lambda: _local_files(resolved),
+            )
+            if quant is not None and (options.device_map is not None or hooks.tp is not None):
+                raise UnsupportedError(
+                    f"{path}: quant_method={quant.method!r} with a device_map or tp_plan: "
+                    "fastload reads a quantized checkpoint onto one device; load it with "
+                    "transformers"
+                )
+            if quant is not None and not contract and not {"missing", "strict"} & set(given):
+                # a scale or packed weight absent from the file has no value its method gives
+                # it (integer ones have no NaN to be found by): refused from the plan, by name
+                options = dataclasses.replace(options, missing="error")
             _prepare_config(cfg, opts.config_attrs, init_kwargs, source)
             cfg.name_or_path = os.fspath(path) if path is not None else cfg.name_or_path
             hooks.config = cfg  # dtype="auto" reads the config's dtype
-            target = Target(build=_builder(cls, cfg, init_kwargs), hooks=hooks)
+            hooks.quantization = quant
+            target = Target(build=_builder(cls, cfg, init_kwargs, quant), hooks=hooks)
         else:  # any nn.Module class or factory, its checkpoint found by model id
             target = plain_target(model, config, kwargs, choose_hooks=family_hooks)
 
@@ -222,8 +240,27 @@ def _prepare_config(
         )
 
 
-def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:
+def _local_files(resolved: Any) -> list[str]:
+    """The checkpoint's local files (for a quantizer's ``preprocess_model``); none for a state
+    dict or object storage."""
+    weights = getattr(resolved, "weights", None)
+    if weights is None or is_url(weights):
+        return []
+    return [os.fspath(f) for f in resolve_files(weights, allow_pickle=True).files]
+
+
+def _builder(
+    cls: type, cfg: Any, init_kwargs: dict[str, Any], quant: Quantization | None = None
+) -> Any:
+    def make() -> nn.Module:
+        model = cls(cfg, **init_kwargs)
+        if quant is not None:  # transformers' module swaps, on the skeleton as it is built
+            quant.preprocess(model, cfg.dtype)
+        return model
+
     def build(dtype: torch.dtype | None) -> nn.Module:
+        if quant is not None and dtype is not None:
+            dtype = quant.update_dtype(dtype)
         if dtype is not None:
             # As transformers records it: the dtype the model was built in, sub-configs included.
             cfg.dtype = dtype
@@ -232,9 +269,7 @@ def _builder(cls: type, cfg: Any, init_kwargs: dict[str, Any]) -> Any:
                 if sub is not None:
                     sub.dtype = dtype
         try:
-            return build_skeleton(
-                lambda: cls(cfg, **init_kwargs), dtype=dtype, contexts=build_contexts()
-            )
+            return build_skeleton(make, dtype=dtype, contexts=build_contexts())
         except FastloadError:
             raise
         except TypeError:

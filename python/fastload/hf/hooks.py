@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from fastload.core.keys import KeyRules
     from fastload.core.report import LoadReport
     from fastload.core.tying import Slot
+    from fastload.hf.quantized import Quantization
 
 
 #: transformers' flag on a parameter it initialized or loaded (``_is_hf_initialized``): a
@@ -57,6 +58,8 @@ class TransformersHooks(ModelHooks):
         #: where the checkpoint's side files (generation_config.json) are, when the core's
         #: location has no local directory (a checkpoint in object storage, fetched alongside)
         self.directory: Path | None = None
+        #: transformers' quantizer of a pre-quantized checkpoint (fastload.hf.quantized)
+        self.quantization: Quantization | None = None
 
     def collision_order(self) -> Callable[[str], Any] | None:
         if not self.contract:
@@ -94,14 +97,17 @@ class TransformersHooks(ModelHooks):
         model_keys: set[str],
         rules: KeyRules,
     ) -> dict[str, Merge]:
-        return transformers_merges(model, ckpt, model_keys, rules)
+        return transformers_merges(model, ckpt, model_keys, rules, quantizer=self._quantizer())
 
     def auto_dtype(self, ckpt: OpenCheckpoint) -> torch.dtype | None:
         return auto_dtype(self.config, ckpt)
 
     def renames(self, model: nn.Module, source: str) -> Callable[[], Any]:
         # Built only if some name does not match directly (transformers compiles ~1000 regexes).
-        return functools.partial(transformers_renames, model, source)
+        return functools.partial(transformers_renames, model, source, quantizer=self._quantizer())
+
+    def _quantizer(self) -> Any:
+        return self.quantization.quantizer if self.quantization is not None else None
 
     def authorized_unexpected(self, model: nn.Module, slots: list[Slot]) -> list[str]:
         # What transformers adds for buffers that used to be persistent (position_ids) or moved
@@ -167,6 +173,12 @@ class TransformersHooks(ModelHooks):
             generation_config=self.generation_config,
             device_map=device_map,
         )
+        if self.quantization is not None:  # last, as in transformers' from_pretrained
+            not_loaded = {*report.missing, *report.authorized_missing, *report.initialized}
+            not_loaded |= {name for name, _, _ in report.mismatched}
+            self.quantization.postprocess(model, not_loaded)
+            report.quant_method = self.quantization.method
+            report.quant_seconds = self.quantization.seconds
 
 
 class ContainerHooks(ModelHooks):

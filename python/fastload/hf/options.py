@@ -78,7 +78,11 @@ OPTIONS: dict[str, tuple[str, str]] = {
         "accelerate's hooks read them onto the execution device when used",
     ),
     "offload_buffers": ("refused", "buffers are never offloaded"),
-    "quantization_config": ("refused", "no quantization"),
+    "quantization_config": (
+        "refused",
+        "no quantization on load (a pre-quantized checkpoint's own config is read, see "
+        "Quantized checkpoints)",
+    ),
     "gguf_file": ("refused", "GGUF files are not read"),
     "distributed_config": ("honoured", "tensor parallelism as transformers' (tp_size only)"),
     "device_mesh": ("honoured", "accepted and ignored, as transformers 5 ignores it"),

@@ -11,7 +11,11 @@ What the caller gets is what transformers returns: the model, or ``(model, loadi
 ``output_loading_info=True`` where ``loading_info`` is the dict transformers returns (sets, as
 transformers has them), and the load is reported on transformers' logger in its words
 (:mod:`fastload.hf.contract`). The full :class:`~fastload.core.report.LoadReport` of the latest
-patched load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger.
+patched load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger. Both
+globals describe the latest patched call, never an earlier one: a call left to transformers sets
+:data:`last_report` to ``None`` and :data:`last_fallback` to the reason (also logged), a call
+fastload serves sets :data:`last_fallback` to ``None``, and a call whose load by fastload raises
+leaves both ``None``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,12 @@ logger = logging.getLogger("fastload")
 
 _LOCK = threading.Lock()
 _original: Any = None  # the classmethod object patched over, while patched
-#: the report of the latest load served by fastload under the patch
+#: the report of the latest patched call, if fastload served it (``None`` when that call was left
+#: to transformers' own loader, or raised)
 last_report: LoadReport | None = None
+#: why the latest patched call was left to transformers' own loader (``None`` when fastload
+#: served it, or fastload's load raised an error it did not leave to transformers)
+last_fallback: str | None = None
 
 
 class Patch:
@@ -98,7 +106,10 @@ def _distributed() -> bool:
 def _from_pretrained(
     cls: type, pretrained_model_name_or_path: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    global last_report
+    global last_report, last_fallback
+    # whatever this call ends in, the globals never describe an earlier one
+    last_report = None
+    last_fallback = None
     if args:
         reason = "positional __init__ arguments"
     elif pretrained_model_name_or_path is None and kwargs.get("state_dict") is None:
@@ -157,4 +168,5 @@ def _from_pretrained(
         pretrained_model_name_or_path,
         reason,
     )
+    last_fallback = reason
     return _transformers_own(cls, pretrained_model_name_or_path, args, kwargs)

@@ -10,22 +10,23 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
 from fastload.core.keys import Rename
 
 
-def transformers_renames(model: nn.Module, source: str) -> list[Rename]:
+def transformers_renames(model: nn.Module, source: str, quantizer: Any = None) -> list[Rename]:
     """The renamings transformers registers for this architecture (legacy ``LayerNorm.gamma``
-    included)."""
+    included), and those its ``quantizer`` adds for a pre-quantized checkpoint."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming
     except ImportError:  # a transformers without registered conversions: nothing to apply
         return []
 
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, hf_quantizer=quantizer)
     renames: list[Rename] = [
         (lambda name, t=t: t.rename_source_key(name)[0])
         for t in transforms

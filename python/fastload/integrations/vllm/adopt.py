@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fastload.core.dtypes import CONVERTIBLE, TORCH_TO_ST, to_st
+from fastload.core.dtypes import CONVERTIBLE, PACKED, TORCH_TO_ST, to_st
 from fastload.core.engine import copy_into
 from fastload.core.errors import ModelMismatchError
 from fastload.core.memory import memory_budget
@@ -272,8 +272,8 @@ class CopyWatch(TorchFunctionMode):
         ):
             return False
         selection = _selection(src, origin.shape, src.untyped_storage().data_ptr())
-        if selection is False:
-            return False
+        if selection is False or (selection is not None and origin.st_dtype in PACKED):
+            return False  # the engine cuts no packed sub-byte tensor: torch copies the view
         if self.deferred is not None:  # made behind the weight loaders, in batches
             self.deferred.submit(origin.mapping.file, origin.name, dst, selection)
             self._fetches[id(self.deferred)] = self.deferred

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from fastload import _core
-from fastload.core.dtypes import to_torch
+from fastload.core.dtypes import to_torch, torch_shape
 from fastload.core.staging import StagingPool
 from fastload.core.streaming import stream_into
 
@@ -64,8 +64,12 @@ def staged_tensors(
     consumer = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def fill(batch: list[Entry]) -> list[tuple[str, torch.Tensor]]:
+        # each sized as torch holds the bytes (a packed dtype's header counts values)
         out = [
-            (name, torch.empty(shape, dtype=to_torch(st_dtype), device=device))
+            (
+                name,
+                torch.empty(torch_shape(st_dtype, shape), dtype=to_torch(st_dtype), device=device),
+            )
             for name, st_dtype, shape, _b, _e in batch
         ]
         items = [(name, t, None) for name, t in out if t.numel()]

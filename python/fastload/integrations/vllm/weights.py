@@ -44,7 +44,7 @@ import torch
 
 from fastload import _core
 from fastload.core.digests import file_digests
-from fastload.core.dtypes import to_torch
+from fastload.core.dtypes import to_torch, torch_shape
 from fastload.core.engine import copy_into
 from fastload.core.errors import CheckpointError, UnsupportedError
 from fastload.core.memory import memory_budget
@@ -187,9 +187,10 @@ class CheckpointWeights:
                 continue
             st = _core.SafetensorsFile(path, "pread")  # validates; names the file and the tensor
             entries = sorted(st.tensors(), key=lambda t: t[3])
-            for name, st_dtype, _shape, _b, _e in entries:
+            for name, st_dtype, shape, _b, _e in entries:
                 with refusing_unreadable("vLLM's own loader (--load-format auto)"):
                     to_torch(st_dtype, where=f"{path}: tensor {name!r}")
+                    torch_shape(st_dtype, shape, where=f"{path}: tensor {name!r}")
             self._files.append(_File(path, st, entries=entries))
         if index is not None:
             self._check_index_against_shards(index)
@@ -351,7 +352,12 @@ class CheckpointWeights:
                                 state["held"] += end - begin
                                 break
                         credit.acquire(timeout=0.5)
-                    dest = torch.empty(shape, dtype=to_torch(st_dtype), device="cpu")
+                    where = f"{f.path}: tensor {name!r}"
+                    dest = torch.empty(
+                        torch_shape(st_dtype, shape, where=where),
+                        dtype=to_torch(st_dtype),
+                        device="cpu",
+                    )
                     if dest.numel():
                         copy_into(st, [(name, dest, st_dtype, None)], self.options.threads)
                     q.put((name, dest, end - begin))
@@ -402,7 +408,9 @@ class CheckpointWeights:
             for name, tensor in self._copies(f):
                 yield name, tensor, Origin(f.path, name)
             return
-        for name, st_dtype, shape, _begin, _end in f.entries or ():
+        for name, st_dtype, header_shape, _begin, _end in f.entries or ():
+            # the tensor torch makes of the bytes (a packed dtype's header counts values)
+            shape = torch_shape(st_dtype, header_shape, where=f"{f.path}: tensor {name!r}")
             view = f.mapping.view(name, to_torch(st_dtype))
             if view is None:  # an offset not aligned for the dtype: a copy
                 view = torch.empty(shape, dtype=to_torch(st_dtype), device="cpu")

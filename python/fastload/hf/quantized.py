@@ -1,0 +1,131 @@
+"""Pre-quantized checkpoints: transformers' quantizer decides what the model is, fastload reads.
+
+transformers owns what a quantization method means: which modules are swapped, which tensors they
+hold, in which dtypes, and what runs on them after loading. fastload drives transformers' own
+quantizer through the hooks its ``from_pretrained`` calls, in the same order, and reads every
+tensor with the engine:
+
+1. ``get_hf_quantizer`` (its environment checks, their errors, the config merged) and
+   ``update_dtype``;
+2. ``preprocess_model`` on the meta skeleton (the module swaps; new parameters land on meta);
+3. ``get_model_conversion_mapping(model, key_mapping, quantizer)`` (:mod:`fastload.hf.renames`,
+   :mod:`fastload.hf.conversions`);
+4. the read: every stored tensor goes straight into the parameter the swapped module declares
+   (the core's plan: shapes and dtypes checked from the headers before anything is read);
+5. ``model.hf_quantizer = quantizer`` and ``postprocess_model``.
+
+Served are the formats stored as they run: the quantizer's load mode has no operation, so each
+parameter is the stored tensor itself (:data:`SERVED_METHODS`, tested against transformers).
+Any other method, and a served method whose quantizer asks for a load operation here (its
+``dequantize`` option, a format it deserializes), is refused with ``UnsupportedError`` naming the
+method, and under the patch goes to transformers' own loader; fastload never reimplements a
+method.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.core.errors import UnsupportedError
+from fastload.hf.context import quantization_method
+
+#: the ``quant_method`` values fastload reads itself (stored as they run, without a load
+#: operation, checked against transformers by tests/test_hf_quantized.py)
+SERVED_METHODS = frozenset({"compressed-tensors"})
+
+
+@dataclass
+class Quantization:
+    """transformers' quantizer of one load, and what running its hooks cost."""
+
+    quantizer: Any
+    method: str
+    #: seconds spent in the quantizer's hooks (module swaps, post-processing), apart from reads
+    seconds: float = 0.0
+    #: the checkpoint files, for ``preprocess_model``
+    files: list[str] = field(default_factory=list)
+
+    def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the quantizer builds the model in (``update_dtype``); a quantizer that
+        changes it is refused: fastload's dtype rules were already applied to the plan."""
+        wanted = self.quantizer.update_dtype(dtype)
+        if wanted != dtype:
+            raise UnsupportedError(
+                f"quant_method={self.method!r}: transformers' quantizer builds the model in "
+                f"{wanted}, not {dtype}; fastload does not load such a checkpoint: load it with "
+                "transformers"
+            )
+        return dtype
+
+    def preprocess(self, model: nn.Module, dtype: torch.dtype | None) -> None:
+        """``preprocess_model`` on the skeleton (the module swaps), on the meta device as
+        transformers runs it."""
+        start = time.perf_counter()
+        with torch.device("meta"):
+            self.quantizer.preprocess_model(
+                model=model, dtype=dtype, device_map=None, checkpoint_files=self.files or None
+            )
+        self.seconds += time.perf_counter() - start
+
+    def postprocess(self, model: nn.Module, not_loaded: set[str]) -> None:
+        """What transformers does once the tensors are in: each loaded parameter trainable if it
+        is floating (its loader wraps every tensor it sets in a new ``Parameter`` so: a scale the
+        quantizer declared frozen becomes trainable, an integer weight stays frozen), then
+        ``model.hf_quantizer`` set and ``postprocess_model``. ``not_loaded``: the parameters
+        the checkpoint did not fill (they keep their own flag)."""
+        start = time.perf_counter()
+        for name, param in model.named_parameters():
+            if name not in not_loaded:
+                param.requires_grad_(param.is_floating_point())
+        model.hf_quantizer = self.quantizer
+        self.quantizer.postprocess_model(model)
+        self.seconds += time.perf_counter() - start
+
+
+def quantization_for(
+    config: Any, source: Any, *, files: Callable[[], list[str]] = list
+) -> Quantization | None:
+    """transformers' quantizer for ``config`` when it carries a quantization config (``None``
+    otherwise); ``UnsupportedError`` naming the method when fastload does not read it. ``files``
+    gives the checkpoint's local files (for ``preprocess_model``), asked only for a quantized
+    checkpoint.
+
+    transformers' own errors (a missing package, an environment its quantizer refuses) are
+    raised as transformers raises them."""
+    method = quantization_method(config)
+    if method is None:
+        return None
+    if method not in SERVED_METHODS:
+        raise UnsupportedError(
+            f"{source}: the config has a quantization_config (quant_method={method!r}); fastload "
+            f"reads pre-quantized checkpoints of {', '.join(sorted(SERVED_METHODS))} only and "
+            "never loads a quantized checkpoint as another model: load it with transformers"
+        )
+    from transformers.quantizers.auto import get_hf_quantizer
+
+    quantizer, _, _ = get_hf_quantizer(config, None, None, True, {})
+    if quantizer is None:  # transformers does not know the method (it warned): it would skip it
+        raise UnsupportedError(
+            f"{source}: transformers has no quantizer for quant_method={method!r}; load it with "
+            "transformers"
+        )
+    settings = quantizer.quantization_config
+    mode = "dequantize" if getattr(settings, "dequantize", False) else "deserialize"
+    operation = quantizer.get_load_operations().get(mode)
+    if operation is not None or quantizer.get_weight_conversions():
+        name = getattr(operation, "__name__", "a load operation")
+        raise UnsupportedError(
+            f"{source}: quant_method={method!r} loads here through transformers' {name} "
+            f"({mode}); fastload reads formats stored as they run, without a load operation: "
+            "load it with transformers"
+        )
+    return Quantization(quantizer, method, files=files())
+
+
+__all__ = ["SERVED_METHODS", "Quantization", "quantization_for"]

@@ -1,0 +1,330 @@
+"""Pre-quantized checkpoints through fastload (:mod:`fastload.hf.quantized`): transformers'
+quantizer swaps the modules, fastload reads the tensors, and the model is transformers' own:
+the same module classes, parameters and buffers (bitwise, dtypes, trainability), logits,
+``hf_quantizer`` and ``save_pretrained`` files. The checkpoints are tiny Llamas quantized by
+compressed-tensors' own code (weight-only int8, int4 packed into int32, FP8 e4m3, NVFP4 and
+MXFP4), formats stored as they run, which transformers keeps as stored on a CPU."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+import fastload  # noqa: E402
+from fastload.hf import patch  # noqa: E402
+from tensor_samples import raw_bytes  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("unpatched")
+
+#: (id, the weights' scheme, compressed-tensors format): a compressed-tensors preset, or (value
+#: type, bits) per output channel. int8 and FP8 (e4m3) are stored as is, int4 packed eight to an
+#: int32, NVFP4 and MXFP4 two to a uint8 beside FP8 (NVFP4, with a global scale) or E8M0 scales
+#: per group of 16 or 32
+FORMATS: list[tuple[str, str | tuple[str, int], str]] = [
+    ("int8", ("int", 8), "int-quantized"),
+    ("int4-packed", ("int", 4), "pack-quantized"),
+    ("fp8", ("float", 8), "float-quantized"),
+    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
+    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
+]
+
+
+def _quantize(
+    directory: Path,
+    scheme: str | tuple[str, int] = ("int", 8),
+    form: str = "int-quantized",
+    moe: bool = False,
+) -> Path:
+    """A tiny Llama (``moe``: Mixtral) whose Linear layers but the head compressed-tensors
+    quantized weight-only by ``scheme`` (symmetric), compressed in its format ``form`` and saved
+    as llm-compressor saves one."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    if moe:
+        config: Any = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)
+        model = MixtralForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
+    if isinstance(scheme, str):
+        weights = preset_name_to_scheme(scheme, ["Linear"])
+    else:
+        kind, bits = scheme
+        args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
+        weights = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            _calibrate(module, weights.weights)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return directory
+
+
+def _calibrate(module: torch.nn.Module, args: Any) -> None:
+    """What a calibration of the weights computes: the scales (and zero points, global scale)
+    of their ranges, per output channel or per group."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    w = module.weight.detach().float()
+    if args.group_size:
+        groups = w.reshape(w.shape[0], -1, args.group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+    else:
+        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    whole = None
+    if hasattr(module, "weight_global_scale"):
+        whole = generate_gparam(w.amin(), w.amax())
+        module.weight_global_scale.data.copy_(whole.reshape(module.weight_global_scale.shape))
+    scale, zero = calculate_qparams(low, high, args, global_scale=whole)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+@pytest.fixture(scope="module", params=FORMATS, ids=[f[0] for f in FORMATS])
+def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    name, scheme, form = request.param
+    return _quantize(tmp_path_factory.mktemp(name), scheme, form)
+
+
+def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+
+
+def assert_same_quantized_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Module classes and attributes, parameters and buffers (names, dtypes, shapes, bytes,
+    trainability), the quantizer and the config's quantization config; then the logits of a
+    fixed input, or the same error from it (last: compressed-tensors changes its modules on the
+    first forward)."""
+    assert type(got) is type(want)
+    got_modules, want_modules = dict(got.named_modules()), dict(want.named_modules())
+    assert list(got_modules) == list(want_modules)
+    for name, module in want_modules.items():
+        mine = got_modules[name]
+        assert type(mine) is type(module), name
+        public = {k for k in vars(module) if not k.startswith("_")}
+        assert {k for k in vars(mine) if not k.startswith("_")} == public, name
+    for kind in ("named_parameters", "named_buffers"):
+        got_tensors, want_tensors = dict(getattr(got, kind)()), dict(getattr(want, kind)())
+        assert list(got_tensors) == list(want_tensors), kind
+        for name, w in want_tensors.items():
+            g = got_tensors[name]
+            assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
+            assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
+    assert type(got.hf_quantizer) is type(want.hf_quantizer)
+    assert got.config.quantization_config.to_dict() == want.config.quantization_config.to_dict()
+    assert got.training == want.training
+    mine, theirs = _forward(got), _forward(want)
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(mine, torch.Tensor) and torch.equal(mine, theirs)
+    else:  # a forward transformers' model cannot run (float16 activations, bf16 NVFP4 weights)
+        assert mine == theirs
+
+
+def _forward(model: torch.nn.Module) -> torch.Tensor | tuple[type, str]:
+    """The logits of a fixed input, or the error the forward raised."""
+    ids = torch.tensor([[1, 5, 9, 17, 33]])
+    try:
+        with torch.no_grad():
+            return model(ids).logits  # type: ignore[no-any-return]
+    except RuntimeError as e:
+        return type(e), str(e)
+
+
+@pytest.mark.parametrize("read_mode", ["pread", "mmap"])
+def test_a_compressed_tensors_checkpoint_loads_as_transformers_loads_it(
+    quantized: Path, read_mode: str
+) -> None:
+    want = _transformers(quantized)
+    got, report = fastload.from_pretrained(quantized, read_mode=read_mode, output_loading_info=True)
+    assert report.quant_method == "compressed-tensors"
+    assert "quantized: compressed-tensors" in report.summary()
+    assert not report.missing and not report.unexpected and not report.mismatched
+    stored = {k for f in report.files for k in fastload.safe_open(f).keys()}
+    assert report.tensors_loaded == len(stored)  # every stored tensor read as it is stored
+    assert_same_quantized_model(got, want)
+    assert isinstance(_forward(got), torch.Tensor)  # in its stored dtype, the model runs
+
+
+def test_under_the_patch_a_compressed_tensors_checkpoint_is_read_by_fastload(
+    quantized: Path, tmp_path: Path, transformers_loads: list[str]
+) -> None:
+    want = _transformers(quantized)
+    transformers_loads.clear()
+    with fastload.patch_transformers():
+        got = _transformers(quantized)
+    assert transformers_loads == []
+    assert patch.last_fallback is None
+    assert patch.last_report is not None and patch.last_report.quant_method == "compressed-tensors"
+    want.save_pretrained(tmp_path / "transformers")
+    got.save_pretrained(tmp_path / "fastload")
+    names = sorted(p.name for p in (tmp_path / "transformers").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "fastload").iterdir())
+    for name in names:  # what save_pretrained writes of it is what it writes of transformers'
+        mine = (tmp_path / "fastload" / name).read_bytes()
+        assert mine == (tmp_path / "transformers" / name).read_bytes(), name
+    assert_same_quantized_model(got, want)
+
+
+def _with_quantization(directory: Path, tmp_path: Path, **changes: object) -> Path:
+    """A copy of the checkpoint whose config's quantization_config has ``changes``."""
+    copy = tmp_path / "changed"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"].update(changes)
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_format_transformers_dequantizes_on_load_is_refused_naming_its_operation(
+    quantized: Path, tmp_path: Path
+) -> None:
+    directory = _with_quantization(quantized, tmp_path, dequantize=True)
+    with pytest.raises(
+        fastload.UnsupportedError,
+        match=r"quant_method='compressed-tensors'.*CompressedTensorsDequantize \(dequantize\)",
+    ):
+        fastload.from_pretrained(directory)
+
+
+def test_under_the_patch_a_format_with_a_load_operation_goes_to_transformers_saying_so(
+    quantized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, transformers_loads: list[str]
+) -> None:
+    directory = _with_quantization(quantized, tmp_path, dequantize=True)
+    caplog.set_level(logging.WARNING, logger="fastload")
+    with fastload.patch_transformers():
+        model = _transformers(directory)
+    assert transformers_loads == ["LlamaForCausalLM"]
+    assert patch.last_report is None
+    assert patch.last_fallback is not None and "CompressedTensorsDequantize" in patch.last_fallback
+    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
+    assert len(said) == 1 and "CompressedTensorsDequantize" in said[0]
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # dequantized
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor_before_reading(
+    quantized: Path, tmp_path: Path
+) -> None:
+    import safetensors.torch as st
+
+    directory = _with_quantization(quantized, tmp_path)
+    path = directory / "model.safetensors"
+    tensors = st.load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    tensors[name] = tensors[name][:7]
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[7,"):
+        fastload.from_pretrained(directory)
+
+
+def test_a_quantized_load_with_a_device_map_is_refused(quantized: Path) -> None:
+    with pytest.raises(fastload.UnsupportedError, match="quant_method='compressed-tensors'"):
+        fastload.from_pretrained(quantized, device_map={"": "cpu"})
+
+
+def test_a_sharded_checkpoint_loaded_as_float16_loads_as_transformers_loads_it(
+    quantized: Path, tmp_path: Path
+) -> None:
+    _transformers(quantized).save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    want = _transformers(tmp_path, dtype=torch.float16)
+    got = fastload.from_pretrained(tmp_path, dtype=torch.float16)
+    assert got.model.norm.weight.dtype == torch.float16
+    assert_same_quantized_model(got, want)
+
+
+def test_a_quantized_model_reloads_in_place(quantized: Path, tmp_path: Path) -> None:
+    model = fastload.from_pretrained(quantized, mmap="copy")
+    weights = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fastload.reload(model, quantized)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == weights
+    assert_same_quantized_model(model, _transformers(quantized))
+
+
+def test_a_missing_scale_is_a_checkpoint_error_naming_it(quantized: Path, tmp_path: Path) -> None:
+    import safetensors.torch as st
+
+    directory = _with_quantization(quantized, tmp_path)
+    path = directory / "model.safetensors"
+    tensors = st.load_file(str(path))
+    name = "model.layers.1.mlp.down_proj.weight_scale"
+    del tensors[name]
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    # transformers reports it missing and keeps what it allocated; the direct API refuses it from
+    # the plan (an integer scale, MXFP4's, has no NaN an initialization check could find)
+    with pytest.raises(fastload.CheckpointError, match=rf"not in the checkpoint: {name}"):
+        fastload.from_pretrained(directory)
+
+
+def test_a_merge_of_experts_that_needs_a_load_operation_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    # transformers 5 saves Mixtral's experts one per tensor, unquantized (compressed-tensors
+    # quantizes Linear modules, and the merged experts are not); its quantizer then puts its
+    # dequantize operation before the merge, which fastload does not run
+    directory = _quantize(tmp_path, moe=True)
+    with pytest.raises(
+        fastload.UnsupportedError, match=r"needs CompressedTensorsDequantize, a load operation"
+    ):
+        fastload.from_pretrained(directory)
+    with fastload.patch_transformers(), pytest.raises(RuntimeError) as theirs:
+        _transformers(directory)  # transformers' own loader, and its own error
+    assert not isinstance(theirs.value, fastload.FastloadError)
+    assert patch.last_fallback is not None and "a load operation" in patch.last_fallback
+
+
+def test_a_weight_of_the_wrong_dtype_is_refused_naming_it_before_reading(
+    quantized: Path, tmp_path: Path
+) -> None:
+    import safetensors.torch as st
+
+    directory = _with_quantization(quantized, tmp_path)
+    path = directory / "model.safetensors"
+    tensors = st.load_file(str(path))
+    quantized_dtypes = (torch.int8, torch.int32, torch.uint8, torch.float8_e4m3fn)
+    name = next(k for k, t in tensors.items() if t.dtype in quantized_dtypes)
+    stored = tensors[name]  # its values as int16 (FP8 through its bytes: no cast from it)
+    tensors[name] = (stored.view(torch.uint8) if stored.is_floating_point() else stored).to(
+        torch.int16
+    )
+    st.save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(fastload.CheckpointError, match=rf"tensor '{name}' is stored as I16"):
+        fastload.from_pretrained(directory)
