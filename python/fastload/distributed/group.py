@@ -54,10 +54,6 @@ class RankGroup:
             return rank
         return int(self.dist.get_global_rank(self.group, rank))
 
-    def members(self) -> tuple[int, ...]:
-        """The default group's ranks of this group's members, in group order."""
-        return tuple(self.global_rank(r) for r in range(self.world_size))
-
     def gather(self, value: Any) -> list[Any]:
         """``value`` of every rank, in rank order."""
         out: list[Any] = [None] * self.world_size
@@ -85,26 +81,15 @@ class RankGroup:
 def together(group: RankGroup, step: Callable[[], T], what: str) -> T:
     """``step()`` on this rank, then every rank learns whether it failed anywhere: if it did,
     every rank raises one error naming the rank(s) and the cause (its class that of the first
-    failure, where fastload has it). The ranks' views of the group (size, members) are compared
-    in the same exchange: ranks that disagree are refused, before anything is read."""
+    failure, where fastload has it)."""
     failure: Exception | None = None
     value: Any = None
     try:
         value = step()
     except Exception as e:  # every rank must hear of it, whatever it is
         failure = e
-    mine = (group.world_size, group.members(), _summary(failure))
-    everyone = group.gather(mine)
-    views = {(size, members) for size, members, _ in everyone}
-    if len(views) > 1:
-        listed = "; ".join(
-            f"rank {r}: world size {s}, members {list(m)}" for r, (s, m, _) in enumerate(everyone)
-        )
-        raise RequestError(
-            f"collective load: the ranks called with different groups ({listed}); every rank "
-            "must pass the same process group"
-        ) from failure
-    failed = [(r, summary) for r, (_, _, summary) in enumerate(everyone) if summary is not None]
+    everyone = group.gather(_summary(failure))
+    failed = [(r, summary) for r, summary in enumerate(everyone) if summary is not None]
     if failed:
         raise group_error(failed, what) from failure
     return value  # type: ignore[no-any-return]
