@@ -92,7 +92,12 @@ def _load(kind: str, url: str, options: dict[str, str]) -> dict[str, torch.Tenso
             return {k: f.get_tensor(k) for k in f.offset_keys()}
     import transformers
 
-    extra: dict[str, Any] = {"process_group": group} if kind == "full" else {"tp_plan": "llama"}
+    extra: dict[str, Any] = {"tp_plan": "llama"} if kind == "tp" else {"process_group": group}
+    if kind == "local":  # a local checkpoint: no store options
+        model = fastload.from_pretrained(
+            transformers.LlamaForCausalLM, url, progress=False, **extra
+        )
+        return dict(model.state_dict())
     model = fastload.from_pretrained(
         transformers.LlamaForCausalLM, url, storage_options=options, progress=False, **extra
     )
@@ -338,6 +343,48 @@ def test_a_rank_killed_mid_load_stops_the_others_at_once(bucket, tmp_path: Path)
     assert "FastloadIOError" in got["type"]
     # bounded by the connection to the dead rank, not by the process group's timeout
     assert got["seconds"] < TIMEOUT_S // 2
+
+
+def _failing_disk_rank(
+    rank: int, world: int, port: int, root: str, plan: list[dict[str, Any]]
+) -> None:
+    if rank == 1:  # its disk fails under its chunks: every read is an I/O error
+        from fastload.core.errors import FastloadIOError
+        from fastload.distributed import collective
+
+        def broken(path: str, *args: Any) -> None:
+            raise FastloadIOError(f"{path}: reading failed: [Errno 5] Input/output error")
+
+        collective._pread = broken  # type: ignore[assignment]
+    _rank(rank, world, port, root, plan)
+
+
+def test_a_local_read_failing_on_one_rank_stops_every_rank_naming_it(
+    bucket, tmp_path: Path
+) -> None:
+    # the same exchange for local files: the failing rank tells the others before its chunk
+    shard = bucket[3]
+    mine = {"url": str(shard.parent), "endpoint": "", "secret": ""}
+    plan = [{"name": "disk", "kind": "local", "ranks": [mine, mine]}]
+    context = mp.spawn(
+        _failing_disk_rank, args=(2, free_port(), str(tmp_path), plan), nprocs=2, join=False
+    )
+    try:
+        for process in context.processes:
+            process.join(TIMEOUT_S)
+        assert not any(p.is_alive() for p in context.processes), "a rank still waits"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = [got["disk"].get("error") for got in ranks]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "reading its share of the checkpoint failed on rank 1" in errors[0]
+    assert "Input/output error" in errors[0]
+    assert all("FastloadIOError" in got["disk"]["type"] for got in ranks)
+    # bounded by the exchange, not by the process group's timeout
+    assert all(got["disk"]["seconds"] < TIMEOUT_S // 2 for got in ranks)
 
 
 def test_chunks_from_object_storage_are_cut_between_elements_and_dealt_round_robin() -> None:
