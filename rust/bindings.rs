@@ -119,6 +119,14 @@ impl PySafetensorsFile {
         self.inner.is_remote()
     }
 
+    /// `(size, etag, last_modified)` of the object version every read asks for (an object in
+    /// object storage; the date in RFC 3339, `None` where the store gave none), or None for a
+    /// local file: what the ranks of a collective load compare before they read.
+    #[getter]
+    fn version(&self) -> Option<(u64, Option<String>, Option<String>)> {
+        self.inner.version()
+    }
+
     /// File size in bytes.
     #[getter]
     fn file_size(&self) -> u64 {

@@ -264,6 +264,13 @@ impl SafetensorsFile {
         }
     }
 
+    /// `(size, ETag, Last-Modified)` of the object version every read of this file asks for
+    /// ([`crate::store::Object::version`]); `None` for a local file or one held in memory.
+    #[cfg(feature = "store")]
+    pub fn version(&self) -> Option<(u64, Option<String>, Option<String>)> {
+        self.object().map(crate::store::Object::version)
+    }
+
     /// Whether the bytes come from object storage (each read a request over the network).
     pub fn is_remote(&self) -> bool {
         self.mode() == ReadMode::RangedGet

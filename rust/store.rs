@@ -361,6 +361,14 @@ impl Object {
         &self.url
     }
 
+    /// The version every read asks for: `(size, ETag, Last-Modified)` as the store answered
+    /// when the object was opened (the date in RFC 3339, `None` where the store gave none).
+    /// Processes that read one object together compare it, so that they pin one version.
+    pub fn version(&self) -> (u64, Option<String>, Option<String>) {
+        let date = ranged::has_date(&self.meta).then(|| self.meta.last_modified.to_rfc3339());
+        (self.meta.size, self.meta.e_tag.clone(), date)
+    }
+
     /// Reads `[offset, offset + len)` with one ranged GET, handing the bytes to `sink` in the
     /// order and pieces they arrive. A body cut short is resumed from the byte it reached (by
     /// `object_store`, within the retry policy); fewer or more bytes than asked for, or another

@@ -40,6 +40,7 @@ EXPECTED: dict[str, tuple[int, int]] = {
     "README.md": (2, 0),
     "docs/distributed.md": (0, 2),
     "docs/errors.md": (1, 0),
+    "docs/fleet.md": (0, 1),
     "docs/gpu.md": (0, 1),
     "docs/loading.md": (8, 0),
     "docs/memory.md": (1, 0),

@@ -48,6 +48,11 @@ class SafetensorsFile:
     def remote(self) -> bool:
         """Whether the bytes come from object storage (read with ranged GETs)."""
     @property
+    def version(self) -> tuple[int, str | None, str | None] | None:
+        """``(size, etag, last_modified)`` of the object version every read asks for (an object
+        in object storage; the date in RFC 3339, None where the store gave none); None for a
+        local file."""
+    @property
     def file_size(self) -> int: ...
     @property
     def data_start(self) -> int: ...

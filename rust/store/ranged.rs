@@ -20,7 +20,7 @@ use super::{block_on, config_error, failure};
 use crate::error::{Error, Result, StoreFailure};
 
 /// Whether the store gave a Last-Modified date (`object_store` puts the epoch where it gave none).
-fn has_date(meta: &ObjectMeta) -> bool {
+pub(super) fn has_date(meta: &ObjectMeta) -> bool {
     meta.last_modified.timestamp() != 0 || meta.last_modified.timestamp_subsec_nanos() != 0
 }
 

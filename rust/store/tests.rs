@@ -245,3 +245,22 @@ fn a_raised_cancel_flag_abandons_a_request_still_waiting() {
     // without a flag, the same thread's requests run as before
     assert_eq!(block_on(async { 3 }).unwrap(), 3);
 }
+
+#[test]
+fn a_file_tells_the_version_its_reads_are_pinned_to() {
+    let store = memory_store();
+    put(&store, "m.safetensors", sample(100));
+    let file = SafetensorsFile::open_object(store.open("m.safetensors").unwrap()).unwrap();
+    let (size, etag, date) = file.version().unwrap();
+    let (head_size, head_etag) = store.head("m.safetensors").unwrap().unwrap();
+    assert_eq!((size, etag.clone()), (head_size, head_etag));
+    assert!(etag.is_some() && date.is_some());
+    // another version of the object: another ETag, while the file keeps the one it opened
+    put(&store, "m.safetensors", sample(100));
+    let again = SafetensorsFile::open_object(store.open("m.safetensors").unwrap()).unwrap();
+    assert_ne!(again.version().unwrap().1, etag);
+    assert_eq!(file.version().unwrap().1, etag);
+    // a file held in memory (as a local file) has no version to pin
+    let held = SafetensorsFile::from_bytes("held", sample(100)).unwrap();
+    assert!(held.version().is_none());
+}

@@ -47,7 +47,7 @@ from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.device_map import DeviceMap, resolve_device_map
 from fastload.core.dispatch import dispatch
 from fastload.core.dtypes import CONVERTIBLE, parse_dtype
-from fastload.core.errors import RequestError, UnsupportedError, from_os_error
+from fastload.core.errors import RequestError, from_os_error
 from fastload.core.finishing import resolve_duplicates, swap_in
 from fastload.core.hooks import FamilyShards, ModelHooks
 from fastload.core.load_options import LoadOptions
@@ -220,18 +220,17 @@ def _open(
 ) -> _Opened:
     """Opens the checkpoint (every header read), joins the group of a collective load, decides
     the dtype, and starts reading the files ahead where the tensors will be views of them."""
-    ckpt = open_source(
-        checkpoint, options.read_mode, options.mmap, options.allow_pickle, options.storage_options
-    )
+
+    def opener() -> OpenCheckpoint:
+        o = options
+        return open_source(checkpoint, o.read_mode, o.mmap, o.allow_pickle, o.storage_options)
+
     group = None
-    if options.collective and any(is_remote(f) for f in ckpt.files):
-        raise UnsupportedError(
-            f"{ckpt.location.files[0]}: a collective load (process_group, tp_plan) reads "
-            "local files; load a checkpoint in object storage without them"
-        )
-    if options.collective:
+    if options.collective:  # every rank opens, then learns whether all did
         where = "tp_plan" if options.tp_plan is not None else "process_group"
-        group = steps.across_ranks.join(options.process_group, where, ckpt)
+        group, ckpt = steps.across_ranks.join(options.process_group, where, opener)
+    else:
+        ckpt = opener()
     want = options.dtype
     if want == "auto":
         # the model family's rule for a model built for this load (its hooks' auto_dtype); the

@@ -67,9 +67,12 @@ class TensorParallelLayout(Protocol):
 class RankSteps(Protocol):
     """The steps of a load across ranks (:class:`fastload.distributed.steps.DistributedSteps`)."""
 
-    def join(self, process_group: Any, where: str, ckpt: OpenCheckpoint) -> RankGroup:
-        """This rank's group, once every rank is known to have opened the same checkpoint
-        (``where``: the option that made the load collective, for error messages)."""
+    def join(
+        self, process_group: Any, where: str, opener: Callable[[], OpenCheckpoint]
+    ) -> tuple[RankGroup, OpenCheckpoint]:
+        """This rank's group and the checkpoint ``opener`` opens on this rank, once every rank
+        is known to have opened the same checkpoint (a rank that failed to open it fails every
+        rank; ``where``: the option that made the load collective, for error messages)."""
 
     def read(
         self, group: RankGroup, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None

@@ -16,6 +16,12 @@ tensor-parallel plan). The ranks may read different paths (each node's local cop
 checkpoint): their headers are compared first (:func:`check_same_checkpoint`), and a mismatch is
 a ``CheckpointError`` on every rank.
 
+A checkpoint in object storage is read the same way, each rank fetching its chunks with the
+engine's ranged GETs, every rank pinned to one version of each object
+(:mod:`fastload.distributed.object_reads`, :mod:`fastload.distributed.pinning`). Before each
+chunk its owner says whether it has it: a rank that failed to read stops every rank with one
+error naming it (:mod:`fastload.distributed.group`).
+
 gloo moves CPU buffers; with NCCL the buffers live on the rank's CUDA device.
 """
 
@@ -28,6 +34,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,6 +43,9 @@ from fastload import _core
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import to_st, to_torch
 from fastload.core.errors import CheckpointError, FastloadIOError, RequestError, UnsupportedError
+from fastload.distributed.group import RankGroup, together
+from fastload.distributed.object_reads import ObjectReader, deal_objects
+from fastload.distributed.pinning import agree_on_versions
 
 #: bytes of one exchanged chunk (smaller when the checkpoint is small, so every rank gets some)
 CHUNK_BYTES = 32 << 20
@@ -60,51 +70,12 @@ class Chunk:
         return self.stop - self.start
 
 
-class RankGroup:
-    """A ``torch.distributed`` process group (``None``: the default one) and this process's
-    place in it."""
-
-    def __init__(self, group: Any = None, *, where: str = "process_group") -> None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RequestError(
-                f"{where}: torch.distributed is not initialized; call "
-                "torch.distributed.init_process_group first (torchrun does it for you)"
-            )
-        self.dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        if self.rank < 0:
-            raise RequestError(f"{where}: this process is not a member of the group")
-        backend = str(dist.get_backend(group)).lower()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
-
-    def global_rank(self, rank: int) -> int:
-        """The default group's rank of this group's ``rank``."""
-        if self.group is None:
-            return rank
-        return int(self.dist.get_global_rank(self.group, rank))
-
-    def gather(self, value: Any) -> list[Any]:
-        """``value`` of every rank, in rank order."""
-        out: list[Any] = [None] * self.world_size
-        self.dist.all_gather_object(out, value, group=self.group)
-        return out
-
-    def broadcast(self, buffer: torch.Tensor, owner: int) -> None:
-        self.dist.broadcast(buffer, src=self.global_rank(owner), group=self.group)
-
-
 def check_same_checkpoint(group: RankGroup, ckpt: OpenCheckpoint | Checkpoint) -> None:
     """``CheckpointError`` on every rank unless all ranks opened the same checkpoint layout (the
     same tensors, dtypes, shapes and byte offsets in files of the same sizes), naming the ranks
-    that differ from rank 0 and their files."""
+    that differ from rank 0 and their files. Objects in object storage must also be one version
+    on every rank (:func:`~fastload.distributed.pinning.agree_on_versions`)."""
+    agree_on_versions(group, ckpt.files)
     digest = hashlib.sha256()
     for i, file in enumerate(ckpt.files):
         digest.update(
@@ -200,8 +171,9 @@ class _Target:
 
 @dataclass
 class Exchange:
-    """What one collective read did: bytes this rank read from storage (whole pages) and bytes
-    it received from the others."""
+    """What one collective read did: bytes this rank read from storage (whole pages of a local
+    file, exactly its chunks' bytes from object storage) and bytes it received from the
+    others."""
 
     storage_bytes: int = 0
     received_bytes: int = 0
@@ -231,12 +203,17 @@ def read_collectively(
     fills: Sequence[tuple[str, torch.Tensor, list[int] | None]],
     *,
     threads: int | None = None,
+    turn: int = 0,
 ) -> Exchange:
     """Fills ``fills`` (stored name, destination, selection) on every rank, each rank reading
     only its chunks of the bytes they need (see the module docstring). Every rank of the group
-    must call this with the same stored names (their destinations and selections may differ)."""
-    for file in ckpt.files:
-        if not isinstance(file, _core.SafetensorsFile) or file.fileno() is None:
+    must call this with the same stored names (their destinations and selections may differ).
+    ``turn``: from object storage, the rank dealt the first chunk (mod N; a caller making many
+    small reads counts them, so that reads smaller than a chunk spread over the ranks)."""
+    remote = [isinstance(f, _core.SafetensorsFile) and f.remote for f in ckpt.files]
+    for file, from_store in zip(ckpt.files, remote, strict=True):
+        local = isinstance(file, _core.SafetensorsFile) and file.fileno() is not None
+        if not (from_store or local):
             raise UnsupportedError(
                 f"{file.path}: a collective load reads safetensors files from storage; load a "
                 "pickle checkpoint or a state dict on each rank without process_group"
@@ -247,9 +224,17 @@ def read_collectively(
         base = ckpt.files[stored.file].data_start  # type: ignore[union-attr]
         target = targets.setdefault(name, _Target(stored, base + stored.begin))
         target.fills.append((dest, selection))
-    chunks = deal(
-        spans([(t.stored, t.start - t.stored.begin) for t in targets.values()]), group.world_size
-    )
+    ordered = sorted(targets.values(), key=lambda t: (t.stored.file, t.start))
+    extents = [
+        (t.stored.file, t.start, t.start + t.stored.nbytes, t.stored.name, t.stored.st_dtype)
+        for t in ordered
+        if t.stored.nbytes
+    ]
+    if any(remote):  # every file: the ranks agreed on one version of each, all from the store
+        chunks = [Chunk(*c) for c in deal_objects(extents, group.world_size, turn)]
+    else:
+        needed = [(t.stored, t.start - t.stored.begin) for t in ordered]
+        chunks = deal(spans(needed), group.world_size)
     plans = group.gather(
         hashlib.sha256(repr([(c.file, c.start, c.stop) for c in chunks]).encode()).hexdigest()
     )
@@ -259,28 +244,61 @@ def read_collectively(
             "checkpoints differ); every rank must load the same model the same way"
         )
     by_file: dict[int, list[_Target]] = {}
-    for t in sorted(targets.values(), key=lambda t: t.start):
+    for t in ordered:
         by_file.setdefault(t.stored.file, []).append(t)
     mine = [c for c in chunks if c.owner == group.rank]
-    result = Exchange(storage_bytes=pages(mine), chunks=mine)
+    result = Exchange(chunks=mine)
     result.received_bytes = sum(c.nbytes for c in chunks if c.owner != group.rank)
-    with _Reader(ckpt, mine, group.device, threads) as reader:
-        spare = torch.empty(
-            max((c.nbytes for c in chunks), default=0), dtype=torch.uint8, device=group.device
-        )
-        for chunk in chunks:
-            if chunk.owner == group.rank:
-                buffer = reader.next()
-            else:
-                buffer = spare[: chunk.nbytes]
-            group.broadcast(buffer, chunk.owner)
-            _scatter(chunk, buffer, by_file.get(chunk.file, ()))
-            if chunk.owner == group.rank:
-                reader.release(buffer)
+    reader: _Reader | ObjectReader
+    if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
+        result.storage_bytes = sum(c.nbytes for c in mine)
+        owned = [(c.file, c.start, c.stop) for c in mine]
+        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads)
+    else:
+        result.storage_bytes = pages(mine)
+        reader = _Reader(ckpt, mine, group.device, threads)
+    with reader:
+        _exchange(group, chunks, reader, by_file)
     unfilled = [t.stored.name for t in targets.values() if t.received != t.stored.nbytes]
     if unfilled:  # a bug, not bad input: every needed byte lies in some chunk
         raise AssertionError(f"collective load: bytes of {unfilled[:3]} never arrived")
     return result
+
+
+def _exchange(
+    group: RankGroup,
+    chunks: Sequence[Chunk],
+    reader: _Reader | ObjectReader,
+    by_file: dict[int, list[_Target]],
+) -> None:
+    """Each chunk in turn, from its owner to every rank, into the targets. The owner first sends
+    whether it has the chunk: a rank that could not read its chunk stops every rank (one error
+    naming it and the cause: :func:`~fastload.distributed.group.together`), none is left
+    waiting for a chunk that will not come."""
+    spare = torch.empty(
+        max((c.nbytes for c in chunks), default=0), dtype=torch.uint8, device=group.device
+    )
+    status = torch.zeros(1, dtype=torch.int32, device=group.device)
+    for chunk in chunks:
+        buffer, failure = spare[: chunk.nbytes], None
+        if chunk.owner == group.rank:
+            try:
+                buffer = reader.next()
+            except Exception as e:  # the others must hear of it
+                failure = e
+            status.fill_(0 if failure is None else 1)
+        group.broadcast(status, chunk.owner)
+        if status.item():
+            together(group, partial(_raise, failure), "reading its share of the checkpoint")
+        group.broadcast(buffer, chunk.owner)
+        _scatter(chunk, buffer, by_file.get(chunk.file, ()))
+        if chunk.owner == group.rank:
+            reader.release(buffer)
+
+
+def _raise(failure: BaseException | None) -> None:
+    if failure is not None:
+        raise failure
 
 
 def _scatter(chunk: Chunk, buffer: torch.Tensor, targets: Sequence[_Target]) -> None:

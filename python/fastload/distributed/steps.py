@@ -4,7 +4,7 @@ tensor-parallel slicing without importing this package."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from torch import nn
@@ -17,16 +17,20 @@ from fastload.distributed.collective import (
     check_same_checkpoint,
     read_collectively,
 )
+from fastload.distributed.group import together
 from fastload.distributed.tensor_parallel import TPLayout, layout_for, parallelize
 
 
 class DistributedSteps:
     """Joins a group, reads collectively, lays out and adapts tensor-parallel modules."""
 
-    def join(self, process_group: Any, where: str, ckpt: OpenCheckpoint) -> RankGroup:
+    def join(
+        self, process_group: Any, where: str, opener: Callable[[], OpenCheckpoint]
+    ) -> tuple[RankGroup, OpenCheckpoint]:
         group = RankGroup(process_group, where=where)
+        ckpt = together(group, opener, "opening the checkpoint")
         check_same_checkpoint(group, ckpt)
-        return group
+        return group, ckpt
 
     def read(
         self, group: Any, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None

@@ -38,6 +38,7 @@ from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
 from fastload.core.skeleton import build_skeleton
 from fastload.core.steps import LoadSteps
+from fastload.distributed.group import on_every_rank
 from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
 from fastload.hf import hub as hubmod
@@ -104,14 +105,17 @@ def load_hf(
     if path is not None and is_url(path):
         assert isinstance(path, str)
         side_files = tempfile.TemporaryDirectory(prefix="fastload-side-files-")
-        resolved = hubmod.resolve_remote(
-            path,
-            Path(side_files.name),
-            hub=opts.hub,
-            subfolder=opts.subfolder,
-            variant=opts.variant,
-            use_safetensors=opts.use_safetensors,
-            storage_options=options.storage_options,
+        resolved = on_every_rank(
+            options,
+            lambda: hubmod.resolve_remote(
+                path,
+                Path(side_files.name),
+                hub=opts.hub,
+                subfolder=opts.subfolder,
+                variant=opts.variant,
+                use_safetensors=opts.use_safetensors,
+                storage_options=options.storage_options,
+            ),
         )
     elif path is not None:
         resolved = hubmod.resolve_checkpoint(

@@ -10,7 +10,7 @@ device=..., backend=...)`` with ``keys``, ``offset_keys``, ``metadata``, ``get_t
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -70,19 +70,30 @@ class SafeOpen:
         self.path = os.fspath(path)
         self.device = parse_device(device, where=self.path)
         mode = resolve_read_mode(read_mode, backend)
-        self._file: _core.SafetensorsFile | None = open_file(
-            path, mode, strict=strict, storage_options=storage_options
-        )
+
+        def opener() -> _core.SafetensorsFile:
+            return open_file(path, mode, strict=strict, storage_options=storage_options)
+
+        self._group: Any = None
+        if process_group is not None:  # every rank opens, then learns whether all did
+            from fastload.distributed import collective
+
+            self._group = collective.RankGroup(process_group)
+            self._file: _core.SafetensorsFile | None = collective.together(
+                self._group, opener, "opening the file"
+            )
+        else:
+            self._file = opener()
         self.threads = threads
         # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
         self.staging = StagingPool.sized(staging_bytes)
-        self._group: Any = None
         self._tensors: Any = None  # the file's table, as collective reads take it (built once)
-        if process_group is not None:
+        self._reads = 0  # collective reads made
+        if self._group is not None:
             from fastload.distributed import collective
 
-            self._group = collective.RankGroup(process_group)
+            assert self._file is not None
             self._tensors = collective.Checkpoint.of_file(self._file)
             collective.check_same_checkpoint(self._group, self._tensors)
 
@@ -155,7 +166,10 @@ class SafeOpen:
 
             jobs = list(items)
             _ = self.file  # a closed handle raises
-            collective.read_collectively(self._group, self._tensors, jobs, threads=self.threads)
+            self._reads += 1  # each read's first chunk from the next rank: small reads spread
+            collective.read_collectively(
+                self._group, self._tensors, jobs, threads=self.threads, turn=self._reads
+            )
             return sum(t.numel() * t.element_size() for _, t, _ in jobs)
         return fill(self.file, items, self.threads, self.staging)
 
@@ -267,13 +281,15 @@ def load_file(
     want = _float_dtype(dtype)
     device = parse_device(device, where=os.fspath(path))
     pool = StagingPool.sized(staging_bytes)
-    file = open_file(
-        path,
-        resolve_read_mode(read_mode, backend),
-        strict=strict,
-        storage_options=storage_options,
-    )
-    if process_group is None and file.remote:
+    mode = resolve_read_mode(read_mode, backend)
+
+    def opener() -> _core.SafetensorsFile:
+        return open_file(path, mode, strict=strict, storage_options=storage_options)
+
+    if process_group is not None:
+        return _load_collectively(opener, process_group, device, want, threads)
+    file = opener()
+    if file.remote:
         from fastload.core.progress import byte_progress
 
         out = allocate_all(file, device, want)
@@ -282,14 +298,25 @@ def load_file(
             fill(file, [(k, t, None) for k, t in out.items()], threads, pool, counter)
         pool.release()
         return out
-    if process_group is None:
-        try:
-            return read_all(file, device, want, threads, pool)
-        finally:
-            pool.release()  # a pinned slab stays with the process for the next load
+    try:
+        return read_all(file, device, want, threads, pool)
+    finally:
+        pool.release()  # a pinned slab stays with the process for the next load
+
+
+def _load_collectively(
+    opener: Callable[[], _core.SafetensorsFile],
+    process_group: Any,
+    device: torch.device,
+    want: torch.dtype | None,
+    threads: int | None,
+) -> dict[str, torch.Tensor]:
+    """:func:`load_file` with a process group: every rank opens the file (and learns whether
+    all did), then they read it together."""
     from fastload.distributed import collective
 
     group = collective.RankGroup(process_group)
+    file = collective.together(group, opener, "opening the file")
     ckpt = collective.Checkpoint.of_file(file)
     collective.check_same_checkpoint(group, ckpt)
     out = allocate_all(file, device, want)

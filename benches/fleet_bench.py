@@ -1,0 +1,367 @@
+"""A fleet started from one bucket: bytes each rank fetched from the store and the load's time,
+for collective loads from object storage with 2 and 4 ranks, against independent loads and one
+node's floor at the bucket's bandwidth, measured in the same run.
+
+    python benches/fleet_bench.py [--gib 0.25] [--ranks 2,4] [--cap-mbps 60] [--repeats 2]
+        [--workdir /tmp/fastload-fleet-bench] [--out benches/results/fleet-256MiB]
+
+The benchmark Llama of ``fastload.tools.bench.run`` (bf16, one ``model.safetensors``) is served
+by the tests' S3-compatible server (s3s-fs on 127.0.0.1, tests/s3_server.py). Each rank (a gloo
+process on this machine, loopback) reaches it through its own proxy, which counts the bytes of
+the answers it forwards to that rank (outside fastload), and every proxy draws on one shared
+token bucket of ``--cap-mbps`` MB/s: the bucket's bandwidth, which all ranks share. Runs, round
+robin, ``--repeats`` times:
+
+* ``floor``: one process fetching every byte of the object with 8 MiB ranged GETs, 16 at a
+  time, into one buffer (``fastload.core.object_store.read_into``: no engine): one node's time
+  at the capped bandwidth;
+* ``fastload, 1 rank``: ``from_pretrained(LlamaForCausalLM, "s3://...")`` alone;
+* ``fastload(process_group), N ranks``: the same call with ``process_group=WORLD`` on N ranks;
+* ``independent, N ranks``: N ranks each loading alone at the same time (what a fleet does
+  today).
+
+Each rank's time runs from a barrier to a barrier after the load (the slowest rank's time);
+after the clock each rank's state dict is hashed and compared with a local single-process load
+(``bitwise``). Writes ``<out>.json`` (raw figures, the command) and ``<out>.md`` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+BUCKET = "bench"
+RANGE = 8 << 20
+PARALLEL = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# The bucket: one bandwidth shared by per-rank counting proxies
+# ---------------------------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """``rate`` bytes per second shared by every connection that takes from it (a burst of at
+    most 256 KiB)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = 256 << 10
+        self.tokens = 0.0
+        self.stamp = time.monotonic()
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+                self.stamp = now
+                if self.tokens >= n:
+                    self.tokens -= n
+                    return
+                wait = (n - self.tokens) / self.rate
+            time.sleep(wait)
+
+
+class CountingProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``port``: counts the answer bytes it forwards
+    (``sent``) and takes each from ``bucket`` first."""
+
+    def __init__(self, port: int, bucket: TokenBucket) -> None:
+        self.upstream, self.bucket = port, bucket
+        self.sent = 0
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
+        try:
+            while data := src.recv(64 << 10):
+                if answers:
+                    self.bucket.take(len(data))
+                    with self.lock:
+                        self.sent += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _digest(tensors: dict[str, Any]) -> str:
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(env[rank], MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
+    import transformers
+
+    import fastload
+    import fastload.api  # noqa: F401 - imported before the clock
+    import fastload.hf.front  # noqa: F401
+
+    cls = transformers.LlamaForCausalLM
+    extra = {"process_group": dist.group.WORLD} if kind == "collective" else {}
+    dist.barrier()
+    start = time.perf_counter()
+    model = fastload.from_pretrained(cls, url, progress=False, **extra)
+    dist.barrier()  # the load ends when the slowest rank is done
+    seconds = time.perf_counter() - start
+    digest = _digest(dict(model.state_dict()))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "digest": digest}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _floor(rank: int, out: str, url: str, env: dict) -> None:
+    """One node: every byte of the object with ranged GETs into one buffer."""
+    import concurrent.futures as futures
+
+    import torch
+
+    from fastload.core import object_store
+
+    os.environ.update(env[rank])
+    store = object_store.open_store(url)
+    key = store.key.rstrip("/") + "/model.safetensors"
+    size = store.head(key)[0]
+    buffer = torch.empty(size, dtype=torch.uint8)
+    ranges = [(o, min(size, o + RANGE)) for o in range(0, size, RANGE)]
+    start = time.perf_counter()
+    with futures.ThreadPoolExecutor(PARALLEL) as pool:
+        list(pool.map(lambda r: object_store.read_into(store, key, r[0], buffer[r[0] : r[1]]),
+                      ranges))  # fmt: skip
+    seconds = time.perf_counter() - start
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "digest": None}))
+
+
+# ---------------------------------------------------------------------------------------------
+# The runner
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import shutil
+    import tempfile
+
+    import torch.multiprocessing as mp
+    import transformers
+
+    import fastload
+    from fastload.tools.bench.run import make_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from s3_server import S3Server
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint = make_checkpoint(work, args.gib, "bfloat16")
+    size = (checkpoint / "model.safetensors").stat().st_size
+    local = fastload.from_pretrained(transformers.LlamaForCausalLM, checkpoint, progress=False)
+    expected = _digest(dict(local.state_dict()))
+    del local
+    root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=work))
+    server = S3Server(root)
+    prefix = f"llama-{args.gib:g}GiB-bfloat16"
+    url = f"s3://{BUCKET}/{prefix}/"
+    bucket = TokenBucket(args.cap_mbps * 1e6)
+    configs = [("floor", 1), ("single", 1)]
+    for world in args.ranks:
+        configs += [("collective", world), ("independent", world)]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    try:
+        server.bucket(BUCKET)
+        (root / BUCKET / prefix).mkdir(parents=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(checkpoint / name, root / BUCKET / prefix / name)
+            server.tag(BUCKET, f"{prefix}/{name}")
+        for repeat in range(args.repeats):
+            for kind, world in configs:
+                proxies = [CountingProxy(server.port, bucket) for _ in range(world)]
+                out = Path(tempfile.mkdtemp(prefix="ranks-", dir=work))
+                env = [
+                    {
+                        **server.env(p.endpoint),
+                        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+                        "AWS_CONFIG_FILE": "/nonexistent",
+                        "MASTER_ADDR": "127.0.0.1",
+                        "GLOO_SOCKET_IFNAME": "lo",
+                        "FASTLOAD_DISABLE_PROGRESS_BARS": "1",
+                    }
+                    for p in proxies
+                ]
+                if kind == "floor":
+                    mp.spawn(_floor, args=(str(out), url, env), nprocs=1)
+                else:
+                    mode = "collective" if kind == "collective" else "alone"
+                    mp.spawn(_rank, args=(world, _free_port(), str(out), mode, url, env),
+                             nprocs=world)  # fmt: skip
+                ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+                shutil.rmtree(out)
+                for p in proxies:
+                    p.close()
+                row = {
+                    "seconds": max(r["seconds"] for r in ranks),
+                    "store_bytes_per_rank": [p.sent for p in proxies],
+                    "bitwise": None
+                    if kind == "floor"
+                    else all(r["digest"] == expected for r in ranks),
+                }
+                label = _label(kind, world)
+                runs.setdefault(label, []).append(row)
+                print(f"[bench] run {repeat + 1}/{args.repeats} {label}: {row}", flush=True)
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"object_bytes": size, "runs": runs}
+
+
+def _label(kind: str, world: int) -> str:
+    return {
+        "floor": "floor (one node, ranged GETs)",
+        "single": "fastload, 1 rank",
+        "collective": f"fastload(process_group), {world} ranks",
+        "independent": f"independent loads, {world} ranks",
+    }[kind]
+
+
+def summarize(result: dict[str, Any], args: argparse.Namespace, command: str) -> dict[str, Any]:
+    import torch
+
+    size = result["object_bytes"]
+    rows = {}
+    for label, runs in result["runs"].items():
+        per_rank = [statistics.median(r["store_bytes_per_rank"][i] for r in runs)
+                    for i in range(len(runs[0]["store_bytes_per_rank"]))]  # fmt: skip
+        rows[label] = {
+            "median_s": statistics.median(r["seconds"] for r in runs),
+            "all_s": [r["seconds"] for r in runs],
+            "store_bytes_per_rank": per_rank,
+            "store_bytes_total": sum(per_rank),
+            "bitwise": None if runs[0]["bitwise"] is None else all(r["bitwise"] for r in runs),
+        }
+    floor = rows["floor (one node, ranged GETs)"]["median_s"]
+    for row in rows.values():
+        row["x_floor"] = row["median_s"] / floor
+        row["x_checkpoint_total"] = row["store_bytes_total"] / size
+        row["max_share_per_rank"] = max(row["store_bytes_per_rank"]) / size
+    return {
+        "command": command,
+        "object_bytes": size,
+        "cap_mbps": args.cap_mbps,
+        "repeats": args.repeats,
+        "server": "s3s-fs 0.14.0 on 127.0.0.1; one counting proxy per rank, all drawing on one "
+        f"{args.cap_mbps:g} MB/s token bucket (the bucket's bandwidth)",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "load_average_1_5_15min_at_the_end": os.getloadavg(),
+        },
+        "floor_s": floor,
+        "rows": rows,
+    }
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    mib = summary["object_bytes"] / (1 << 20)
+    lines = [
+        f"{mib:.0f} MiB bf16 Llama from {summary['server']}; {summary['machine']['cpus']} CPUs, "
+        f"gloo over loopback, median of {summary['repeats']} (round robin)",
+        "",
+        "| run | seconds (slowest rank) | x floor | from the store per rank (MiB) | "
+        "largest share | total (x checkpoint) | bitwise |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, row in summary["rows"].items():
+        per_rank = ", ".join(f"{b / (1 << 20):.1f}" for b in row["store_bytes_per_rank"])
+        bitwise = {None: "", True: "equal", False: "DIFFERS"}[row["bitwise"]]
+        lines.append(
+            f"| {label} | {row['median_s']:.2f} | {row['x_floor']:.2f}x | {per_rank} | "
+            f"{row['max_share_per_rank']:.3f} | {row['x_checkpoint_total']:.3f}x | {bitwise} |"
+        )
+    lines += ["", f"Command: `{summary['command']}`", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gib", type=float, default=0.25)
+    parser.add_argument("--ranks", default="2,4")
+    parser.add_argument("--cap-mbps", type=float, default=60.0)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/fastload-fleet-bench"))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.ranks = [int(r) for r in args.ranks.split(",") if r]
+    command = "python benches/fleet_bench.py " + " ".join(argv or sys.argv[1:])
+    summary = summarize(run(args), args, command)
+    text = markdown(summary)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+        args.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

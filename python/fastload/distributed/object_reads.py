@@ -1,0 +1,186 @@
+"""Collective reads from object storage: each rank fetches its chunks of the checkpoint with the
+engine's ranged GETs, the others' arrive over the process group.
+
+A checkpoint in object storage (``s3://``, ``gs://``, ``az://``, ``http(s)://``) is read as a
+local one is (:func:`fastload.distributed.collective.read_collectively`), with two differences:
+
+* The chunks are cut at element boundaries of the tensors they hold (not at pages: a store has
+  none), and dealt round robin (chunk ``i`` to rank ``i % N`` where they are of one size)
+  rather than in contiguous runs:
+  while the group exchanges one rank's chunk, every other rank is fetching its next one, so all
+  ranks' links to the store are busy at once (:func:`deal_objects`).
+* A chunk is fetched by the engine's copy, the path a single-process load from object storage
+  takes (parallel ranged GETs pinned to the version opened, their bytes written as they arrive,
+  the GIL released), into the chunk's buffer: each tensor's part of the chunk is one copy job
+  of that tensor's elements (:class:`ObjectReader`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastload import _core
+from fastload.core.engine import copy_into
+from fastload.core.errors import LoadCancelledError
+
+#: bytes of one chunk from object storage (smaller when the checkpoint is small)
+OBJECT_CHUNK_BYTES = 16 << 20
+#: the fewest bytes a chunk from object storage is cut to: below this the requests' round trips,
+#: not the bytes, set a fetch's time
+MIN_OBJECT_CHUNK = 1 << 20
+#: chunks a rank may fetch ahead of the exchange
+OBJECT_READ_AHEAD = 3
+
+#: (file index, start, stop, stored name, safetensors dtype) of a stored tensor a load needs,
+#: at its absolute place in its file
+Extent = tuple[int, int, int, str, str]
+
+
+def deal_objects(
+    extents: Sequence[Extent], world_size: int, turn: int = 0
+) -> list[tuple[int, int, int, int]]:
+    """``(file, start, stop, owner)`` chunks of the bytes of ``extents`` (sorted by file and
+    place, not overlapping): about :data:`OBJECT_CHUNK_BYTES` each (at least
+    :data:`MIN_OBJECT_CHUNK`, fewer bytes where the checkpoint is small, so that every rank has
+    several), in file order, cut only where an element of a tensor ends (a packed sub-byte tensor
+    is never cut), and dealt round robin, balanced by bytes, from rank ``turn % world_size``
+    on (a caller making many small reads turns it, so that their first chunks spread)."""
+    total = sum(stop - start for _, start, stop, _, _ in extents)
+    size = max(MIN_OBJECT_CHUNK, min(OBJECT_CHUNK_BYTES, total // max(1, world_size * 8)))
+    bits = _core.dtype_bits()
+    out: list[tuple[int, int, int]] = []
+    open_chunk: list[int] | None = None  # [file, start, stop] being filled
+    for file, start, stop, _, st_dtype in extents:
+        if open_chunk is not None and (open_chunk[0] != file or open_chunk[2] != start):
+            out.append((open_chunk[0], open_chunk[1], open_chunk[2]))
+            open_chunk = None
+        item = bits[st_dtype] // 8 if bits[st_dtype] % 8 == 0 else 0
+        at = start
+        while at < stop:
+            if open_chunk is None:
+                open_chunk = [file, at, at]
+            room = open_chunk[1] + size - at
+            if item == 0:  # packed: whole, into this chunk or the next
+                if at > open_chunk[1] and stop - at > room:
+                    out.append((open_chunk[0], open_chunk[1], at))
+                    open_chunk = [file, at, at]
+                end = stop
+            else:
+                end = min(stop, at + max(item, room // item * item))
+            open_chunk[2] = end
+            at = end
+            if open_chunk[2] - open_chunk[1] >= size:
+                out.append((open_chunk[0], open_chunk[1], open_chunk[2]))
+                open_chunk = None
+    if open_chunk is not None:
+        out.append((open_chunk[0], open_chunk[1], open_chunk[2]))
+    # round robin, each chunk to the rank with the fewest bytes so far (the next in turn among
+    # equals): chunks of equal size go 0, 1, ..., N-1, 0, ...; a short one (a file's last) does
+    # not leave one rank a chunk ahead for the rest of the load
+    dealt = [0] * world_size
+    chunks = []
+    for f, a, b in out:
+        owner = min(range(world_size), key=lambda r: (dealt[r], (r - turn) % world_size))
+        dealt[owner] += b - a
+        chunks.append((f, a, b, owner))
+    return chunks
+
+
+def chunk_jobs(
+    extents: Sequence[Extent], file: int, start: int, stop: int, buffer: torch.Tensor
+) -> list[tuple[str, torch.Tensor, str, list[int] | None]]:
+    """The engine's copy items that fill ``buffer`` with file bytes ``[start, stop)`` of
+    ``file``: for each tensor of ``extents`` there, its elements in the chunk, as they are
+    stored, at their place in ``buffer``."""
+    bits = _core.dtype_bits()
+    items: list[tuple[str, torch.Tensor, str, list[int] | None]] = []
+    for f, t_start, t_stop, name, st_dtype in extents:
+        lo, hi = max(t_start, start), min(t_stop, stop)
+        if f != file or lo >= hi:
+            continue
+        dest = buffer[lo - start : hi - start]
+        if (lo, hi) == (t_start, t_stop):
+            items.append((name, dest, st_dtype, None))
+        else:  # a part of the tensor: its elements (the chunk was cut between elements)
+            item = bits[st_dtype] // 8
+            items.append((name, dest, st_dtype, [(lo - t_start) // item, (hi - t_start) // item]))
+    return items
+
+
+class ObjectReader:
+    """Fetches this rank's chunks in order on a helper thread, at most
+    :data:`OBJECT_READ_AHEAD` ahead of the exchange, each with the engine's parallel ranged GETs
+    into a chunk buffer. A failure is handed to the exchange (:meth:`next` raises it), which
+    tells the other ranks; leaving the ``with`` block cancels a fetch under way."""
+
+    def __init__(
+        self,
+        files: Sequence[Any],
+        extents: Sequence[Extent],
+        chunks: Sequence[tuple[int, int, int]],
+        device: torch.device,
+        threads: int | None,
+    ) -> None:
+        self.files = files
+        self.extents = extents
+        self.chunks = list(chunks)
+        self.device = device
+        self.threads = threads
+        self.ready: queue.Queue[torch.Tensor | BaseException] = queue.Queue()
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        size = max((b - a for _, a, b in self.chunks), default=0)
+        for _ in range(min(OBJECT_READ_AHEAD, len(self.chunks))):
+            self.free.put(torch.empty(size, dtype=torch.uint8))
+        self.progress = _core.Progress()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="fastload-fleet", daemon=True)
+
+    def __enter__(self) -> ObjectReader:
+        if self.chunks:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.progress.cancel()  # abandons the requests in flight
+        self.free.put(torch.empty(0, dtype=torch.uint8))  # wakes a reader waiting for a buffer
+        if self.thread.is_alive():
+            self.thread.join()
+
+    def _run(self) -> None:
+        try:
+            for file, start, stop in self.chunks:
+                buffer = self.free.get()
+                if self.stop.is_set():
+                    return
+                view = buffer[: stop - start]
+                items = chunk_jobs(self.extents, file, start, stop, view)
+                copy_into(self.files[file], items, self.threads, self.progress)
+                if self.device.type == "cpu":
+                    self.ready.put(view)
+                else:  # NCCL exchanges device memory; the host buffer is free again
+                    self.ready.put(view.to(self.device))
+                    self.free.put(buffer)
+        except LoadCancelledError:
+            return  # the exchange is over: nobody waits for this chunk
+        except BaseException as e:  # handed to the exchange, which tells the group
+            self.ready.put(e)
+
+    def next(self) -> torch.Tensor:
+        got = self.ready.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def release(self, buffer: torch.Tensor) -> None:
+        """Gives the host buffer under ``buffer`` (a chunk handed out by :meth:`next`) back."""
+        if buffer.device.type == "cpu":
+            self.free.put(torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage()))
+
+
+__all__ = ["OBJECT_CHUNK_BYTES", "ObjectReader", "chunk_jobs", "deal_objects"]
