@@ -84,6 +84,16 @@ class Merge:
     pieces: list[Piece] = field(default_factory=list)
 
 
+@dataclass
+class Operation:
+    """A model tensor its family computes after the read from whole stored tensors (a
+    quantizer's load operation, :meth:`ModelHooks.operations`): the stored ``inputs`` are not
+    matched by name, and ``target`` is neither read nor reported missing nor initialized."""
+
+    target: str
+    inputs: list[str] = field(default_factory=list)
+
+
 class ModelHooks:
     """The core's questions to a model family; the defaults are those of a plain ``nn.Module``."""
 
@@ -102,6 +112,18 @@ class ModelHooks:
         """Model tensors assembled from pieces of stored tensors, by model name (``rules``: how
         names map, :class:`fastload.core.keys.KeyRules`). The stored tensors they use are not mapped
         by name."""
+        return {}
+
+    def operations(
+        self,
+        model: nn.Module,
+        ckpt: OpenCheckpoint,
+        model_keys: set[str],
+        rules: KeyRules,
+    ) -> dict[str, Operation]:
+        """Model tensors the family computes from stored tensors after the read, by model name
+        (it fills them in its :meth:`finish`); checked from the headers here, before anything
+        is read."""
         return {}
 
     def collision_order(self) -> Callable[[str], Any] | None:

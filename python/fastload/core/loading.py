@@ -342,7 +342,7 @@ def _finish(
         module,
         groups,
         report,
-        offloaded=offloaded_names(groups) | family.later,
+        offloaded=offloaded_names(groups) | family.later | planned.load_plan.operations,
         family=hooks.initialize,
         dropped=hooks.dropped_attributes(),
     )

@@ -122,6 +122,8 @@ class LoadPlan:
     report: LoadReport
     #: file index -> (whether its tensors may be views of its mapping, why in words)
     sharing: dict[int, tuple[bool, str]]
+    #: model names the family's operations make after the read (ModelHooks.operations)
+    operations: set[str] = field(default_factory=set)
 
     def sources(self, *modes: Mode) -> list[Source]:
         """The sources of the loaded groups in any of ``modes`` (all of them without)."""
@@ -172,7 +174,10 @@ def plan(
         resolve=hooks.resolve_names(model),
     )
     merges = hooks.merges(model, ckpt, model_keys, rules)
+    operations = hooks.operations(model, ckpt, model_keys, rules)
+    later = set(later) | set(operations)  # filled by the family's operations after the read
     merged = {p.stored for m in merges.values() for p in m.pieces}
+    merged |= {name for op in operations.values() for name in op.inputs}
     names = [n for n in ckpt.tensors if n not in merged] if merged else ckpt.tensors
     mapping = keymod.map_keys(names, model_keys, rules)
     report = LoadReport(renamed=mapping.renamed)
@@ -252,7 +257,7 @@ def plan(
 
     if (
         not pairs
-        and not merges
+        and not (merges or operations)
         and ckpt.tensors
         and model_keys
         and not report.mismatched
@@ -271,7 +276,7 @@ def plan(
         sharing = {i: (False, why) for i in range(len(ckpt.files))}
     else:
         sharing = {i: file_sharing(f, options.mmap) for i, f in enumerate(ckpt.files)}
-    out = LoadPlan(groups, report, sharing)
+    out = LoadPlan(groups, report, sharing, set(operations))
     _decide_modes(out, ckpt)
     _count(out, ckpt)
     return out

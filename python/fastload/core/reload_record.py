@@ -139,6 +139,12 @@ def remember(
     """Records what the load of ``module`` decided (:class:`LoadRecord`)."""
     entries: list[Entry] = []
     unsupported = None
+    if load_plan.operations:
+        unsupported = (
+            f"tensor {min(load_plan.operations)!r} was made by an operation of the model's "
+            "family (a quantizer's load operation) from stored tensors; a reload reads stored "
+            "tensors as they are"
+        )
     for group in load_plan.groups:
         if group.action != Action.LOAD:
             continue

@@ -102,8 +102,8 @@ class LoadReport(RedactedFields):
     #: the quantization method of a pre-quantized checkpoint, as its config names it; "" for an
     #: unquantized one
     quant_method: str = ""
-    #: seconds its quantizer's hooks took (module swaps, post-processing), within the phases
-    #: ``seconds`` lists and apart from the reads
+    #: seconds its quantizer's hooks and load operations took (module swaps, dequantizing,
+    #: post-processing), within the phases ``seconds`` lists and apart from the reads
     quant_seconds: float = 0.0
 
     @property
@@ -146,7 +146,7 @@ class LoadReport(RedactedFields):
             f"  read mode: {self.read_mode}, device: {self.device}, dtype: {self.dtype}",
             *(
                 [
-                    f"  quantized: {self.quant_method} (its quantizer's hooks "
+                    f"  quantized: {self.quant_method} (its quantizer's hooks and operations "
                     f"{self.quant_seconds * 1000:.1f} ms)"
                 ]
                 if self.quant_method

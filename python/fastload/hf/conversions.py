@@ -41,7 +41,13 @@ def converters_of(model: Any, quantizer: Any = None) -> list[Any]:
     except ImportError:
         return []
     mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer)
-    return [t for t in mapping if isinstance(t, WeightConverter)]
+    # a quantizer's general converters (its load operation alone) are fastload.hf.load_ops'
+    return [
+        t
+        for t in mapping
+        if isinstance(t, WeightConverter)
+        and not all(getattr(op, "hf_quantizer", None) is not None for op in t.operations)
+    ]
 
 
 def transformers_merges(

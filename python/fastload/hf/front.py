@@ -164,6 +164,12 @@ def load_hf(
                     "fastload reads a quantized checkpoint onto one device; load it with "
                     "transformers"
                 )
+            if quant is not None and quant.operation and options.device.type != "cpu":
+                raise UnsupportedError(
+                    f"{path}: quant_method={quant.method!r} is dequantized here by transformers' "
+                    f"operation on the CPU; fastload runs it onto the CPU only, not "
+                    f"{options.device}: load it with transformers"
+                )
             if quant is not None and not contract and not {"missing", "strict"} & set(given):
                 # a scale or packed weight absent from the file has no value its method gives
                 # it (integer ones have no NaN to be found by): refused from the plan, by name

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fastload.core.hooks import FamilyShards, ModelHooks
+from fastload.core.hooks import FamilyShards, ModelHooks, Operation
 from fastload.families import is_transformers_model
 from fastload.hf.conversions import transformers_merges
 from fastload.hf.dtype_rules import auto_dtype, cast_kept_integers, keep_fp32_pattern
@@ -60,6 +60,8 @@ class TransformersHooks(ModelHooks):
         self.directory: Path | None = None
         #: transformers' quantizer of a pre-quantized checkpoint (fastload.hf.quantized)
         self.quantization: Quantization | None = None
+        #: the checkpoint and the load operations planned on it (fastload.hf.load_ops)
+        self._operations: tuple[Any, dict[str, Any]] | None = None
 
     def collision_order(self) -> Callable[[str], Any] | None:
         if not self.contract:
@@ -98,6 +100,22 @@ class TransformersHooks(ModelHooks):
         rules: KeyRules,
     ) -> dict[str, Merge]:
         return transformers_merges(model, ckpt, model_keys, rules, quantizer=self._quantizer())
+
+    def operations(
+        self,
+        model: nn.Module,
+        ckpt: OpenCheckpoint,
+        model_keys: set[str],
+        rules: KeyRules,
+    ) -> dict[str, Operation]:
+        quant = self.quantization
+        if quant is None or not quant.operation:
+            return {}
+        from fastload.hf.load_ops import plan_operations
+
+        planned = plan_operations(quant.quantizer, model, ckpt, model_keys, rules)
+        self._operations = (ckpt, planned)
+        return {t: Operation(t, op.names()) for t, op in planned.items()}
 
     def auto_dtype(self, ckpt: OpenCheckpoint) -> torch.dtype | None:
         return auto_dtype(self.config, ckpt)
@@ -156,6 +174,15 @@ class TransformersHooks(ModelHooks):
         device_map: DeviceMap | None,
         report: LoadReport,
     ) -> None:
+        if self._operations is not None:  # the quantizer's load operations, after the read
+            from fastload.hf.load_ops import run_operations
+
+            ckpt, planned = self._operations
+            self._operations = None
+            assert self.quantization is not None
+            seconds, read = run_operations(planned, model, ckpt)
+            self.quantization.seconds += seconds
+            report.bytes_written += read
         if self.tp is not None:  # missing keys, buffers and ties, as transformers' TP loading
             from fastload.hf.dtensor_tp import finish_like_transformers
 

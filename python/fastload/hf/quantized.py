@@ -15,11 +15,12 @@ tensor with the engine:
 5. ``model.hf_quantizer = quantizer`` and ``postprocess_model``.
 
 Served are the formats stored as they run: the quantizer's load mode has no operation, so each
-parameter is the stored tensor itself (:data:`SERVED_METHODS`, tested against transformers).
-Any other method, and a served method whose quantizer asks for a load operation here (its
-``dequantize`` option, a format it deserializes), is refused with ``UnsupportedError`` naming the
-method, and under the patch goes to transformers' own loader; fastload never reimplements a
-method.
+parameter is the stored tensor itself (:data:`SERVED_METHODS`, tested against transformers);
+and the methods whose load operation fastload runs on tensors it read
+(:data:`OPERATION_METHODS`, :mod:`fastload.hf.load_ops`: FP8 blocks dequantized). Any other
+method, and a method whose quantizer asks for another load operation here (its ``dequantize``
+option, a format it deserializes), is refused with ``UnsupportedError`` naming the method, and
+under the patch goes to transformers' own loader; fastload never reimplements a method.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from fastload.hf.context import quantization_method
 #: the ``quant_method`` values fastload reads itself (stored as they run, without a load
 #: operation, checked against transformers by tests/test_hf_quantized.py)
 SERVED_METHODS = frozenset({"compressed-tensors"})
+#: the ``quant_method`` values whose quantizer's load operation fastload runs on tensors it read
+#: (:mod:`fastload.hf.load_ops`), with the load mode it runs: FP8 blocks dequantized (what
+#: transformers does on a machine without a GPU, or with ``dequantize=True``)
+OPERATION_METHODS = {"fp8": "dequantize"}
 
 
 @dataclass
@@ -46,10 +51,12 @@ class Quantization:
 
     quantizer: Any
     method: str
-    #: seconds spent in the quantizer's hooks (module swaps, post-processing), apart from reads
+    #: seconds spent in the quantizer's hooks and load operations, apart from reads
     seconds: float = 0.0
     #: the checkpoint files, for ``preprocess_model``
     files: list[str] = field(default_factory=list)
+    #: whether the quantizer has a load operation fastload runs (fastload.hf.load_ops)
+    operation: bool = False
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the quantizer builds the model in (``update_dtype``); a quantizer that
@@ -101,10 +108,11 @@ def quantization_for(
     method = quantization_method(config)
     if method is None:
         return None
-    if method not in SERVED_METHODS:
+    known = SERVED_METHODS | set(OPERATION_METHODS)
+    if method not in known:
         raise UnsupportedError(
             f"{source}: the config has a quantization_config (quant_method={method!r}); fastload "
-            f"reads pre-quantized checkpoints of {', '.join(sorted(SERVED_METHODS))} only and "
+            f"reads pre-quantized checkpoints of {', '.join(sorted(known))} only and "
             "never loads a quantized checkpoint as another model: load it with transformers"
         )
     from transformers.quantizers.auto import get_hf_quantizer
@@ -118,14 +126,22 @@ def quantization_for(
     settings = quantizer.quantization_config
     mode = "dequantize" if getattr(settings, "dequantize", False) else "deserialize"
     operation = quantizer.get_load_operations().get(mode)
+    if operation is not None and OPERATION_METHODS.get(method) == mode:
+        return Quantization(quantizer, method, files=files(), operation=True)
     if operation is not None or quantizer.get_weight_conversions():
         name = getattr(operation, "__name__", "a load operation")
         raise UnsupportedError(
             f"{source}: quant_method={method!r} loads here through transformers' {name} "
-            f"({mode}); fastload reads formats stored as they run, without a load operation: "
+            f"({mode}); fastload reads formats stored as they run, without a load operation, "
+            f"and runs {', '.join(f'{m} ({o})' for m, o in OPERATION_METHODS.items())} only: "
             "load it with transformers"
+        )
+    if method not in SERVED_METHODS:  # e.g. fp8 kept in FP8 (on a GPU): not tested yet
+        raise UnsupportedError(
+            f"{source}: quant_method={method!r} loads here without dequantizing ({mode}), "
+            "which fastload does not read yet: load it with transformers"
         )
     return Quantization(quantizer, method, files=files())
 
 
-__all__ = ["SERVED_METHODS", "Quantization", "quantization_for"]
+__all__ = ["OPERATION_METHODS", "SERVED_METHODS", "Quantization", "quantization_for"]

@@ -1,0 +1,241 @@
+"""Quantization methods with a load operation: transformers' operation run on tensors fastload
+read (FP8 fine-grained blocks, which transformers dequantizes on a CPU).
+
+A quantizer whose load mode has an operation (``get_load_operations``: ``Fp8Dequantize``) adds
+general ``WeightConverter`` entries (``get_weight_conversions``): the stored tensors of one model
+tensor (``weight``, ``weight_scale_inv``, ``activation_scale``) are collected by source pattern
+and the operation makes the model tensor of them. fastload matches the stored names to those
+converters as transformers does (its renames first), checks the pairs from the headers before
+anything is read, and after the read of everything else runs each operation in the order of the
+file: its inputs read by the engine into temporaries, transformers' own ``convert`` run on them,
+the result put in the model, the temporaries dropped (one operation's inputs in memory at a
+time, never a second copy of the checkpoint). fastload never computes what the operation does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastload.core import keys as keymod
+from fastload.core import reading
+from fastload.core.dtypes import CONVERTIBLE
+from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from fastload.hf.renames import transformers_renames
+
+#: stored dtypes of a block scale transformers' dequantize reads (float, or E8M0 exponents)
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "U8", "F8_E8M0"})
+
+
+@dataclass
+class PlannedOperation:
+    """One model tensor made by a converter's operations from the stored tensors ``inputs``
+    (source pattern -> stored names)."""
+
+    target: str
+    converter: Any
+    inputs: dict[str, list[str]] = field(default_factory=dict)
+
+    def names(self) -> list[str]:
+        return [name for names in self.inputs.values() for name in names]
+
+
+def load_op_converters(quantizer: Any) -> list[Any]:
+    """The quantizer's general converters (its load operation alone on any parameter)."""
+    return list(quantizer.get_weight_conversions())
+
+
+def plan_operations(
+    quantizer: Any,
+    model: nn.Module,
+    ckpt: Any,
+    model_keys: set[str],
+    rules: keymod.KeyRules,
+) -> dict[str, PlannedOperation]:
+    """The model tensors the quantizer's load operation makes, checked from the headers: a
+    quantized weight without its scale, a scale without its weight, of a dtype the operation
+    does not read or of the wrong shape, or a weight not of the model's shape, is refused
+    naming the stored tensor, before any tensor is read. A tensor stored as the model holds it
+    (a norm, the embeddings: the operation only casts it) is left to the ordinary read."""
+    converters = load_op_converters(quantizer)
+    if not converters:
+        return {}
+    renames = transformers_renames(model, rules.source, quantizer)
+    prefix = rules.base_model_prefix
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    found: dict[str, PlannedOperation] = {}
+    for stored in ckpt.tensors:
+        name = rules.rename(stored)
+        for r in renames:
+            name = r(name)
+        for converter in converters:
+            converted, pattern = converter.rename_source_key(name)
+            if pattern is None:
+                continue
+            target = keymod.adjust(converted, prefix, model_keys)
+            if target in model_keys:
+                op = found.setdefault(target, PlannedOperation(target, converter))
+                op.inputs.setdefault(pattern, []).append(stored)
+            break
+    block = _block_size(quantizer)
+    planned = {}
+    for target, op in found.items():
+        if _check(op, ckpt, shapes[target], block, rules.source):
+            planned[target] = op
+    for target in planned:
+        module, _, leaf = target.rpartition(".")
+        if leaf not in model.get_submodule(module)._parameters:
+            raise UnsupportedError(
+                f"{rules.source}: {target!r} is made by transformers' load operation but is "
+                "not a parameter of the model; fastload does not load such a checkpoint"
+            )
+    return planned
+
+
+def _block_size(quantizer: Any) -> tuple[int, int] | None:
+    size = getattr(quantizer.quantization_config, "weight_block_size", None)
+    return (int(size[0]), int(size[1])) if size else None
+
+
+def _check(
+    op: PlannedOperation,
+    ckpt: Any,
+    want: tuple[int, ...],
+    block: tuple[int, int] | None,
+    source: str,
+) -> bool:
+    """Whether ``op`` runs the operation (``False``: a tensor stored as the model holds it);
+    raises for a pair the operation cannot make the model's tensor of."""
+    first, *companions = op.converter.source_patterns
+    weights = op.inputs.get(first, [])
+    scales = [n for p in companions if p.endswith("scale_inv") for n in op.inputs.get(p, [])]
+    if not weights:
+        stored = ckpt.tensors[op.names()[0]]
+        raise CheckpointError(
+            f"{ckpt.file_path(stored)}: tensor {stored.name!r} has no {first!r} beside it "
+            f"(the model's {op.target!r} is made of both)"
+        )
+    weight = ckpt.tensors[weights[0]]
+    if not scales:
+        if weight.st_dtype in CONVERTIBLE:
+            return False  # stored as the model holds it: transformers' operation casts it
+        raise CheckpointError(
+            f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
+            f"({weight.st_dtype}) but its scale "
+            f"{weight.name.rpartition('.')[0] + '.' + companions[0]!r} is missing"
+        )
+    got = weight.torch_shape
+    if got != want:
+        raise ModelMismatchError(
+            f"{ckpt.file_path(weight)}: tensor {weight.name!r} has shape {list(got)}, the "
+            f"model's {op.target!r} has shape {list(want)}"
+        )
+    scale = ckpt.tensors[scales[0]]
+    if scale.st_dtype not in SCALE_DTYPES:
+        raise CheckpointError(
+            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has dtype {scale.st_dtype}; a "
+            f"block scale is one of {', '.join(sorted(SCALE_DTYPES))}"
+        )
+    rows, cols = (got[-2], got[-1]) if len(got) >= 2 else (1, 1)
+    grid = tuple(scale.shape[-2:]) if len(scale.shape) >= 2 else None
+    expected = (math.ceil(rows / block[0]), math.ceil(cols / block[1])) if block else grid
+    if (
+        grid is None
+        or tuple(scale.shape[:-2]) != tuple(got[:-2])
+        or grid != expected
+        or rows % grid[0]
+        or cols % grid[1]
+    ):
+        shown = list(got[:-2]) + list(expected) if expected else "a grid dividing it"
+        raise ModelMismatchError(
+            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has shape {list(scale.shape)}; "
+            f"the scale of {weight.name!r} {list(got)} in blocks of {list(block or ())} has "
+            f"shape {shown} (whose cells divide the weight: transformers' "
+            f"{type(op.converter.operations[0]).__name__} needs it)"
+        )
+    return True
+
+
+def run_operations(
+    planned: dict[str, PlannedOperation],
+    model: nn.Module,
+    ckpt: Any,
+    *,
+    threads: int | None = None,
+) -> tuple[float, int]:
+    """Runs every planned operation in the order of the file; returns the seconds spent in
+    transformers' operations (apart from the reads) and the bytes read."""
+    config = getattr(model, "config", None)
+    first = {
+        t: min((ckpt.tensors[n] for n in op.names()), key=lambda s: (s.file, s.begin))
+        for t, op in planned.items()
+    }
+    order = sorted(planned, key=lambda t: (first[t].file, first[t].begin))
+    seconds, read = 0.0, 0
+    for target in order:
+        op = planned[target]
+        collected, read_now = _read_inputs(op, ckpt, threads)
+        read += read_now
+        start = time.perf_counter()
+        for operation in op.converter.operations:
+            collected = operation.convert(
+                collected,
+                source_patterns=op.converter.source_patterns,
+                target_patterns=op.converter.target_patterns,
+                full_layer_name=target,
+                model=model,
+                config=config,
+                missing_keys=None,
+            )
+        seconds += time.perf_counter() - start
+        _place(model, target, _result(collected, target), ckpt.file_path(first[target]))
+        del collected  # the temporaries go with it
+    return seconds, read
+
+
+def _read_inputs(
+    op: PlannedOperation, ckpt: Any, threads: int | None
+) -> tuple[dict[str, list[torch.Tensor]], int]:
+    """The operation's inputs read by the engine into new tensors (one call per file)."""
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[int, list[tuple[str, torch.Tensor, None]]] = {}
+    for name in op.names():
+        stored = ckpt.tensors[name]
+        tensors[name] = torch.empty(stored.torch_shape, dtype=stored.dtype)
+        by_file.setdefault(stored.file, []).append((name, tensors[name], None))
+    read = sum(reading.fill(ckpt.files[i], items, threads) for i, items in by_file.items())
+    collected = {p: [tensors[n] for n in names] for p, names in op.inputs.items()}
+    return collected, read
+
+
+def _result(collected: dict[str, Any], target: str) -> torch.Tensor:
+    value = collected.get(target, next(iter(collected.values()), None))
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedError(
+            f"transformers' load operation for {target!r} made {type(value).__name__}, not "
+            "one tensor; fastload does not load such a checkpoint"
+        )
+    return value
+
+
+def _place(model: nn.Module, target: str, value: torch.Tensor, where: str) -> None:
+    module_name, _, leaf = target.rpartition(".")
+    module = model.get_submodule(module_name)
+    old = module._parameters[leaf]
+    assert old is not None
+    if tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
+        raise ModelMismatchError(
+            f"{where}: transformers' load operation made {target!r} "
+            f"{list(value.shape)} {value.dtype}, the model's is {list(old.shape)} {old.dtype}"
+        )
+    module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+
+
+__all__ = ["PlannedOperation", "load_op_converters", "plan_operations", "run_operations"]

@@ -1,0 +1,270 @@
+"""FP8 fine-grained checkpoints (``quant_method: fp8``, 128x128 block scales in
+``weight_scale_inv``) on a machine without a GPU, where transformers dequantizes them on load
+(``Fp8Dequantize``): fastload reads the FP8 weights and scales, runs transformers' own operation
+on them (:mod:`fastload.hf.load_ops`) and the model is transformers' own, bitwise. The
+checkpoint is written as transformers' FP8 quantizer stores one (its quantizer needs a GPU to
+quantize): e4m3 weights, float32 inverse scales ``[ceil(out/128), ceil(in/128)]``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it
+
+import fastload  # noqa: E402
+from fastload.hf import patch  # noqa: E402
+from tensor_samples import raw_bytes  # noqa: E402
+
+pytestmark = [
+    pytest.mark.usefixtures("unpatched"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="transformers keeps FP8 on a GPU"),
+]
+
+QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "modules_to_not_convert": None,
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+
+def _fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in e4m3 per 128x128 block, and the float32 inverse scale of each block."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / 128), math.ceil(cols / 128))
+    blocks = weight.float().reshape(grid[0], 128, grid[1], 128)
+    inverse = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    values = (blocks / inverse[:, None, :, None]).clamp(-448, 448).reshape(rows, cols)
+    return values.to(torch.float8_e4m3fn), inverse
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny bf16 Llama whose projections are stored in FP8 blocks (the sizes multiples of
+    128: transformers' dequantize needs whole blocks), with transformers' quantization_config."""
+    import safetensors.torch as st
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = tmp_path_factory.mktemp("fp8")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("proj.weight"):
+            tensors[name], tensors[name + "_scale_inv"] = _fp8_blocks(tensor)
+        else:
+            tensors[name] = tensor.contiguous()
+    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((directory / "config.json").read_text())
+    saved["quantization_config"] = QUANTIZATION
+    (directory / "config.json").write_text(json.dumps(saved, indent=2))
+    return directory
+
+
+def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[1, 5, 9, 17, 33]])).logits  # type: ignore[no-any-return]
+
+
+def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Module classes, parameters and buffers (names, dtypes, shapes, bytes, trainability),
+    what transformers' quantizer leaves on the model, and the logits of a fixed input."""
+    assert [type(m) for m in got.modules()] == [type(m) for m in want.modules()]
+    for kind in ("named_parameters", "named_buffers"):
+        got_tensors, want_tensors = dict(getattr(got, kind)()), dict(getattr(want, kind)())
+        assert list(got_tensors) == list(want_tensors), kind
+        for name, w in want_tensors.items():
+            g = got_tensors[name]
+            assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
+            assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
+    # a dequantized model is transformers' unquantized one: its quantizer's postprocess_model
+    # removes hf_quantizer and the quantization config
+    for attribute in ("hf_quantizer", "is_quantized", "quantization_method"):
+        assert hasattr(got, attribute) == hasattr(want, attribute), attribute
+        assert getattr(got, attribute, None) == getattr(want, attribute, None), attribute
+    assert hasattr(got.config, "quantization_config") == hasattr(want.config, "quantization_config")
+    assert got.training == want.training
+    assert torch.equal(_logits(got), _logits(want))
+
+
+@pytest.mark.parametrize(
+    ("read_mode", "dtype"),
+    [("pread", None), ("mmap", None), ("mmap", torch.float32), ("pread", torch.float16)],
+)
+def test_an_fp8_checkpoint_dequantized_on_load_is_transformers_model(
+    fp8_checkpoint: Path, read_mode: str, dtype: torch.dtype | None
+) -> None:
+    """Dequantized into the model's dtype (the checkpoint's bf16, or the one asked for)."""
+    options = {} if dtype is None else {"dtype": dtype}
+    want = _transformers(fp8_checkpoint, **options)
+    got, report = fastload.from_pretrained(
+        fp8_checkpoint, read_mode=read_mode, output_loading_info=True, **options
+    )
+    assert report.quant_method == "fp8" and report.quant_seconds > 0
+    assert "quantized: fp8" in report.summary()
+    assert not report.missing and not report.unexpected and not report.mismatched
+    assert not report.authorized_unexpected  # every scale was used
+    weight = got.model.layers[0].self_attn.q_proj.weight
+    assert weight.dtype == (dtype or torch.bfloat16)
+    assert_same_model(got, want)
+
+
+def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
+    fp8_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    from fastload.core import reading
+
+    events: list[tuple[str, ...]] = []
+    real_fill, real_convert = reading.fill, Fp8Dequantize.convert
+
+    def fill(file, items, *args, **kwargs):  # type: ignore[no-untyped-def]
+        items = list(items)
+        events.append(("read", *(name for name, _, _ in items)))
+        return real_fill(file, items, *args, **kwargs)
+
+    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
+        events.append(("convert", kwargs["full_layer_name"]))
+        return real_convert(self, input_dict, **kwargs)
+
+    monkeypatch.setattr(reading, "fill", fill)
+    monkeypatch.setattr(Fp8Dequantize, "convert", convert)
+    fastload.from_pretrained(fp8_checkpoint)
+    data = (fp8_checkpoint / "model.safetensors").read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    offsets = {n: v["data_offsets"][0] for n, v in header.items() if n != "__metadata__"}
+    reads = [e[1:] for e in events if e[0] == "read"]
+    converts = [e[1] for e in events if e[0] == "convert"]
+    assert len(converts) == 14  # 7 projections of 2 layers
+    # each operation's weight and scale read, then converted, before the next is read
+    assert [kind for kind, *_ in events] == ["read", "convert"] * 14
+    for names, target in zip(reads, converts, strict=True):
+        assert sorted(names) == sorted([target, target + "_scale_inv"])
+    firsts = [min(offsets[n] for n in names) for names in reads]
+    assert firsts == sorted(firsts)
+
+
+def test_under_the_patch_an_fp8_checkpoint_is_read_by_fastload(
+    fp8_checkpoint: Path, tmp_path: Path, transformers_loads: list[str]
+) -> None:
+    want = _transformers(fp8_checkpoint)
+    transformers_loads.clear()
+    with fastload.patch_transformers():
+        got = _transformers(fp8_checkpoint)
+    assert transformers_loads == []
+    assert patch.last_fallback is None
+    assert patch.last_report is not None and patch.last_report.quant_method == "fp8"
+    assert_same_model(got, want)
+
+
+def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
+    import safetensors.torch as st
+
+    directory = tmp_path / "changed"
+    directory.mkdir()
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            (directory / f.name).write_bytes(f.read_bytes())
+    tensors = st.load_file(str(source / "model.safetensors"))
+    change(tensors)
+    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture
+def no_operation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The targets transformers' dequantize ran for (none, where the plan refuses)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    ran: list[str] = []
+    real = Fp8Dequantize.convert
+
+    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
+        ran.append(kwargs["full_layer_name"])
+        return real(self, input_dict, **kwargs)
+
+    monkeypatch.setattr(Fp8Dequantize, "convert", convert)
+    return ran
+
+
+def test_a_missing_scale_is_refused_naming_it_before_reading(
+    fp8_checkpoint: Path, tmp_path: Path, no_operation: list[str]
+) -> None:
+    name = "model.layers.1.mlp.down_proj.weight"
+    directory = _rewritten(fp8_checkpoint, tmp_path, lambda t: t.pop(name + "_scale_inv"))
+    with pytest.raises(fastload.CheckpointError, match=rf"'{name}'.*scale '{name}_scale_inv'"):
+        fastload.from_pretrained(directory)
+    assert no_operation == []
+
+
+def test_a_scale_of_the_wrong_shape_is_refused_naming_it_before_reading(
+    fp8_checkpoint: Path, tmp_path: Path, no_operation: list[str]
+) -> None:
+    name = "model.layers.1.mlp.down_proj.weight_scale_inv"
+
+    def narrow(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name][:, :1].contiguous()  # [2, 1]: the weight is [256, 384]
+
+    directory = _rewritten(fp8_checkpoint, tmp_path, narrow)
+    with pytest.raises(
+        fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[2, 1\].*shape \[2, 3\]"
+    ):
+        fastload.from_pretrained(directory)
+    assert no_operation == []
+
+
+def test_a_weight_of_the_wrong_shape_is_refused_naming_it_before_reading(
+    fp8_checkpoint: Path, tmp_path: Path, no_operation: list[str]
+) -> None:
+    name = "model.layers.0.self_attn.o_proj.weight"
+
+    def narrow(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[name] = tensors[name][:128].contiguous()
+
+    directory = _rewritten(fp8_checkpoint, tmp_path, narrow)
+    with pytest.raises(fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[128,"):
+        fastload.from_pretrained(directory)
+    assert no_operation == []
+
+
+def test_fp8_kept_in_fp8_is_still_refused(fp8_checkpoint: Path, tmp_path: Path) -> None:
+    """A quantizer that does not dequantize (as on a GPU) keeps FP8 modules fastload does
+    not read yet: refused by name, as before."""
+    from transformers.quantizers import quantizer_finegrained_fp8 as fp8
+
+    directory = _rewritten(fp8_checkpoint, tmp_path, lambda t: None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
+        with pytest.raises(fastload.UnsupportedError, match="quant_method='fp8'.*deserialize"):
+            fastload.from_pretrained(directory)
+
+
+def test_a_model_made_by_a_load_operation_is_not_reloaded(fp8_checkpoint: Path) -> None:
+    """A reload reads stored tensors as they are: the FP8 bytes are not the model's weights."""
+    model = fastload.from_pretrained(fp8_checkpoint)
+    with pytest.raises(fastload.UnsupportedError, match="load operation"):
+        fastload.reload(model, fp8_checkpoint)
