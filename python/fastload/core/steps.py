@@ -37,6 +37,9 @@ class RankGroup(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank (picklable), in rank order."""
+
 
 class Exchange(Protocol):
     """What a collective read did: bytes this rank read from storage, bytes it received."""
@@ -73,6 +76,10 @@ class RankSteps(Protocol):
         """This rank's group and the checkpoint ``opener`` opens on this rank, once every rank
         is known to have opened the same checkpoint (a rank that failed to open it fails every
         rank; ``where``: the option that made the load collective, for error messages)."""
+
+    def group(self, process_group: Any, where: str) -> RankGroup:
+        """This rank's group, before any checkpoint is opened (a reload agrees on its checks
+        first)."""
 
     def read(
         self, group: RankGroup, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None

@@ -32,6 +32,9 @@ class DistributedSteps:
         check_same_checkpoint(group, ckpt)
         return group, ckpt
 
+    def group(self, process_group: Any, where: str) -> RankGroup:
+        return RankGroup(process_group, where=where)
+
     def read(
         self, group: Any, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
     ) -> Exchange:
