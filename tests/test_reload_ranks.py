@@ -111,7 +111,7 @@ def _reload_rank(rank: int, port: int, root: str, tp: bool) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``a``; ``b``: ``a`` with fc1 changed; ``c``: all new; ``wrong``: fc1 of another shape;
-    ``other``: ``c``'s layout, other values. All with digests."""
+    ``other``: ``c``'s layout, other values; ``sharded``: ``c`` in two files. All with digests."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     root = tmp_path_factory.mktemp("reload_ranks")
@@ -125,6 +125,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for seed, name, model in ((3, "c", MLP), (4, "other", MLP), (5, "wrong", lambda: MLP(2048))):
         torch.manual_seed(seed)
         fastload.save_pretrained(model(), root / name, digests=True)
+    c = fastload.load_file(root / "c" / "model.safetensors")
+    model = MLP()
+    model.load_state_dict(c)
+    fastload.save_pretrained(model, root / "sharded", digests=True, max_shard_size="20MB")
     return root
 
 
@@ -206,6 +210,7 @@ MISMATCHES = [
     ("other", {}),  # the same layout, other values (their digests differ)
     ("missing", {}),  # nothing there
     ("c", {"atomic": True}),  # other options
+    ("sharded", {}),  # the tensors of "c" in two files: another layout, the same digests
 ]
 
 
@@ -254,8 +259,8 @@ def test_one_rank_given_another_checkpoint_stops_every_rank_with_one_error(
     for rank, got in enumerate(ranks):
         assert got["unchanged"] == [True] * len(MISMATCHES), rank
         assert got["after"] == _digests(c), rank
-    wrong, other, missing, options = zip(*(got["errors"] for got in ranks), strict=True)
-    for both in (wrong, other, missing, options):
+    wrong, other, missing, options, sharded = zip(*(got["errors"] for got in ranks), strict=True)
+    for both in (wrong, other, missing, options, sharded):
         assert both[0] == both[1], both  # one error: the same class and message on both
     assert wrong[0][0] == "ModelMismatchError"
     assert "rank 1 of 2 failed" in wrong[0][1] and "'fc1.weight'" in wrong[0][1]
@@ -265,13 +270,16 @@ def test_one_rank_given_another_checkpoint_stops_every_rank_with_one_error(
     assert issubclass(getattr(errors, missing[0][0]), OSError), missing[0]
     assert "rank 1 of 2 failed" in missing[0][1] and "missing" in missing[0][1]
     assert options[0][0] == "RequestError" and "rank 1 passed other options" in options[0][1]
+    assert sharded[0][0] == "CheckpointError"
+    assert "ranks opened different checkpoints" in sharded[0][1]
+    assert str(tmp_path / "rank1" / "sharded") in sharded[0][1]
     assert ranks[0]["skips"] == ranks[1]["skips"]
     assert ranks[0]["skips"][0] == "CheckpointError"
     # rank 0 reads fc1 (changed since "a"), rank 1 nothing ("b" is what it holds)
     assert "rank 1 would read other tensors than rank 0" in ranks[0]["skips"][1]
     assert "only rank 0: fc1.bias, fc1.weight)" in ranks[0]["skips"][1]
     assert all("Nothing was written on any rank" in e[1] or "nothing was written" in e[1]
-               for e in (wrong[0], other[0], missing[0], options[0]))  # fmt: skip
+               for e in (wrong[0], other[0], missing[0], options[0], sharded[0]))  # fmt: skip
 
 
 def test_a_process_group_without_torch_distributed_is_refused() -> None:

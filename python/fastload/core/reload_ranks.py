@@ -77,9 +77,8 @@ class Ranks:
         ``CheckpointError`` on every rank)."""
         try:
             self.joined = self.steps.join(self.process_group, "reload(process_group=...)", ckpt)
-        except FastloadError as exc:
-            exc.add_note(f"{WHERE}: nothing was written on any rank")
-            raise
+        except CheckpointError as exc:  # raised on every rank alike
+            raise CheckpointError(f"{WHERE}: {exc}. Nothing was written on any rank") from exc
 
     def fill(
         self, ckpt: OpenCheckpoint, by_file: Mapping[int, list[FillItem]], threads: int | None
