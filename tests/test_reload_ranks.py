@@ -288,3 +288,37 @@ def test_a_process_group_without_torch_distributed_is_refused() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(fastload.RequestError, match="init_process_group"):
         fastload.reload(model, {"weight": torch.zeros(2, 2)}, process_group=object())
+
+
+def _dies_rank(rank: int, port: int, root: str) -> None:
+    """Rank 1 dies as it reads its first chunk; rank 0 must stop (not wait) and mark its model."""
+    from fastload.distributed import collective
+
+    _init(rank, port)
+    own = Path(root) / f"rank{rank}"
+    model = fastload.from_pretrained(MLP, own / "a", process_group=dist.group.WORLD, progress=False)
+    if rank == 1:
+        collective._Reader._read = lambda *a: os._exit(0)  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        fastload.reload(model, own / "c", process_group=dist.group.WORLD)
+    except fastload.ReloadError as exc:
+        out["error"] = str(exc)
+        try:
+            model(torch.ones(1, 1024))
+        except fastload.ReloadError as refused:
+            out["refused"] = str(refused)
+    torch.save(out, Path(root) / f"out{rank}.pt")
+    os._exit(0)  # the group lost a rank: tearing it down could abort this process
+
+
+def test_a_rank_dying_while_the_group_reads_stops_the_others_with_their_model_marked(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    _copies(checkpoints, tmp_path)
+    run_ranks(_dies_rank, (free_port(), str(tmp_path)), world=WORLD, timeout_s=TIMEOUT_S,
+              what="dying")  # fmt: skip
+    got = torch.load(tmp_path / "out0.pt", weights_only=True)
+    assert "fastload.reload failed while reading" in got["error"], got
+    assert "fc1.weight" in got["error"]
+    assert "refuses to run" in got["refused"]

@@ -101,9 +101,9 @@ def reload(
             ``verify=True``, bytes read that do not match their digest (the model unchanged).
         MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
         ReloadError: the reload failed after writing into the model (see its ``tensors``).
-            With ``process_group``, a rank that fails while the group reads stops the others
-            when the group's timeout (``init_process_group(timeout=...)``) expires; each marks
-            its model torn.
+            With ``process_group``, on every rank when one fails while the group reads: at once
+            where it dies, at the group's timeout (``init_process_group(timeout=...)``) where
+            its own read failed and it lives on.
     """
     hub: dict[str, Any] = {
         name: value
