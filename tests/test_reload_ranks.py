@@ -322,3 +322,56 @@ def test_a_rank_dying_while_the_group_reads_stops_the_others_with_their_model_ma
     assert "fastload.reload failed while reading" in got["error"], got
     assert "fc1.weight" in got["error"]
     assert "refuses to run" in got["refused"]
+
+
+def _url_rank(rank: int, port: int, root: str) -> None:
+    """Each rank serves its own copy over HTTP: rank 1 alone given the URL, then both."""
+    from http_store import HttpStore
+
+    _init(rank, port)
+    own = Path(root) / f"rank{rank}"
+    store = HttpStore(own)
+    url = store.url("c/model.safetensors")
+    out: dict[str, Any] = {}
+    try:
+        model = fastload.from_pretrained(
+            MLP, own / "a", process_group=dist.group.WORLD, progress=False
+        )
+        for name, source in (("mixed", url if rank == 1 else own / "c"), ("urls", url)):
+            try:
+                fastload.reload(model, source, process_group=dist.group.WORLD)
+                out[name] = None
+            except fastload.FastloadError as exc:
+                out[name] = (type(exc).__name__, str(exc))
+            with torch.no_grad():
+                model(torch.ones(1, 1024))  # not marked torn
+            out[f"{name} digests"] = _digests(model)
+    finally:
+        torch.save(out, Path(root) / f"out{rank}.pt")
+        leave_group()
+        store.close()
+
+
+def test_ranks_given_a_url_and_local_files_all_refuse_and_urls_never_tear(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    _copies(checkpoints, tmp_path)
+    run_ranks(_url_rank, (free_port(), str(tmp_path)), world=WORLD, timeout_s=TIMEOUT_S,
+              what="url")  # fmt: skip
+    ranks = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(WORLD)]
+    a = _digests(fastload.from_pretrained(MLP, checkpoints / "a", progress=False))
+    c = _digests(fastload.from_pretrained(MLP, checkpoints / "c", progress=False))
+    assert ranks[0]["mixed"] == ranks[1]["mixed"]
+    assert ranks[0]["mixed"][0] == "CheckpointError"
+    assert "rank 1 reads an object storage URL, rank 0 local files" in ranks[0]["mixed"][1]
+    assert all(got["mixed digests"] == a for got in ranks)
+    # URLs on every rank: refused alike before any write while the collective read takes local
+    # files only, or read together (bitwise those of "c") once it fetches from object storage
+    outcomes = {got["urls"] and got["urls"][0] for got in ranks}  # each rank's URL is its own
+    assert len(outcomes) == 1, outcomes
+    if ranks[0]["urls"] is None:
+        assert all(got["urls digests"] == c for got in ranks)
+    else:
+        assert ranks[0]["urls"][0] == "UnsupportedError", ranks[0]["urls"]
+        assert "Reload without process_group" in ranks[0]["urls"][1]
+        assert all(got["urls digests"] == a for got in ranks)

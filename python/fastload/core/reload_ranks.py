@@ -86,7 +86,13 @@ class Ranks:
         """Fills every item with the group (each rank calls it with the same stored names)."""
         assert self.joined is not None
         fills = [item for index in sorted(by_file) for item in by_file[index]]
-        self.steps.read(self.joined, ckpt, fills, threads)
+        try:
+            self.steps.read(self.joined, ckpt, fills, threads)
+        except UnsupportedError as exc:  # refused alike on every rank, before any byte is read
+            raise UnsupportedError(
+                f"{WHERE}: {exc}. Reload without process_group (each rank reads what it holds) "
+                "or from local copies. Nothing was written on any rank"
+            ) from exc
 
 
 def plan_of(
