@@ -10,8 +10,10 @@ from the page cache first, and the kernel counts the bytes the process fetched f
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import struct
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -214,6 +216,21 @@ MISMATCHES = [
 ]
 
 
+def _flip_last_byte(path: Path) -> str:
+    """Inverts the last byte of the file's data (in the last chunk, which the last rank reads);
+    returns the tensor it belongs to."""
+    with open(path, "r+b") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        name = max(header, key=lambda k: header[k]["data_offsets"][1])
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return name
+
+
 def _mismatch_rank(rank: int, port: int, root: str) -> None:
     _init(rank, port)
     own = Path(root) / f"rank{rank}"
@@ -231,6 +248,16 @@ def _mismatch_rank(rank: int, port: int, root: str) -> None:
             except fastload.FastloadError as exc:
                 out["errors"].append((type(exc).__name__, str(exc)))
             out.setdefault("unchanged", []).append(_digests(model) == old)
+        # rank 1's copy is corrupt where rank 1 reads for the group: both ranks check the
+        # bytes exchanged, so both refuse
+        try:
+            fastload.reload(
+                model, own / "corrupt", atomic=True, verify=True, process_group=dist.group.WORLD
+            )
+            out["corrupt"] = None
+        except fastload.CheckpointError as exc:
+            out["corrupt"] = str(exc)
+        out["corrupt unchanged"] = _digests(model) == old
         # rank 1 reloads alone: its model's digests now differ from rank 0's, and the ranks
         # would skip other tensors of "b"
         if rank == 1:
@@ -252,6 +279,9 @@ def test_one_rank_given_another_checkpoint_stops_every_rank_with_one_error(
     checkpoints: Path, tmp_path: Path
 ) -> None:
     _copies(checkpoints, tmp_path)
+    for rank in range(WORLD):
+        shutil.copytree(checkpoints / "c", tmp_path / f"rank{rank}" / "corrupt")
+    last = _flip_last_byte(tmp_path / "rank1" / "corrupt" / "model.safetensors")
     run_ranks(_mismatch_rank, (free_port(), str(tmp_path)), world=WORLD, timeout_s=TIMEOUT_S,
               what="mismatch")  # fmt: skip
     ranks = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(WORLD)]
@@ -273,6 +303,9 @@ def test_one_rank_given_another_checkpoint_stops_every_rank_with_one_error(
     assert sharded[0][0] == "CheckpointError"
     assert "ranks opened different checkpoints" in sharded[0][1]
     assert str(tmp_path / "rank1" / "sharded") in sharded[0][1]
+    for got in ranks:
+        assert "do not match the digest" in got["corrupt"] and repr(last) in got["corrupt"]
+        assert got["corrupt unchanged"]
     assert ranks[0]["skips"] == ranks[1]["skips"]
     assert ranks[0]["skips"][0] == "CheckpointError"
     # rank 0 reads fc1 (changed since "a"), rank 1 nothing ("b" is what it holds)

@@ -80,7 +80,9 @@ def reload(
             the same options and a copy of the same checkpoint. Each changed tensor is read
             once across the group (each rank reads about 1/N of the bytes the group needs and
             receives the rest, as a collective load does) and each rank keeps what its model
-            holds (its slices, under tensor parallelism). The ranks agree before any reads:
+            holds (its slices, under tensor parallelism). ``atomic`` and ``verify`` work as
+            on one process (with ``verify``, the reads are shared and every rank hashes every
+            tensor read, so all ranks refuse a mismatch alike). The ranks agree before any reads:
             a rank that refuses the reload (any error below), ranks whose checkpoints record
             other digests or that would skip other tensors stop every rank with one error
             naming the rank, nothing written. Local files (each rank its own copy) only: an

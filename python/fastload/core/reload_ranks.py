@@ -102,9 +102,9 @@ def plan_of(
     options: Sequence[object],
     verify: bool,
 ) -> dict[str, Any]:
-    """What the ranks must agree on: the stored tensors read (in the order of the fills), the
-    new checkpoint's digests, where it is read from, the options, and (``verify=True``, whose
-    reads follow how each copy is held) the dtypes, devices and whether each copy is sliced."""
+    """What the ranks must agree on: the stored tensors read, the new checkpoint's digests,
+    where it is read from, the options, and (``verify=True``, whose reads follow how each copy is
+    held) the dtypes, devices and whether each copy is sliced."""
     held = [
         (name, selection is None, str(t.dtype), t.device.type, t.is_contiguous())
         for name, t, selection in items
