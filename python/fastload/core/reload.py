@@ -222,7 +222,7 @@ def reload(
         else:  # every byte read once across the group
             try:
                 ranks.fill(ckpt, by_file, threads)
-            except (UnsupportedError, RequestError):
+            except UnsupportedError:
                 raise  # the collective read refuses (a source it cannot read) before writing
             except BaseException:
                 started.extend(by_file)

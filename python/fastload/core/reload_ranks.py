@@ -76,9 +76,10 @@ class Ranks:
         """Joins the read: every rank opened a checkpoint of the same layout (else a
         ``CheckpointError`` on every rank)."""
         try:
-            self.joined = self.steps.join(self.process_group, "reload(process_group=...)", ckpt)
+            self.steps.same_checkpoint(self.group, ckpt)
         except CheckpointError as exc:  # raised on every rank alike
             raise CheckpointError(f"{WHERE}: {exc}. Nothing was written on any rank") from exc
+        self.joined = self.group
 
     def fill(
         self, ckpt: OpenCheckpoint, by_file: Mapping[int, list[FillItem]], threads: int | None

@@ -77,10 +77,6 @@ class RankSteps(Protocol):
         is known to have opened the same checkpoint (a rank that failed to open it fails every
         rank; ``where``: the option that made the load collective, for error messages)."""
 
-    def group(self, process_group: Any, where: str) -> RankGroup:
-        """This rank's group, before any checkpoint is opened (a reload agrees on its checks
-        first)."""
-
     def read(
         self, group: RankGroup, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
     ) -> Exchange:
@@ -94,6 +90,16 @@ class RankSteps(Protocol):
         self, model: nn.Module, layout: TensorParallelLayout, process_group: Any
     ) -> None:
         """Adapts the modules holding shards, once they are loaded, to compute their part."""
+
+    # A reload across ranks (fastload.core.reload_ranks) agrees on every rank's checks in a
+    # group of its own before comparing the checkpoints: the steps below, not join.
+
+    def group(self, process_group: Any, where: str) -> RankGroup:
+        """This rank's group, before any checkpoint is opened."""
+
+    def same_checkpoint(self, group: RankGroup, ckpt: OpenCheckpoint) -> None:
+        """``CheckpointError`` on every rank unless every rank of ``group`` opened a checkpoint
+        of the same layout (tensors, dtypes, shapes, offsets)."""
 
 
 @dataclass(frozen=True)

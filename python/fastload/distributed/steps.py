@@ -32,9 +32,6 @@ class DistributedSteps:
         check_same_checkpoint(group, ckpt)
         return group, ckpt
 
-    def group(self, process_group: Any, where: str) -> RankGroup:
-        return RankGroup(process_group, where=where)
-
     def read(
         self, group: Any, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
     ) -> Exchange:
@@ -45,6 +42,12 @@ class DistributedSteps:
 
     def parallelize(self, model: nn.Module, layout: Any, process_group: Any) -> None:
         parallelize(model, cast(TPLayout, layout), process_group)
+
+    def group(self, process_group: Any, where: str) -> RankGroup:
+        return RankGroup(process_group, where=where)
+
+    def same_checkpoint(self, group: Any, ckpt: OpenCheckpoint) -> None:
+        check_same_checkpoint(cast(RankGroup, group), ckpt)
 
 
 #: the steps every entry of a load passes to the core (:class:`fastload.core.steps.LoadSteps`)
