@@ -85,8 +85,8 @@ def reload(
             tensor read, so all ranks refuse a mismatch alike). The ranks agree before any reads:
             a rank that refuses the reload (any error below), ranks whose checkpoints record
             other digests or that would skip other tensors stop every rank with one error
-            naming the rank, nothing written. Local files (each rank its own copy) only: an
-            object storage URL is refused as a collective load refuses it; a state dict too.
+            naming the rank, nothing written. The sources a collective load reads (each rank
+            its own copy), refused alike where it refuses them; not a state dict.
 
     Returns:
         a :class:`~fastload.core.reload.ReloadReport`.
@@ -103,9 +103,8 @@ def reload(
             ``verify=True``, bytes read that do not match their digest (the model unchanged).
         MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
         ReloadError: the reload failed after writing into the model (see its ``tensors``).
-            With ``process_group``, on every rank when one fails while the group reads: at once
-            where it dies, at the group's timeout (``init_process_group(timeout=...)``) where
-            its own read failed and it lives on.
+            With ``process_group``, on every rank when one fails while the group reads, as a
+            collective load stops (a rank that dies: at once).
     """
     hub: dict[str, Any] = {
         name: value

@@ -6,7 +6,8 @@ gather): a rank that refused the reload (a checkpoint that does not fit its mode
 cannot open, too little memory to stage) stops every rank with one error naming it, before any
 rank reads a data byte; so do ranks that would read different tensors (their models' digests
 differ) or whose checkpoints record different digests, or that pass different options. Only then
-do they join (the checkpoints' layouts compared, as a collective load compares them) and read:
+are the checkpoints' layouts compared (:meth:`fastload.core.steps.RankSteps.same_checkpoint`, as
+a collective load compares them) and the ranks read:
 every fill of the reload, in place, staged (``atomic=True``) or whole to be hashed
 (``verify=True``), goes through the collective read the entry supplies
 (:meth:`fastload.core.steps.RankSteps.read`), so each changed tensor's bytes are read once across
