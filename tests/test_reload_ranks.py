@@ -385,7 +385,7 @@ def _url_rank(rank: int, port: int, root: str) -> None:
         store.close()
 
 
-def test_ranks_given_a_url_and_local_files_all_refuse_and_urls_never_tear(
+def test_ranks_reload_from_urls_together_and_a_url_beside_local_files_is_refused(
     checkpoints: Path, tmp_path: Path
 ) -> None:
     _copies(checkpoints, tmp_path)
@@ -398,13 +398,59 @@ def test_ranks_given_a_url_and_local_files_all_refuse_and_urls_never_tear(
     assert ranks[0]["mixed"][0] == "CheckpointError"
     assert "rank 1 reads an object storage URL, rank 0 local files" in ranks[0]["mixed"][1]
     assert all(got["mixed digests"] == a for got in ranks)
-    # URLs on every rank: refused alike before any write while the collective read takes local
-    # files only, or read together (bitwise those of "c") once it fetches from object storage
-    outcomes = {got["urls"] and got["urls"][0] for got in ranks}  # each rank's URL is its own
-    assert len(outcomes) == 1, outcomes
-    if ranks[0]["urls"] is None:
-        assert all(got["urls digests"] == c for got in ranks)
-    else:
-        assert ranks[0]["urls"][0] == "UnsupportedError", ranks[0]["urls"]
-        assert "Reload without process_group" in ranks[0]["urls"][1]
-        assert all(got["urls digests"] == a for got in ranks)
+    # a URL on every rank (each its own server): read together, bitwise those of "c"
+    assert [got["urls"] for got in ranks] == [None, None]
+    assert all(got["urls digests"] == c for got in ranks)
+
+
+def _failing_read_rank(rank: int, port: int, root: str) -> None:
+    """Rank 1's disk fails under its chunks (it lives on): atomic, then in place."""
+    from fastload.distributed import collective
+
+    _init(rank, port)
+    own = Path(root) / f"rank{rank}"
+    out: dict[str, Any] = {}
+    try:
+        model = fastload.from_pretrained(
+            MLP, own / "a", process_group=dist.group.WORLD, progress=False
+        )
+        old = _digests(model)
+        if rank == 1:
+
+            def broken(path: str, *args: Any) -> None:
+                raise errors.FastloadIOError(f"{path}: reading failed: [Errno 5] I/O error")
+
+            collective._pread = broken  # type: ignore[assignment]
+        for name, atomic in (("atomic", True), ("in place", False)):
+            try:
+                fastload.reload(model, own / "c", atomic=atomic, process_group=dist.group.WORLD)
+                out[name] = None
+            except fastload.FastloadError as exc:
+                out[name] = (type(exc).__name__, str(exc))
+            out[f"{name} unchanged"] = _digests(model) == old
+            try:
+                model(torch.ones(1, 1024))
+                out[f"{name} runs"] = True
+            except fastload.ReloadError:
+                out[f"{name} runs"] = False
+    finally:
+        torch.save(out, Path(root) / f"out{rank}.pt")
+        leave_group()
+
+
+def test_a_read_failing_on_one_rank_stops_every_rank_with_one_error(
+    checkpoints: Path, tmp_path: Path
+) -> None:
+    _copies(checkpoints, tmp_path)
+    run_ranks(_failing_read_rank, (free_port(), str(tmp_path)), world=WORLD,
+              timeout_s=TIMEOUT_S, what="failing read")  # fmt: skip
+    ranks = [torch.load(tmp_path / f"out{r}.pt", weights_only=True) for r in range(WORLD)]
+    for got in ranks:
+        # atomic: nothing written on any rank, every model runs
+        assert got["atomic"][0] == "FastloadIOError", got["atomic"]
+        assert "failed on rank 1" in got["atomic"][1] and "I/O error" in got["atomic"][1]
+        assert got["atomic unchanged"] and got["atomic runs"]
+        # in place: every rank's model marked torn, naming the cause on rank 1
+        assert got["in place"][0] == "ReloadError", got["in place"]
+        assert "failed on rank 1" in got["in place"][1] and "fc1.weight" in got["in place"][1]
+        assert not got["in place runs"]

@@ -85,8 +85,9 @@ def reload(
             tensor read, so all ranks refuse a mismatch alike). The ranks agree before any reads:
             a rank that refuses the reload (any error below), ranks whose checkpoints record
             other digests or that would skip other tensors stop every rank with one error
-            naming the rank, nothing written. The sources a collective load reads (each rank
-            its own copy), refused alike where it refuses them; not a state dict.
+            naming the rank, nothing written. The sources a collective load reads: local files
+            (each rank its own copy) or an object storage URL (every rank pinned to one version
+            of each object); not a state dict.
 
     Returns:
         a :class:`~fastload.core.reload.ReloadReport`.
@@ -103,8 +104,8 @@ def reload(
             ``verify=True``, bytes read that do not match their digest (the model unchanged).
         MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
         ReloadError: the reload failed after writing into the model (see its ``tensors``).
-            With ``process_group``, on every rank when one fails while the group reads, as a
-            collective load stops (a rank that dies: at once).
+            With ``process_group``, on every rank when one fails while the group reads (one
+            error naming the rank; a rank that dies: ``[rank-lost]`` at once).
     """
     hub: dict[str, Any] = {
         name: value

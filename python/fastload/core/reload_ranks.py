@@ -92,8 +92,8 @@ class Ranks:
             self.steps.read(self.joined, ckpt, fills, threads)
         except UnsupportedError as exc:  # refused alike on every rank, before any byte is read
             raise UnsupportedError(
-                f"{WHERE}: {exc}. Reload without process_group (each rank reads what it holds) "
-                "or from local copies. Nothing was written on any rank"
+                f"{WHERE}: {exc}. Reload without process_group (each rank reads what it holds). "
+                "Nothing was written on any rank"
             ) from exc
 
 
