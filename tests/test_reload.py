@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import fastload
-from fastload.core import reload as reload_module
+from fastload.core import reload_files
 
 
 class Tied(nn.Module):
@@ -113,14 +113,14 @@ def test_reload_through_the_staged_path_fills_the_same_memory(two, monkeypatch):
     model = fastload.from_pretrained(Tied, a, progress=False)
     before = _pointers(model)
     calls = []
-    real = reload_module.stream_into
+    real = reload_files.stream_into
 
     def spy(file, items, **kwargs):
         calls.append(len(items))
         return real(file, items, **kwargs)
 
-    monkeypatch.setattr(reload_module, "_staged", lambda device: True)
-    monkeypatch.setattr(reload_module, "stream_into", spy)
+    monkeypatch.setattr(reload_files, "_staged", lambda device: True)
+    monkeypatch.setattr(reload_files, "stream_into", spy)
     fastload.reload(model, b)
     assert sum(calls) == 9
     assert _pointers(model) == before

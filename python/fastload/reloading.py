@@ -18,6 +18,7 @@ from fastload.core.errors import RequestError
 from fastload.core.object_store import is_url
 from fastload.core.reload import ReloadReport, Source
 from fastload.core.reload import reload as reload_into
+from fastload.distributed.steps import RANK_STEPS
 
 __all__ = ["ReloadReport", "reload"]
 
@@ -37,6 +38,7 @@ def reload(
     cache_dir: str | os.PathLike[str] | None = None,
     token: str | bool | None = None,
     local_files_only: bool = False,
+    process_group: Any = None,
 ) -> ReloadReport:
     """Writes the checkpoint ``source`` into ``model``, a model :func:`fastload.from_pretrained`
     loaded, in place: every parameter and buffer keeps its storage (``data_ptr``), ties stay
@@ -72,6 +74,20 @@ def reload(
         token: for a model id: the hub token (``huggingface_hub``'s own rules by default).
         local_files_only: for a model id: never download, read the cache only (also with
             ``HF_HUB_OFFLINE=1``).
+        process_group: reload together with the other ranks of this ``torch.distributed``
+            group (``torch.distributed.group.WORLD`` for all), each holding a model fastload
+            loaded (with ``process_group=`` or ``tp_plan=``): every rank calls ``reload`` with
+            the same options and a copy of the same checkpoint. Each changed tensor is read
+            once across the group (each rank reads about 1/N of the bytes the group needs and
+            receives the rest, as a collective load does) and each rank keeps what its model
+            holds (its slices, under tensor parallelism). ``atomic`` and ``verify`` work as
+            on one process (with ``verify``, the reads are shared and every rank hashes every
+            tensor read, so all ranks refuse a mismatch alike). The ranks agree before any reads:
+            a rank that refuses the reload (any error below), ranks whose checkpoints record
+            other digests or that would skip other tensors stop every rank with one error
+            naming the rank, nothing written. The sources a collective load reads: local files
+            (each rank its own copy) or an object storage URL (every rank pinned to one version
+            of each object); not a state dict.
 
     Returns:
         a :class:`~fastload.core.reload.ReloadReport`.
@@ -88,6 +104,8 @@ def reload(
             ``verify=True``, bytes read that do not match their digest (the model unchanged).
         MemoryBudgetError: ``atomic=True`` and the staged copies do not fit.
         ReloadError: the reload failed after writing into the model (see its ``tensors``).
+            With ``process_group``, on every rank when one fails while the group reads (one
+            error naming the rank; a rank that dies: ``[rank-lost]`` at once).
     """
     hub: dict[str, Any] = {
         name: value
@@ -116,6 +134,8 @@ def reload(
         threads=threads,
         storage_options=storage_options,
         resolve=resolve,
+        process_group=process_group,
+        steps=RANK_STEPS,
     )
 
 

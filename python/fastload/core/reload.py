@@ -35,6 +35,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -54,9 +55,11 @@ from fastload.core.errors import (
     UnsupportedError,
 )
 from fastload.core.keys import format_names
-from fastload.core.object_store import is_remote, is_url
+from fastload.core.object_store import is_url
 from fastload.core.placement import selected_shape
 from fastload.core.redaction import RedactedFields
+from fastload.core.reload_files import fill_files as _fill_files
+from fastload.core.reload_ranks import Ranks, plan_of
 from fastload.core.reload_record import (
     Entry,
     LoadRecord,
@@ -68,8 +71,7 @@ from fastload.core.reload_record import (
 )
 from fastload.core.reload_ties import memory_key, refuse_differing_ties
 from fastload.core.source import open_source
-from fastload.core.staging import StagingPool
-from fastload.core.streaming import stream_into
+from fastload.core.steps import RankSteps
 from fastload.core.threads import check_threads
 from fastload.core.units import format_bytes
 
@@ -121,6 +123,10 @@ class ReloadReport(RedactedFields):
         return self.summary()
 
 
+#: fills ``{file index: items}``, adding each file index to the list before its first write
+_Fill = Callable[[dict[int, list[reader.FillItem]], list[int]], None]
+
+
 @dataclass
 class _Write:
     """One model tensor to fill: its memory, and each stored part's target within it."""
@@ -143,63 +149,96 @@ def reload(
     threads: int | None = None,
     storage_options: Mapping[str, object] | None = None,
     resolve: Callable[[Source], Source] | None = None,
+    process_group: Any = None,
+    steps: RankSteps | None = None,
 ) -> ReloadReport:
     """Writes the checkpoint ``source`` (a local path, an object storage URL or a state dict)
     into ``model`` in place. The public entry, :func:`fastload.reload` (which also resolves model
     ids: ``resolve``, called once the model and the arguments are checked), documents the
-    arguments, what it returns and what it raises."""
+    arguments, what it returns and what it raises. With ``process_group``, the ranks of the group
+    reload together through the collective read of ``steps`` (:mod:`fastload.core.reload_ranks`).
+    """
     start = time.perf_counter()
-    record = record_of(model) if isinstance(model, nn.Module) else None
-    if record is None:
-        raise RequestError(
-            f"reload needs a model that fastload.from_pretrained loaded; got a "
-            f"{type(model).__name__} it did not load (load it once with from_pretrained)"
-        )
-    if record.unsupported is not None:
-        raise UnsupportedError(f"this model cannot be reloaded: {record.unsupported}")
-    check_bool(atomic, "atomic", where="reload")
-    check_bool(skip_unchanged, "skip_unchanged", where="reload")
-    check_bool(verify, "verify", where="reload")
-    if verify and not atomic:
-        raise RequestError(
-            "reload(verify=True) checks the staged bytes before they are committed: pass "
-            "atomic=True too (in place, the bytes would already be in the model)"
-        )
-    threads = record.threads if threads is None else threads
-    if storage_options is None and is_url(source):
-        storage_options = record.storage_options
-    check_threads(threads, "reload")
-    if resolve is not None:
-        source = resolve(source)
-    # Positioned reads whatever read_mode the load used: a file truncated while a mapping of it
-    # is read kills the process (SIGBUS), where a short read is an error naming the file.
-    ckpt = open_source(source, "pread", "copy", record.allow_pickle, storage_options)
-    report = ReloadReport(source=_label(ckpt), atomic=atomic)
-    report.files = [str(f) for f in ckpt.location.files]
-    writes = _check(model, record, ckpt)
-    new_digests = checkpoint_digests(ckpt)
-    if verify and not new_digests:
-        raise RequestError(
-            f"{report.source}: reload(verify=True) checks the bytes against the digests the "
-            "files record, and these record none (save them with digests=True)"
-        )
-    refuse_differing_ties(
-        model, record, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, []), report.source
-    )
-    if skip_unchanged:
-        writes = _skip_unchanged(writes, record.digests, new_digests, ckpt, report)
-    report.tensors_read = len(writes)
-    report.bytes_read = sum(n for w in writes for _, _, n in w.parts)
-    report.bytes_written = sum(_nbytes(w.dest) for w in writes)
+    ranks = None if process_group is None else Ranks(steps, process_group)
+    # across ranks, every rank's checks end in one agreement: one error on all, or all read
+    with ranks.agreeing() if ranks is not None else nullcontext():
+        record = record_of(model) if isinstance(model, nn.Module) else None
+        if record is None:
+            raise RequestError(
+                f"reload needs a model that fastload.from_pretrained loaded; got a "
+                f"{type(model).__name__} it did not load (load it once with from_pretrained)"
+            )
+        if record.unsupported is not None:
+            raise UnsupportedError(f"this model cannot be reloaded: {record.unsupported}")
+        check_bool(atomic, "atomic", where="reload")
+        check_bool(skip_unchanged, "skip_unchanged", where="reload")
+        check_bool(verify, "verify", where="reload")
+        if verify and not atomic:
+            raise RequestError(
+                "reload(verify=True) checks the staged bytes before they are committed: pass "
+                "atomic=True too (in place, the bytes would already be in the model)"
+            )
+        threads = record.threads if threads is None else threads
+        if storage_options is None and is_url(source):
+            storage_options = record.storage_options
+        check_threads(threads, "reload")
+        if ranks is not None and not isinstance(source, (str, os.PathLike)):
+            raise RequestError(
+                "reload(process_group=...) reads a checkpoint's files together; a state dict "
+                "is in each rank's memory already: reload it without process_group"
+            )
+        if resolve is not None:
+            source = resolve(source)
+        # Positioned reads whatever read_mode the load used: a file truncated while a mapping of
+        # it is read kills the process (SIGBUS), where a short read is an error naming the file.
+        ckpt = open_source(source, "pread", "copy", record.allow_pickle, storage_options)
+        report = ReloadReport(source=_label(ckpt), atomic=atomic)
+        report.files = [str(f) for f in ckpt.location.files]
+        writes = _check(model, record, ckpt)
+        new_digests = checkpoint_digests(ckpt)
+        if verify and not new_digests:
+            raise RequestError(
+                f"{report.source}: reload(verify=True) checks the bytes against the digests the "
+                "files record, and these record none (save them with digests=True)"
+            )
+        refuse_differing_ties(  # the tied tensors it reads, each rank reads itself
+            model, record, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, []),
+            report.source,
+        )  # fmt: skip
+        if skip_unchanged:
+            writes = _skip_unchanged(writes, record.digests, new_digests, ckpt, report)
+        report.tensors_read = len(writes)
+        report.bytes_read = sum(n for w in writes for _, _, n in w.parts)
+        report.bytes_written = sum(_nbytes(w.dest) for w in writes)
+        if atomic:
+            _check_staging(writes, ckpt, new_digests if verify else {}, report)
+        if ranks is not None:
+            items = [(p.stored, t, p.selection) for w in writes for p, t, _ in w.parts]
+            ranks.plan = plan_of(ckpt, items, new_digests, [atomic, skip_unchanged, verify], verify)
+
+    def fill(by_file: dict[int, list[reader.FillItem]], started: list[int]) -> None:
+        if ranks is None:
+            _fill_files(ckpt, by_file, threads, started)
+        else:  # every byte read once across the group
+            try:
+                ranks.fill(ckpt, by_file, threads)
+            except UnsupportedError:
+                raise  # the collective read refuses (a source it cannot read) before writing
+            except BaseException:
+                started.extend(by_file)
+                raise
+
+    if ranks is not None:
+        ranks.join(ckpt)
 
     def done() -> None:  # the model holds the new checkpoint whole
         guard.unmark(record)
         record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
 
     if atomic:
-        _atomic(model, record, ckpt, writes, new_digests if verify else {}, threads, report, done)
+        _atomic(model, record, ckpt, writes, new_digests if verify else {}, fill, report, done)
     else:
-        _in_place(model, record, ckpt, writes, threads)
+        _in_place(model, record, ckpt, writes, fill)
         done()
     report.seconds = time.perf_counter() - start
     return report
@@ -323,11 +362,6 @@ def _skip_unchanged(
     return kept
 
 
-def _staged(device: torch.device) -> bool:
-    """Whether destinations on ``device`` go through the staging ring (all but the CPU's)."""
-    return device.type != "cpu"
-
-
 def _by_file(
     pairs: list[tuple[_Write, list[torch.Tensor]]],
 ) -> dict[int, list[reader.FillItem]]:
@@ -339,73 +373,18 @@ def _by_file(
     return out
 
 
-def _fill_files(
-    ckpt: OpenCheckpoint,
-    by_file: dict[int, list[reader.FillItem]],
-    threads: int | None,
-    started: list[int],
-) -> None:
-    """Fills every file's items, appending each file index to ``started`` before its first
-    write; the files in object storage in one engine call (their requests in parallel)."""
-    pool = StagingPool()
-    try:
-        deferred: list[int] = []
-        for index in sorted(by_file):
-            file = ckpt.files[index]
-            items = [i for i in by_file[index] if not _staged(i[1].device)]
-            if items and is_remote(file):
-                deferred.append(index)
-                continue
-            started.append(index)
-            if items:
-                reader.fill(file, items, threads, pool)
-            _stream(file, [i for i in by_file[index] if _staged(i[1].device)], threads, pool)
-        if deferred:
-            started.extend(deferred)
-            work = [
-                (ckpt.files[i], [t for t in by_file[i] if not _staged(t[1].device)])
-                for i in deferred
-            ]
-            reader.fill_many(work, threads, pool)
-            for index in deferred:
-                items = [i for i in by_file[index] if _staged(i[1].device)]
-                _stream(ckpt.files[index], items, threads, pool)
-    finally:
-        pool.release()
-
-
-def _stream(file: Any, items: list[reader.FillItem], threads: int | None, pool: Any) -> None:
-    """The staged path, one device per call; a non-contiguous target through a temporary."""
-    by_device: dict[torch.device, list[reader.FillItem]] = {}
-    for item in items:
-        by_device.setdefault(item[1].device, []).append(item)
-    for device_items in by_device.values():
-        after = []
-        ready: list[reader.FillItem] = []
-        for name, target, selection in device_items:
-            if not target.is_contiguous():
-                tmp = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-                after.append((target, tmp))
-                target = tmp
-            ready.append((name, target, selection))
-        stream_into(file, ready, pool=pool, threads=threads)
-        with torch.no_grad():
-            for target, tmp in after:
-                target.copy_(tmp)
-
-
 def _in_place(
     model: nn.Module,
     record: LoadRecord,
     ckpt: OpenCheckpoint,
     writes: list[_Write],
-    threads: int | None,
+    fill: _Fill,
 ) -> None:
     """Fills the model's tensors directly; a failure after the first write marks the model."""
     by_file = _by_file([(w, [t for _, t, _ in w.parts]) for w in writes])
     started: list[int] = []
     try:
-        _fill_files(ckpt, by_file, threads, started)
+        fill(by_file, started)
     except BaseException as exc:
         if not started:
             raise
@@ -413,19 +392,13 @@ def _in_place(
         guard.fail(model, record, names, exc, f"reading {_label(ckpt)}")
 
 
-def _atomic(
-    model: nn.Module,
-    record: LoadRecord,
-    ckpt: OpenCheckpoint,
+def _check_staging(
     writes: list[_Write],
+    ckpt: OpenCheckpoint,
     new_digests: Mapping[str, str],
-    threads: int | None,
     report: ReloadReport,
-    done: Callable[[], None],
 ) -> None:
-    """Reads every new tensor into memory of its own, checks it against ``digests`` (none:
-    no check), then commits and runs ``done``; a Ctrl-C during the commit is delivered after
-    ``done``."""
+    """``MemoryBudgetError`` unless the staged copies (and what verifying them takes) fit."""
     need: dict[torch.device, int] = {}
     for write in writes:
         for _, target, _ in write.parts:
@@ -434,15 +407,30 @@ def _atomic(
     items = [(p.stored, t, p.selection) for w in writes for p, t, _ in w.parts]
     verifier.add_scratch(need, items, ckpt, new_digests)  # whole stored tensors, to hash
     guard.check_staging_memory(need, _label(ckpt), [t for w in writes for _, t, _ in w.parts])
+
+
+def _atomic(
+    model: nn.Module,
+    record: LoadRecord,
+    ckpt: OpenCheckpoint,
+    writes: list[_Write],
+    new_digests: Mapping[str, str],
+    fill: _Fill,
+    report: ReloadReport,
+    done: Callable[[], None],
+) -> None:
+    """Reads every new tensor into memory of its own (its room checked by
+    :func:`_check_staging`), checks it against ``digests`` (none: no check), then commits and
+    runs ``done``; a Ctrl-C during the commit is delivered after ``done``."""
     staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
                    for _, t, _ in w.parts]) for w in writes]  # fmt: skip
     try:
         by_file = _by_file(staged)
         if new_digests:
             by_file, report.tensors_verified = verifier.read_verified(
-                by_file, ckpt, new_digests, lambda w: _fill_files(ckpt, w, threads, [])
+                by_file, ckpt, new_digests, lambda w: fill(w, [])
             )
-        _fill_files(ckpt, by_file, threads, [])
+        fill(by_file, [])
     except BaseException as exc:
         exc.add_note("fastload.reload(atomic=True): nothing was written; the model is unchanged")
         raise

@@ -37,6 +37,9 @@ class RankGroup(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    def gather(self, value: Any) -> list[Any]:
+        """``value`` of every rank (picklable), in rank order."""
+
 
 class Exchange(Protocol):
     """What a collective read did: bytes this rank read from storage, bytes it received."""
@@ -87,6 +90,16 @@ class RankSteps(Protocol):
         self, model: nn.Module, layout: TensorParallelLayout, process_group: Any
     ) -> None:
         """Adapts the modules holding shards, once they are loaded, to compute their part."""
+
+    # A reload across ranks (fastload.core.reload_ranks) agrees on every rank's checks in a
+    # group of its own before comparing the checkpoints: the steps below, not join.
+
+    def group(self, process_group: Any, where: str) -> RankGroup:
+        """This rank's group, before any checkpoint is opened."""
+
+    def same_checkpoint(self, group: RankGroup, ckpt: OpenCheckpoint) -> None:
+        """``CheckpointError`` on every rank unless every rank of ``group`` opened a checkpoint
+        of the same layout (tensors, dtypes, shapes, offsets)."""
 
 
 @dataclass(frozen=True)

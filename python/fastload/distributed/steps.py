@@ -43,6 +43,12 @@ class DistributedSteps:
     def parallelize(self, model: nn.Module, layout: Any, process_group: Any) -> None:
         parallelize(model, cast(TPLayout, layout), process_group)
 
+    def group(self, process_group: Any, where: str) -> RankGroup:
+        return RankGroup(process_group, where=where)
+
+    def same_checkpoint(self, group: Any, ckpt: OpenCheckpoint) -> None:
+        check_same_checkpoint(cast(RankGroup, group), ckpt)
+
 
 #: the steps every entry of a load passes to the core (:class:`fastload.core.steps.LoadSteps`)
 RANK_STEPS = DistributedSteps()
