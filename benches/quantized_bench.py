@@ -20,8 +20,10 @@ compressed in the format and saved as llm-compressor saves one. Formats (``--for
 
 Every run is a fresh process (torch, transformers, compressed-tensors, fastload's entry point and
 transformers' compressed-tensors quantizer imported before the clock; each run records the modules
-imported inside its clock). Before each run the format's files are read once (``warm``) or
-evicted from the page cache (``cold``: ``fsync`` + ``posix_fadvise(DONTNEED)``). Runs go round
+imported inside its clock). ``warm``: before the series every file is evicted and read once with
+``read()`` (one page-cache state for every run, as ``fastload bench`` starts its warm series),
+then read again before each run; ``cold``: evicted before each run (``fsync`` +
+``posix_fadvise(DONTNEED)``). Runs go round
 robin (every format and method once, then again, ``--repeats`` times); the table gives medians.
 Every timed region ends with one read per 4 KiB page of every parameter and buffer (a view of the
 file's mapping pays for its page faults there, as a first forward would). Methods:
@@ -36,7 +38,9 @@ file's mapping pays for its page faults there, as a first forward would). Method
 * ``transformers``: ``AutoModelForCausalLM.from_pretrained(dir)``, its defaults (on a CPU it
   keeps these formats as stored: compressed-tensors' compressed modules).
 
-Writes ``quantized-<gib>GiB.json`` and ``.md`` to --out.
+Writes ``quantized-<gib>GiB.json`` and ``.md`` to --out; ``--summarize FILE.json`` recomputes a
+results file's summary and table from its runs (a ``note`` key in it, such as what else ran on the
+machine, is written into the ``.md`` too).
 """
 
 from __future__ import annotations
@@ -319,6 +323,13 @@ def run(
         "bytes": nbytes,
         "runs": [],
     }
+    if "warm" in modes:
+        # One page-cache state for every run, as ``fastload bench`` starts its warm series: each
+        # file evicted, then read once with read() (mostly 2 MiB folios, fast to map; a freshly
+        # written file has 4 KiB ones), then read again before every warm run
+        for fmt in formats:
+            prepare(dirs[fmt], "cold")
+            prepare(dirs[fmt], "warm")
     started = time.perf_counter()
     for rep in range(repeats):
         for mode in modes:
@@ -344,16 +355,31 @@ def run(
     print(results["table"])
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-        stem = "quantized-tiny" if tiny else f"quantized-{gib:g}GiB"
-        (out / f"{stem}.json").write_text(json.dumps(results, indent=1))
-        (out / f"{stem}.md").write_text(
-            f"`{results['command']}`\n\n"
-            f"{len(results['runs'])} runs in {results['wall_seconds'] / 60:.1f} min; "
-            f"torch {torch.__version__}, transformers {transformers.__version__}, "
-            f"compressed-tensors {compressed_tensors.__version__}, {os.cpu_count()} CPUs.\n\n"
-            f"{results['table']}\n"
-        )
+        write(results, out / ("quantized-tiny.json" if tiny else f"quantized-{gib:g}GiB.json"))
     return results
+
+
+def write(results: dict[str, Any], path: Path) -> None:
+    """``results`` as ``path`` (.json) and its table beside it (.md)."""
+    machine = results["machine"]
+    path.write_text(json.dumps(results, indent=1))
+    path.with_suffix(".md").write_text(
+        f"`{results['command']}`\n\n"
+        f"{len(results['runs'])} runs in {results['wall_seconds'] / 60:.1f} min; "
+        f"torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"compressed-tensors {machine['compressed_tensors']}, {machine['cpus']} CPUs.\n\n"
+        + (f"{results['note']}\n\n" if results.get("note") else "")
+        + f"{results['table']}\n"
+    )
+
+
+def resummarize(path: Path) -> None:
+    """The summary and table of the results file ``path`` recomputed from its runs."""
+    results = json.loads(path.read_text())
+    results["summary"] = summarize(results["runs"], results["bytes"])
+    results["table"] = table(results["summary"], results["bytes"])
+    write(results, path)
+    print(results["table"])
 
 
 def summarize(runs: list[dict[str, Any]], nbytes: dict[str, int]) -> dict[str, Any]:
@@ -387,9 +413,17 @@ def summarize(runs: list[dict[str, Any]], nbytes: dict[str, int]) -> dict[str, A
                 if quant:
                     cells[method]["median_quant_seconds"] = statistics.median(quant)
                     cells[method]["quant_share"] = statistics.median(quant) / med[method]
+                    # the load less its quantizer's hooks: the part fastload's reading decides
+                    rest = [
+                        r["seconds"] - r["quant_seconds"] for r in rows if r["method"] == method
+                    ]
+                    cells[method]["median_seconds_less_quantizer"] = statistics.median(rest)
             for cell in cells.values():
                 for floor in set(FLOORS.values()) & set(med):
                     cell[f"x {floor}"] = cell["median_seconds"] / med[floor]
+                    if "median_seconds_less_quantizer" in cell:
+                        less = cell["median_seconds_less_quantizer"]
+                        cell[f"less quantizer x {floor}"] = less / med[floor]
                 if "transformers" in med:
                     cell["transformers / this"] = med["transformers"] / cell["median_seconds"]
             summary[mode][fmt] = cells
@@ -411,28 +445,29 @@ def table(summary: dict[str, Any], nbytes: dict[str, int]) -> str:
         "read). `x transformers`: transformers' median / this one (above 1: faster). "
         "`x bf16`: this median / the same method's on the bf16 model. "
         "`quantizer`: fastload's `LoadReport.quant_seconds` (transformers' quantizer hooks: "
-        "module swaps, post-processing), its median and share of the load.",
+        "module swaps, post-processing), its median and share of the load. `less quantizer`: "
+        "the median of fastload's time less its quantizer's, and that over the floor.",
         "",
         "| cache | format | stored GiB | method | time s | x floor | x parallel-read floor "
-        "| x transformers | x bf16 | quantizer s (share) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| x transformers | x bf16 | quantizer s (share) | less quantizer s (x floor) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, formats in summary.items():
         floor = FLOORS[mode]
         for fmt, cells in formats.items():
             for method, c in cells.items():
-                quant = (
-                    f"{c['median_quant_seconds']:.3f} ({c['quant_share']:.0%})"
-                    if "median_quant_seconds" in c
-                    else ""
-                )
+                quant = less = ""
+                if "median_quant_seconds" in c:
+                    quant = f"{c['median_quant_seconds']:.3f} ({c['quant_share']:.0%})"
+                    less = f"{c['median_seconds_less_quantizer']:.3f} "
+                    less += f"({c.get(f'less quantizer x {floor}', nan):.2f})"
                 lines.append(
                     f"| {mode} | {fmt} | {nbytes[fmt] / GIB:.3f} | {method} | "
                     f"{c['median_seconds']:.3f} ({c['min_seconds']:.3f}-{c['max_seconds']:.3f}) | "
                     f"{c.get(f'x {floor}', nan):.2f} | "
                     f"{c.get('x floor: parallel read', nan):.2f} | "
                     f"{c.get('transformers / this', nan):.2f} | {c.get('x bf16', nan):.2f} | "
-                    f"{quant} |"
+                    f"{quant} | {less} |"
                 )
     return "\n".join(lines)
 
@@ -447,11 +482,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/fastload-quantized-bench")
     ap.add_argument("--out", default=None, help="folder for the .json/.md (none: print)")
+    ap.add_argument(
+        "--summarize",
+        metavar="JSON",
+        help="recompute the summary and table of a results file from its runs (no runs made)",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.run:
         print(json.dumps(run_one(args.run, Path(args.dir))))
+        return
+    if args.summarize:
+        resummarize(Path(args.summarize))
         return
     formats = args.formats.split(",")
     unknown = set(formats) - set(FORMATS)

@@ -48,12 +48,14 @@ def test_each_method_gets_its_spread_and_ratios_to_the_floor_and_to_transformers
     assert fl["transformers / this"] == pytest.approx(4.0)
     assert fl["median_quant_seconds"] == pytest.approx(0.05)
     assert fl["quant_share"] == pytest.approx(0.2)
+    # each run's load less its own quantizer time (0.2, 0.2, 0.16), then the median
+    assert fl["median_seconds_less_quantizer"] == pytest.approx(0.2)
+    assert fl["less quantizer x floor: map+touch"] == pytest.approx(1.0)
     assert "median_quant_seconds" not in summary["warm"]["int8"]["transformers"]
     # no parallel-read floor in these runs: no ratio to it, and the table says so
     assert "x floor: parallel read" not in fl
-    assert "| warm | int8 | 1.000 | fastload | 0.250 (0.200-0.300) | 1.25 | nan | 4.00 | nan |" in (
-        bench.table(summary, {"int8": 1 << 30})
-    )
+    row = "| warm | int8 | 1.000 | fastload | 0.250 (0.200-0.300) | 1.25 | nan | 4.00 | nan "
+    assert row + "| 0.050 (20%) | 0.200 (1.00) |" in bench.table(summary, {"int8": 1 << 30})
 
 
 def test_a_tiny_run_times_every_method_in_fresh_processes_and_writes_its_results(
@@ -92,3 +94,10 @@ def test_a_tiny_run_times_every_method_in_fresh_processes_and_writes_its_results
     table = (out / "quantized-tiny.md").read_text()
     assert table.startswith(f"`{results['command']}`")
     assert "| warm | int8 |" in table and "| fastload |" in table
+    # --summarize recomputes the same summary and table from the runs, making none
+    (out / "quantized-tiny.md").unlink()
+    cmd = [sys.executable, str(BENCH), "--summarize", str(out / "quantized-tiny.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "quantized-tiny.json").read_text()) == results
+    assert (out / "quantized-tiny.md").read_text() == table
