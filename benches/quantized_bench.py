@@ -419,7 +419,7 @@ def summarize(runs: list[dict[str, Any]], nbytes: dict[str, int]) -> dict[str, A
                     ]
                     cells[method]["median_seconds_less_quantizer"] = statistics.median(rest)
             for cell in cells.values():
-                for floor in set(FLOORS.values()) & set(med):
+                for floor in [f for f in dict.fromkeys(FLOORS.values()) if f in med]:
                     cell[f"x {floor}"] = cell["median_seconds"] / med[floor]
                     if "median_seconds_less_quantizer" in cell:
                         less = cell["median_seconds_less_quantizer"]
