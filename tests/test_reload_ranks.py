@@ -331,7 +331,7 @@ def _dies_rank(rank: int, port: int, root: str) -> None:
     own = Path(root) / f"rank{rank}"
     model = fastload.from_pretrained(MLP, own / "a", process_group=dist.group.WORLD, progress=False)
     if rank == 1:
-        collective._Reader._read = lambda *a: os._exit(0)  # type: ignore[method-assign]
+        collective.FileReader._read = lambda *a: os._exit(0)  # type: ignore[method-assign]
     out: dict[str, Any] = {}
     try:
         fastload.reload(model, own / "c", process_group=dist.group.WORLD)

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import queue
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -46,6 +44,7 @@ from fastload.core.errors import CheckpointError, FastloadIOError, RequestError,
 from fastload.distributed.group import RankGroup, together
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
+from fastload.distributed.read_ahead import ReadAhead
 
 #: bytes of one exchanged chunk (smaller when the checkpoint is small, so every rank gets some)
 CHUNK_BYTES = 32 << 20
@@ -249,14 +248,14 @@ def read_collectively(
     mine = [c for c in chunks if c.owner == group.rank]
     result = Exchange(chunks=mine)
     result.received_bytes = sum(c.nbytes for c in chunks if c.owner != group.rank)
-    reader: _Reader | ObjectReader
+    reader: FileReader | ObjectReader
     if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
         result.storage_bytes = sum(c.nbytes for c in mine)
         owned = [(c.file, c.start, c.stop) for c in mine]
         reader = ObjectReader(ckpt.files, extents, owned, group.device, threads)
     else:
         result.storage_bytes = pages(mine)
-        reader = _Reader(ckpt, mine, group.device, threads)
+        reader = FileReader(ckpt, mine, group.device, threads)
     with reader:
         _exchange(group, chunks, reader, by_file)
     unfilled = [t.stored.name for t in targets.values() if t.received != t.stored.nbytes]
@@ -268,7 +267,7 @@ def read_collectively(
 def _exchange(
     group: RankGroup,
     chunks: Sequence[Chunk],
-    reader: _Reader | ObjectReader,
+    reader: FileReader | ObjectReader,
     by_file: dict[int, list[_Target]],
 ) -> None:
     """Each chunk in turn, from its owner to every rank, into the targets. The owner first sends
@@ -342,7 +341,7 @@ def _finish(target: _Target) -> None:
     target.whole = None
 
 
-class _Reader:
+class FileReader(ReadAhead):
     """Reads this rank's chunks in order on a helper thread, at most :data:`READ_AHEAD_CHUNKS`
     ahead of the exchange, each with parallel positioned reads of exactly its bytes.
 
@@ -354,6 +353,8 @@ class _Reader:
     into the rank's own tensors anyway: caching them too would hold the model twice. A cached
     chunk (or a filesystem without ``O_DIRECT``) is read through the page cache."""
 
+    thread_name = "fastload-collective"
+
     def __init__(
         self,
         ckpt: OpenCheckpoint | Checkpoint,
@@ -363,28 +364,19 @@ class _Reader:
     ) -> None:
         self.ckpt = ckpt
         self.chunks = chunks
-        self.device = device
         self.threads = threads or min(8, os.cpu_count() or 1)
-        self.ready: queue.Queue[torch.Tensor | BaseException] = queue.Queue()
-        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        self.direct: dict[int, int | None] = {}  # file index -> O_DIRECT descriptor
         # room for a chunk widened to whole pages at both ends, plus alignment of the start
         size = max((c.nbytes for c in chunks), default=0) + 3 * PAGE
-        for _ in range(min(READ_AHEAD_CHUNKS, len(chunks))):
-            self.free.put(torch.empty(size, dtype=torch.uint8))
-        self.direct: dict[int, int | None] = {}  # file index -> O_DIRECT descriptor
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="fastload-collective", daemon=True)
+        super().__init__(len(chunks), size, READ_AHEAD_CHUNKS, device)
 
-    def __enter__(self) -> _Reader:
-        if self.chunks:
-            self.thread.start()
-        return self
+    def _session(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.threads, thread_name_prefix="fastload-pread")
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.free.put(torch.empty(0, dtype=torch.uint8))  # wakes a reader waiting for a buffer
-        if self.thread.is_alive():
-            self.thread.join()
+    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
+        return self._read(session, self.chunks[index], buffer)
+
+    def _close(self) -> None:
         for fd in self.direct.values():
             if fd is not None:
                 os.close(fd)
@@ -439,17 +431,6 @@ class _Reader:
         own = file.fileno()  # type: ignore[union-attr]
         _read_all(pool, file.path, own, view, chunk.start, chunk.stop, exact=True)
         return view
-
-    def next(self) -> torch.Tensor:
-        got = self.ready.get()
-        if isinstance(got, BaseException):
-            raise got
-        return got
-
-    def release(self, buffer: torch.Tensor) -> None:
-        """Gives the host buffer under ``buffer`` (a chunk handed out by :meth:`next`) back."""
-        if buffer.device.type == "cpu":
-            self.free.put(torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage()))
 
 
 def _read_all(

@@ -17,8 +17,6 @@ local one is (:func:`fastload.distributed.collective.read_collectively`), with t
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +25,7 @@ import torch
 from fastload import _core
 from fastload.core.engine import copy_into
 from fastload.core.errors import LoadCancelledError
+from fastload.distributed.read_ahead import ReadAhead
 
 #: bytes of one chunk from object storage (smaller when the checkpoint is small)
 OBJECT_CHUNK_BYTES = 16 << 20
@@ -112,11 +111,13 @@ def chunk_jobs(
     return items
 
 
-class ObjectReader:
+class ObjectReader(ReadAhead):
     """Fetches this rank's chunks in order on a helper thread, at most
     :data:`OBJECT_READ_AHEAD` ahead of the exchange, each with the engine's parallel ranged GETs
     into a chunk buffer. A failure is handed to the exchange (:meth:`next` raises it), which
     tells the other ranks; leaving the ``with`` block cancels a fetch under way."""
+
+    thread_name = "fastload-fleet"
 
     def __init__(
         self,
@@ -129,58 +130,23 @@ class ObjectReader:
         self.files = files
         self.extents = extents
         self.chunks = list(chunks)
-        self.device = device
         self.threads = threads
-        self.ready: queue.Queue[torch.Tensor | BaseException] = queue.Queue()
-        self.free: queue.Queue[torch.Tensor] = queue.Queue()
-        size = max((b - a for _, a, b in self.chunks), default=0)
-        for _ in range(min(OBJECT_READ_AHEAD, len(self.chunks))):
-            self.free.put(torch.empty(size, dtype=torch.uint8))
         self.progress = _core.Progress()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="fastload-fleet", daemon=True)
+        size = max((b - a for _, a, b in self.chunks), default=0)
+        super().__init__(len(self.chunks), size, OBJECT_READ_AHEAD, device)
 
-    def __enter__(self) -> ObjectReader:
-        if self.chunks:
-            self.thread.start()
-        return self
+    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
+        file, start, stop = self.chunks[index]
+        view = buffer[: stop - start]
+        items = chunk_jobs(self.extents, file, start, stop, view)
+        copy_into(self.files[file], items, self.threads, self.progress)
+        return view
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
+    def _abandoned(self, error: BaseException) -> bool:
+        return isinstance(error, LoadCancelledError)  # the exchange is over: nobody waits
+
+    def _cancel(self) -> None:
         self.progress.cancel()  # abandons the requests in flight
-        self.free.put(torch.empty(0, dtype=torch.uint8))  # wakes a reader waiting for a buffer
-        if self.thread.is_alive():
-            self.thread.join()
-
-    def _run(self) -> None:
-        try:
-            for file, start, stop in self.chunks:
-                buffer = self.free.get()
-                if self.stop.is_set():
-                    return
-                view = buffer[: stop - start]
-                items = chunk_jobs(self.extents, file, start, stop, view)
-                copy_into(self.files[file], items, self.threads, self.progress)
-                if self.device.type == "cpu":
-                    self.ready.put(view)
-                else:  # NCCL exchanges device memory; the host buffer is free again
-                    self.ready.put(view.to(self.device))
-                    self.free.put(buffer)
-        except LoadCancelledError:
-            return  # the exchange is over: nobody waits for this chunk
-        except BaseException as e:  # handed to the exchange, which tells the group
-            self.ready.put(e)
-
-    def next(self) -> torch.Tensor:
-        got = self.ready.get()
-        if isinstance(got, BaseException):
-            raise got
-        return got
-
-    def release(self, buffer: torch.Tensor) -> None:
-        """Gives the host buffer under ``buffer`` (a chunk handed out by :meth:`next`) back."""
-        if buffer.device.type == "cpu":
-            self.free.put(torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage()))
 
 
 __all__ = ["OBJECT_CHUNK_BYTES", "ObjectReader", "chunk_jobs", "deal_objects"]
