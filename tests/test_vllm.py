@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -528,10 +529,17 @@ def test_two_tensor_parallel_ranks_fetch_only_their_slices_from_object_storage(
     lines = output.replace("\r", "\n").splitlines()
     ends = [line[line.index(bar) :].strip() for line in lines if bar in line]
     assert ends and "rank 1 fetches" not in output, output
-    # the bar's last drawing, "... 100%|...| 246.83/246.83 MiB [...]": what the rank fetched, to
-    # its end (tqdm rounds 99.5% up, so an earlier drawing may say 100% too)
-    share = ends[-1].split("| ")[-1].split(" MiB")[0]
-    done, total = (float(x) for x in share.split("/"))
+    # the drawings, "... 100%|...| 246.83/246.83 MiB [...]": what the rank fetched, to its end.
+    # Which drawing comes last in the log is not asked: tqdm rounds 99.5% up (an earlier drawing
+    # says 100% too) and the workers' log lines may be written into a drawing's line; the
+    # furthest drawing must be the whole share, and the share about half the checkpoint.
+    shares = [
+        (float(m.group(1)), float(m.group(2)))
+        for end in ends
+        if (m := re.search(r"\| ([0-9.]+)/([0-9.]+) MiB", end)) is not None
+    ]
+    assert shares, ends
+    done, total = max(shares)
     assert done == total and done * (1 << 20) < 0.55 * size, ends
 
 

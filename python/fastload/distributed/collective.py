@@ -395,22 +395,6 @@ class FileReader(ReadAhead):
             self.direct[index] = fd
         return self.direct[index]
 
-    def _run(self) -> None:
-        try:
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="fastload-pread") as pool:
-                for chunk in self.chunks:
-                    buffer = self.free.get()
-                    if self.stop.is_set():
-                        return
-                    view = self._read(pool, chunk, buffer)
-                    if self.device.type == "cpu":
-                        self.ready.put(view)
-                    else:  # NCCL exchanges device memory; the host buffer is free again
-                        self.ready.put(view.to(self.device))
-                        self.free.put(buffer)
-        except BaseException as e:  # handed to the exchange, which raises it
-            self.ready.put(e)
-
     def _read(self, pool: ThreadPoolExecutor, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
         """Reads ``chunk`` into ``buffer``; returns the view of ``buffer`` holding its bytes."""
         file = self.ckpt.files[chunk.file]
