@@ -10,4 +10,4 @@ cd "$ROOT"
 export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 # vLLM must be there: here a skip would hide a broken environment
 "$py" -c "import vllm" 2>/dev/null || { echo "fastload: vLLM is missing from $py" >&2; exit 1; }
-"$py" -m pytest tests/test_vllm.py tests/test_vllm_reload.py tests/test_vllm_quantized.py -p no:cacheprovider "$@"
+"$py" -m pytest tests/test_vllm.py tests/test_vllm_reload.py tests/test_vllm_quantized.py tests/test_vllm_share.py -p no:cacheprovider "$@"

@@ -203,12 +203,14 @@ def read_collectively(
     *,
     threads: int | None = None,
     turn: int = 0,
+    progress: _core.Progress | None = None,
 ) -> Exchange:
     """Fills ``fills`` (stored name, destination, selection) on every rank, each rank reading
     only its chunks of the bytes they need (see the module docstring). Every rank of the group
     must call this with the same stored names (their destinations and selections may differ).
     ``turn``: from object storage, the rank dealt the first chunk (mod N; a caller making many
-    small reads counts them, so that reads smaller than a chunk spread over the ranks)."""
+    small reads counts them, so that reads smaller than a chunk spread over the ranks).
+    ``progress``: counts each chunk's bytes as it arrives."""
     remote = [isinstance(f, _core.SafetensorsFile) and f.remote for f in ckpt.files]
     for file, from_store in zip(ckpt.files, remote, strict=True):
         local = isinstance(file, _core.SafetensorsFile) and file.fileno() is not None
@@ -257,7 +259,7 @@ def read_collectively(
         result.storage_bytes = pages(mine)
         reader = FileReader(ckpt, mine, group.device, threads)
     with reader:
-        _exchange(group, chunks, reader, by_file)
+        _exchange(group, chunks, reader, by_file, progress)
     unfilled = [t.stored.name for t in targets.values() if t.received != t.stored.nbytes]
     if unfilled:  # a bug, not bad input: every needed byte lies in some chunk
         raise AssertionError(f"collective load: bytes of {unfilled[:3]} never arrived")
@@ -269,6 +271,7 @@ def _exchange(
     chunks: Sequence[Chunk],
     reader: FileReader | ObjectReader,
     by_file: dict[int, list[_Target]],
+    progress: _core.Progress | None = None,
 ) -> None:
     """Each chunk in turn, from its owner to every rank, into the targets. The owner first sends
     whether it has the chunk: a rank that could not read its chunk stops every rank (one error
@@ -291,6 +294,8 @@ def _exchange(
             together(group, partial(_raise, failure), "reading its share of the checkpoint")
         group.broadcast(buffer, chunk.owner)
         _scatter(chunk, buffer, by_file.get(chunk.file, ()))
+        if progress is not None:
+            progress.add(chunk.nbytes)
         if chunk.owner == group.rank:
             reader.release(buffer)
 

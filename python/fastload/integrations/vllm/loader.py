@@ -49,6 +49,7 @@ from .options import LOAD_FORMAT, VllmLoadOptions, parse_options
 from .release import MappingRecord, release_unused
 from .remote import RemoteWeights
 from .remote_fetches import Fetches
+from .share import share_group
 from .weights import CheckpointWeights, check_index
 
 logger = init_logger("vllm.model_executor.model_loader.fastload")
@@ -198,6 +199,7 @@ class FastloadModelLoader(DefaultModelLoader):
             origins=self._origins,
             # into CPU parameters, the weight loaders' copies are fetched straight into them
             unread=_tp_size() > 1 or self._device is None or self._device.type == "cpu",
+            group=share_group(self.options, self.options.weights),
         )
         self._streams.append(stream)
         return ((source.prefix + name, tensor) for name, tensor in stream)
@@ -307,6 +309,16 @@ class FastloadModelLoader(DefaultModelLoader):
             if watch.slices_read
             else "",
         )
+        for stream in self._streams:
+            if isinstance(stream, RemoteWeights) and stream.group is not None:
+                logger.info(
+                    "fastload: share_fetch: peer %d of %d fetched %s from the store and received "
+                    "%s from its peers",
+                    stream.group.rank,
+                    stream.group.world_size,
+                    format_bytes(stream.fetched_bytes),
+                    format_bytes(stream.received_bytes),
+                )
         # The loader keeps nothing: views handed out live on only as the model's parameters.
         self._streams.clear()
         self._origins.clear()

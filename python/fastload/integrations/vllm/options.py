@@ -17,12 +17,18 @@ from fastload.core.object_store import is_url
 from fastload.core.store_config import check_storage_options
 from fastload.core.threads import MAX_THREADS
 from fastload.core.units import parse_bytes
+from fastload.distributed.rendezvous import parse_address
 
 #: the load format's name, as users pass it to ``--load-format``
 LOAD_FORMAT = "fastload"
 
 #: ``mmap`` values: as ``fastload.from_pretrained(mmap=...)``
 MMAP_MODES = ("auto", "shared", "copy")
+
+#: ``share_fetch`` values
+SHARE_SCOPES = ("node", "world")
+#: the port where the processes sharing a fetch meet, unless ``share_fetch_address`` says
+SHARE_PORT = 29651
 
 #: what each key means, for the error that lists them
 KEYS = {
@@ -44,6 +50,16 @@ KEYS = {
     "read the weights from (the model argument then names only the config and tokenizer)",
     "storage_options": "the object store's options for 'weights' (as fastload.from_pretrained's "
     "storage_options; credentials otherwise from the standard environment and files)",
+    "share_fetch": "'node' or 'world': the processes loading this checkpoint from 'weights' (the "
+    "ranks of this engine and of other replicas) share one fetch: each fetches about 1/N of it "
+    "from the store and receives the rest from the others ('node': the processes on this "
+    "machine, meeting on 127.0.0.1; 'world': on every machine, meeting at share_fetch_address)",
+    "share_fetch_address": "'host:port' where the processes sharing a fetch meet (default: "
+    f"127.0.0.1:{SHARE_PORT} for 'node', vLLM's data_parallel_master_ip:{SHARE_PORT} for "
+    "'world')",
+    "share_fetch_peers": "how many processes share the fetch (default: this engine's ranks times "
+    "its data-parallel replicas, on this node for 'node')",
+    "share_fetch_timeout": "seconds a process waits for the others to arrive (default 300)",
     "skip_unchanged": "true (default): a reload (collective_rpc('reload_weights')) neither reads "
     "nor copies the layers whose checkpoint tensors carry the same fastload digests in the "
     "checkpoint the engine holds and the new one; false reads every tensor",
@@ -75,6 +91,14 @@ class VllmLoadOptions:
     storage_options: Mapping[str, str] | None = None
     #: a reload skips the layers whose tensors' digests are unchanged
     skip_unchanged: bool = True
+    #: "node" or "world": the fetch shared with the other processes loading ``weights``
+    share_fetch: str | None = None
+    #: where they meet ("host:port"; None: the scope's default)
+    share_fetch_address: str | None = None
+    #: how many they are (None: the engine's ranks times its data-parallel replicas)
+    share_fetch_peers: int | None = None
+    #: seconds one waits for the others to arrive
+    share_fetch_timeout: float = 300.0
 
 
 def _bool(key: str, value: object) -> bool:
@@ -160,7 +184,9 @@ def parse_options(
         where="--model-loader-extra-config: 'window'",
         positive=True,
     )
+    share = _share_options(extra_config, weights)
     return VllmLoadOptions(
+        **share,
         staged=staged,
         window=window,
         mmap=mmap,
@@ -173,6 +199,50 @@ def parse_options(
         storage_options=storage,
         skip_unchanged=_bool("skip_unchanged", extra_config.get("skip_unchanged", True)),
     )
+
+
+def _share_options(extra_config: Mapping[str, object], weights: object) -> dict[str, object]:
+    """The ``share_fetch*`` keys, checked."""
+    scope = extra_config.get("share_fetch")
+    others = [k for k in extra_config if k.startswith("share_fetch_")]
+    if scope is None:
+        if others:
+            raise RequestError(
+                f"--model-loader-extra-config: {others[0]!r} applies to 'share_fetch', which is "
+                "not set"
+            )
+        return {}
+    if scope not in SHARE_SCOPES:
+        raise RequestError(
+            f"--model-loader-extra-config: 'share_fetch' must be 'node' or 'world', got {scope!r}"
+        )
+    if weights is None:
+        raise RequestError(
+            "--model-loader-extra-config: 'share_fetch' shares a fetch from object storage: "
+            "set 'weights' to the checkpoint's URL (local files are read by each process from "
+            "its own disk)"
+        )
+    address = extra_config.get("share_fetch_address")
+    if address is not None:
+        parse_address(address, "--model-loader-extra-config: 'share_fetch_address'")
+    peers = extra_config.get("share_fetch_peers")
+    if peers is not None and (isinstance(peers, bool) or not isinstance(peers, int) or peers < 1):
+        raise RequestError(
+            "--model-loader-extra-config: 'share_fetch_peers' must be a positive integer, got "
+            f"{peers!r}"
+        )
+    timeout = extra_config.get("share_fetch_timeout", 300.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise RequestError(
+            "--model-loader-extra-config: 'share_fetch_timeout' must be a positive number of "
+            f"seconds, got {timeout!r}"
+        )
+    return {
+        "share_fetch": scope,
+        "share_fetch_address": address,
+        "share_fetch_peers": peers,
+        "share_fetch_timeout": float(timeout),
+    }
 
 
 __all__ = ["KEYS", "LOAD_FORMAT", "VllmLoadOptions", "parse_options"]

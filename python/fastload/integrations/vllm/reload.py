@@ -347,6 +347,7 @@ def open_reload(
     from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
     from .remote import RemoteWeights
+    from .share import share_group
 
     options = loader.options
     # An accelerator's weights go through the staged ring; a CPU model's are views of the files'
@@ -374,6 +375,9 @@ def open_reload(
                 tp_size=tp_size,
                 origins={},
                 queue_fetches=False,
+                # shared as the first load was: every peer reloads together (collective_rpc on
+                # each replica), each fetching its part of the changed tensors
+                group=share_group(options, source),
             )
             first: Iterator[tuple[str, torch.Tensor]] = iter(stream)
         else:

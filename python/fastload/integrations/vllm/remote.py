@@ -33,6 +33,8 @@ from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
+from fastload.distributed.collective import check_same_checkpoint, read_collectively
+from fastload.distributed.group import RankGroup, together
 
 from .remote_fetches import Fetches, FetchProgress, this_rank
 from .remote_slices import unread_tensor
@@ -93,8 +95,17 @@ class RemoteWeights:
         origins: dict[int, Origin] | None = None,
         unread: bool | None = None,
         queue_fetches: bool = True,
+        group: RankGroup | None = None,
     ) -> None:
         self.url = url
+        #: the group sharing the fetch (``share_fetch``): each member fetches about 1/N of every
+        #: batch and receives the rest; every tensor is read whole, and ``skip`` applies only to
+        #: what is handed out (every member reads the same batches)
+        self.group = group
+        #: bytes this process fetched from the store and received from its peers (shared fetch)
+        self.fetched_bytes = 0
+        self.received_bytes = 0
+        self._turn = 0
         self.threads = threads
         self.progress = progress
         self.batch_bytes = batch_bytes
@@ -104,11 +115,19 @@ class RemoteWeights:
         self.origins: dict[int, Origin] = {} if origins is None else origins
         #: whether tensors are handed out unread, their weight loaders' copies fetched straight
         #: into the parameters behind them (default: under tensor parallelism only)
-        self.unread = tp_size > 1 if unread is None else unread
+        self.unread = (tp_size > 1 if unread is None else unread) and group is None
         #: the fetches those copies queue (:mod:`.remote_fetches`; ``queue_fetches`` false: made
         #: as each copy is)
         self.fetches = Fetches(threads, defer=queue_fetches)
-        self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
+        if group is None:
+            self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
+        else:  # a store error on one member stops every member, naming it
+            self.checkpoint = together(
+                group,
+                lambda: object_store.open_checkpoint(url, storage_options),
+                "opening the checkpoint (share_fetch)",
+            )
+            check_same_checkpoint(group, self.checkpoint)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
             with refusing_unreadable("vLLM's runai_streamer (an s3:// model)"):
@@ -116,8 +135,11 @@ class RemoteWeights:
                 _ = t.dtype  # raises for a dtype torch lacks
         #: the tensors read, in checkpoint order (``skip``: those the model does not take)
         self.tensors = [
-            t for t in self.checkpoint.tensors.values() if skip is None or not skip(t.name)
+            t
+            for t in self.checkpoint.tensors.values()
+            if skip is None or group is not None or not skip(t.name)
         ]
+        self._skip = skip
         #: (URL of the file, tensor name) of the tensor handed out last
         self.current: tuple[str, str] | None = None
         #: tensor bytes handed out
@@ -147,6 +169,20 @@ class RemoteWeights:
             tensor = torch.empty(shape, dtype=t.dtype)
             work.setdefault(t.file, []).append((t.name, tensor, None))
             out.append((t.name, tensor))
+        if self.group is not None:
+            fills = [(name, tensor, None) for name, tensor in out]
+            done = read_collectively(
+                self.group,
+                self.checkpoint,
+                fills,
+                threads=self.threads,
+                turn=self._turn,
+                progress=counter,
+            )
+            self._turn += 1
+            self.fetched_bytes += done.storage_bytes
+            self.received_bytes += done.received_bytes
+            return out
         files = self.checkpoint.files
         fill_many([(files[i], items) for i, items in work.items()], self.threads, None, counter)
         return out
@@ -238,6 +274,8 @@ class RemoteWeights:
                 item.reverse()
                 while item:
                     name, tensor = item.pop()
+                    if self.group is not None and self._skip is not None and self._skip(name):
+                        continue  # read for the peers' sake, not taken here
                     self.current = (self.checkpoint.file_path(by_name[name]), name)
                     self.bytes += tensor.numel() * tensor.element_size()
                     yield name, tensor
