@@ -4,13 +4,15 @@ Two offline vLLM processes (two replicas: separate engines, no process group in 
 reaching the S3-compatible test server through its own proxy (which counts the bytes the store
 sent it, outside fastload), load the same ``weights`` URL with ``share_fetch``: each replica
 fetched about half of the checkpoint, together they fetched it about once, and each generates
-the tokens of vLLM's own loader. Runs in the vLLM environment (scripts/vllm-tests.sh).
+the tokens of vLLM's own loader. A reload of both (each replica's ``reload_weights`` at once)
+fetches the changed tensors once in all. Runs in the vLLM environment (scripts/vllm-tests.sh).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from test_vllm import (
@@ -21,6 +23,12 @@ from test_vllm import (
     llama,  # noqa: F401  (the fixtures: the checkpoint and vLLM's own tokens of it)
     pytestmark,  # noqa: F401  (skips the module without vLLM)
     reference,  # noqa: F401
+)
+from test_vllm_reload import (
+    Engine,
+    base,  # noqa: F401  (the fixtures: a checkpoint with digests, a fine-tune of it, and
+    fresh_tokens,  # noqa: F401  vLLM's own tokens of each)
+    tuned,  # noqa: F401
 )
 
 
@@ -91,3 +99,71 @@ def test_two_replicas_share_one_fetch_and_give_the_tokens_of_safetensors(
         assert m is not None, output
         ranks.add(m.group(1))
     assert ranks == {"0", "1"}
+
+
+def test_two_replicas_reloading_at_once_fetch_the_changed_tensors_once_in_all(
+    base: Path,  # noqa: F811
+    tuned: Path,  # noqa: F811
+    fresh_tokens: dict[str, list[list[int]]],  # noqa: F811
+    tmp_path: Path,
+    server,  # the S3 server (tests/s3_fixtures.py)
+) -> None:
+    from fastload import load_file
+    from s3_server import FaultProxy
+    from spawn_ranks import free_port
+
+    base_url = server.place(base, "models", "share-base")
+    tuned_url = server.place(tuned, "models", "share-tuned")
+    config = _config_only(base, tmp_path / "config-only")
+    proxies = [FaultProxy(server.port), FaultProxy(server.port)]
+    extra = {
+        "weights": base_url,
+        "storage_options": {"max_retries": 8},
+        "share_fetch": "node",
+        "share_fetch_address": f"127.0.0.1:{free_port()}",
+        "share_fetch_peers": 2,
+    }
+
+    def start(i: int) -> Engine:
+        env = _env(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_OMP_THREADS_BIND=str(i),
+            **server.env(proxies[i].endpoint),
+        )
+        return Engine(config, env, load_format="fastload", model_loader_extra_config=extra)
+
+    engines: list[Engine] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:  # each load waits for the other replica
+            engines = list(pool.map(start, range(2)))
+            assert [e.generate() for e in engines] == [fresh_tokens["base"]] * 2
+            before = [p.sent for p in proxies]
+            reloads = list(pool.map(lambda e: e.reload(tuned_url), engines))
+            sent = [p.sent - b for p, b in zip(proxies, before, strict=True)]
+        assert reloads == [("RELOADED", None)] * 2, reloads
+        assert [e.generate() for e in engines] == [fresh_tokens["tuned"]] * 2
+    finally:
+        outputs = [e.close() for e in engines]
+        for p in proxies:
+            p.close()
+    # the changed tensors (their layers' other inputs too: qkv and gate_up are read whole, as
+    # without sharing), fetched once in all, about half by each replica, counted at its proxy;
+    # besides them, each replica reads the new shards' headers
+    read = {
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.norm.weight",
+    }
+    changed = 0
+    for shard in tuned.glob("*.safetensors"):
+        changed += sum(
+            t.numel() * t.element_size() for n, t in load_file(shard).items() if n in read
+        )
+    for share in sent:
+        assert 0.3 * changed < share < 0.5 * changed + (2 << 20), (sent, changed)
+    assert sum(sent) < changed + (4 << 20), (sent, changed)
+    for output in outputs:
+        assert "6 tensors read" in output and "15 unchanged tensors" in output, output
