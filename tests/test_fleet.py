@@ -387,6 +387,52 @@ def test_a_local_read_failing_on_one_rank_stops_every_rank_naming_it(
     assert all(got["disk"]["seconds"] < TIMEOUT_S // 2 for got in ranks)
 
 
+def _failing_plan_rank(
+    rank: int, world: int, port: int, root: str, plan: list[dict[str, Any]]
+) -> None:
+    if rank == 1:  # fails after opening, before reading: its memory budget is too small
+        from fastload.core import loading
+        from fastload.core.errors import MemoryBudgetError
+
+        def refused(*args: Any, **kwargs: Any) -> None:
+            raise MemoryBudgetError("the load must own 42.0 MiB; this process may make 1.0 MiB")
+
+        loading.allocate = refused  # type: ignore[assignment]
+    _rank(rank, world, port, root, plan)
+
+
+def test_a_rank_failing_while_planning_stops_every_rank_naming_it(
+    bucket, tmp_path: Path
+) -> None:
+    # the others are in the read's first exchange: the failing rank joins it with its failure
+    s3, urls, _, _ = bucket
+    proxies = [FaultProxy(s3.port) for _ in range(2)]
+    plan = [_step("plan", "full", 2, urls["one"], proxies)]
+    context = mp.spawn(
+        _failing_plan_rank, args=(2, free_port(), str(tmp_path), plan), nprocs=2, join=False
+    )
+    try:
+        for process in context.processes:
+            process.join(TIMEOUT_S)
+        assert not any(p.is_alive() for p in context.processes), "a rank still waits"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+        sent = [p.sent for p in proxies]
+        for p in proxies:
+            p.close()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    errors = [got["plan"].get("error") for got in ranks]
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "planning the load failed on rank 1" in errors[0], errors
+    assert "1.0 MiB" in errors[0], errors
+    assert all("MemoryBudgetError" in got["plan"]["type"] for got in ranks)
+    # bounded by the exchange, not by the process group's timeout; no tensor byte fetched
+    assert all(got["plan"]["seconds"] < TIMEOUT_S // 4 for got in ranks), ranks
+    assert max(sent) < bucket[2]["sizes"]["one"] // 20, sent
+
+
 def test_chunks_from_object_storage_are_cut_between_elements_and_dealt_round_robin() -> None:
     extents = [
         (0, 100, 100 + 3_000_003 * 4, "a", "F32"),  # 4-byte elements

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,22 +182,23 @@ def load(
     clock.seconds.update(seconds or {})
     with clock.phase("resolve"):
         opened = _open(target, checkpoint, options, steps)
-    with clock.phase("skeleton"):
-        module = _skeleton(target, opened)
-    family = _family(target, module)
-    was_training = module.training
-    with clock.phase("plan"):
-        planned = _plan(module, opened, family, options, steps)
-    report = planned.load_plan.report
-    with clock.phase("allocate"):
-        by_file = allocate(
-            planned.load_plan,
-            opened.ckpt,
-            opened.warm_up.mappings,
-            threads=options.threads,
-            budget=opened.budget,
-            paced=options.read_ahead,
-        )
+    with _every_rank_hears(opened, steps):  # a failure here on one rank stops every rank
+        with clock.phase("skeleton"):
+            module = _skeleton(target, opened)
+        family = _family(target, module)
+        was_training = module.training
+        with clock.phase("plan"):
+            planned = _plan(module, opened, family, options, steps)
+        report = planned.load_plan.report
+        with clock.phase("allocate"):
+            by_file = allocate(
+                planned.load_plan,
+                opened.ckpt,
+                opened.warm_up.mappings,
+                threads=options.threads,
+                budget=opened.budget,
+                paced=options.read_ahead,
+            )
     with clock.phase("read"):
         _read_phase(opened, by_file, report, options, steps)
         resolve_duplicates(planned.load_plan.groups)
@@ -210,6 +212,19 @@ def load(
     _describe(report, module, opened, planned, options)
     logger.info("%s", report.summary())
     return module, report
+
+
+@contextmanager
+def _every_rank_hears(opened: _Opened, steps: LoadSteps) -> Iterator[None]:
+    """In a collective load, a failure between opening and reading on this rank is told to the
+    other ranks, which wait for it in the read (:meth:`~fastload.core.steps.RankSteps.abandon`)."""
+    try:
+        yield
+    except Exception as e:
+        if opened.group is None:
+            raise
+        steps.across_ranks.abandon(opened.group, e)
+        raise
 
 
 def _open(

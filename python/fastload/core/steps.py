@@ -77,6 +77,11 @@ class RankSteps(Protocol):
         is known to have opened the same checkpoint (a rank that failed to open it fails every
         rank; ``where``: the option that made the load collective, for error messages)."""
 
+    def abandon(self, group: RankGroup, failure: Exception) -> None:
+        """Raises the error every rank raises when ``failure`` stopped this rank after
+        :meth:`join` and before :meth:`read`: the others learn of it in their read's first
+        exchange instead of waiting for it."""
+
     def read(
         self, group: RankGroup, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
     ) -> Exchange:

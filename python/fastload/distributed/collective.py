@@ -41,7 +41,7 @@ from fastload import _core
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import to_st, to_torch
 from fastload.core.errors import CheckpointError, FastloadIOError, RequestError, UnsupportedError
-from fastload.distributed.group import RankGroup, together
+from fastload.distributed.group import RankGroup, agree_on_plan, together
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
 from fastload.distributed.read_ahead import ReadAhead
@@ -236,8 +236,9 @@ def read_collectively(
     else:
         needed = [(t.stored, t.start - t.stored.begin) for t in ordered]
         chunks = deal(spans(needed), group.world_size)
-    plans = group.gather(
-        hashlib.sha256(repr([(c.file, c.start, c.stop) for c in chunks]).encode()).hexdigest()
+    plans = agree_on_plan(
+        group,
+        hashlib.sha256(repr([(c.file, c.start, c.stop) for c in chunks]).encode()).hexdigest(),
     )
     if len(set(plans)) != 1:
         raise RequestError(

@@ -95,6 +95,33 @@ def together(group: RankGroup, step: Callable[[], T], what: str) -> T:
     return value  # type: ignore[no-any-return]
 
 
+def agree_on_plan(group: RankGroup, plan: str) -> list[str]:
+    """Every rank's ``plan`` (a digest of what it will read), in rank order: the first collective
+    call of a read. A rank whose planning failed makes this same call with its failure
+    (:func:`abandon`): then every rank raises one error naming it."""
+    everyone = group.gather(("plan", plan))
+    failed = [(rank, value) for rank, (kind, value) in enumerate(everyone) if kind == "failed"]
+    if failed:
+        raise group_error(failed, "planning the load")
+    return [value for _, value in everyone]
+
+
+def abandon(group: RankGroup, failure: Exception) -> None:
+    """Raises what every rank raises when ``failure`` stopped this rank between opening the
+    checkpoint and reading it (building the model, planning, allocating): the others are waiting
+    in :func:`agree_on_plan`, which this rank joins with its failure instead of a plan, so none
+    is left waiting for the process group's timeout. Where every rank failed, each raises its
+    own error (the same input fails alike everywhere); else every rank raises one error naming
+    the ranks and the causes."""
+    if group.world_size == 1:
+        raise failure
+    everyone = group.gather(("failed", _summary(failure)))
+    failed = [(rank, value) for rank, (kind, value) in enumerate(everyone) if kind == "failed"]
+    if len(failed) == group.world_size:
+        raise failure
+    raise group_error(failed, "planning the load") from failure
+
+
 def on_every_rank(options: Any, step: Callable[[], T]) -> T:
     """``step()``; in a collective load (``options``: its :class:`~fastload.core.load_options.
     LoadOptions`) whose group is up, through :func:`together`: fetching what comes before the
@@ -133,4 +160,11 @@ def group_error(failed: list[tuple[int, tuple[list[str], str]]], what: str) -> F
     return cls(f"collective load: {what} failed on rank {who}, so every rank stops ({causes})")
 
 
-__all__ = ["RankGroup", "group_error", "on_every_rank", "together"]
+__all__ = [
+    "RankGroup",
+    "abandon",
+    "agree_on_plan",
+    "group_error",
+    "on_every_rank",
+    "together",
+]

@@ -17,7 +17,7 @@ from fastload.distributed.collective import (
     check_same_checkpoint,
     read_collectively,
 )
-from fastload.distributed.group import together
+from fastload.distributed.group import abandon, together
 from fastload.distributed.tensor_parallel import TPLayout, layout_for, parallelize
 
 
@@ -31,6 +31,9 @@ class DistributedSteps:
         ckpt = together(group, opener, "opening the checkpoint")
         check_same_checkpoint(group, ckpt)
         return group, ckpt
+
+    def abandon(self, group: Any, failure: Exception) -> None:
+        abandon(cast(RankGroup, group), failure)
 
     def read(
         self, group: Any, ckpt: OpenCheckpoint, fills: Sequence[Fill], threads: int | None
