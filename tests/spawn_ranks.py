@@ -34,6 +34,30 @@ def run_ranks(
                 process.kill()
 
 
+def tcp_bytes_received(pid: int | None = None) -> int | None:
+    """Bytes the TCP connections of process ``pid`` (default: this one) have received so far,
+    as the kernel counts them (``ss``'s ``bytes_received``); ``None`` where ``ss`` is missing.
+    A rank's gloo traffic, measured outside torch and fastload."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        return None
+    pid = os.getpid() if pid is None else pid
+    lines = subprocess.run(
+        ["ss", "-tinpH"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    total, ours = 0, False
+    for line in lines:
+        if not line.startswith((" ", "\t")):  # a socket's line, then its info line
+            ours = f"pid={pid}," in line
+        elif ours and (m := re.search(r"bytes_received:(\d+)", line)):
+            total += int(m.group(1))
+    return total
+
+
 def leave_group() -> None:
     """A rank's last step: every rank done before any tears its connections down (a rank whose
     peer exited while its gloo group was still up aborted: "terminate called without an active

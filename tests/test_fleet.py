@@ -350,12 +350,12 @@ def _failing_disk_rank(
 ) -> None:
     if rank == 1:  # its disk fails under its chunks: every read is an I/O error
         from fastload.core.errors import FastloadIOError
-        from fastload.distributed import collective
+        from fastload.distributed import file_reads
 
         def broken(path: str, *args: Any) -> None:
             raise FastloadIOError(f"{path}: reading failed: [Errno 5] Input/output error")
 
-        collective._pread = broken  # type: ignore[assignment]
+        file_reads._pread = broken  # type: ignore[assignment]
     _rank(rank, world, port, root, plan)
 
 
@@ -401,9 +401,7 @@ def _failing_plan_rank(
     _rank(rank, world, port, root, plan)
 
 
-def test_a_rank_failing_while_planning_stops_every_rank_naming_it(
-    bucket, tmp_path: Path
-) -> None:
+def test_a_rank_failing_while_planning_stops_every_rank_naming_it(bucket, tmp_path: Path) -> None:
     # the others are in the read's first exchange: the failing rank joins it with its failure
     s3, urls, _, _ = bucket
     proxies = [FaultProxy(s3.port) for _ in range(2)]

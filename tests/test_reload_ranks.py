@@ -325,13 +325,13 @@ def test_a_process_group_without_torch_distributed_is_refused() -> None:
 
 def _dies_rank(rank: int, port: int, root: str) -> None:
     """Rank 1 dies as it reads its first chunk; rank 0 must stop (not wait) and mark its model."""
-    from fastload.distributed import collective
+    from fastload.distributed import file_reads
 
     _init(rank, port)
     own = Path(root) / f"rank{rank}"
     model = fastload.from_pretrained(MLP, own / "a", process_group=dist.group.WORLD, progress=False)
     if rank == 1:
-        collective.FileReader._read = lambda *a: os._exit(0)  # type: ignore[method-assign]
+        file_reads.FileReader._read = lambda *a: os._exit(0)  # type: ignore[method-assign]
     out: dict[str, Any] = {}
     try:
         fastload.reload(model, own / "c", process_group=dist.group.WORLD)
@@ -405,7 +405,7 @@ def test_ranks_reload_from_urls_together_and_a_url_beside_local_files_is_refused
 
 def _failing_read_rank(rank: int, port: int, root: str) -> None:
     """Rank 1's disk fails under its chunks (it lives on): atomic, then in place."""
-    from fastload.distributed import collective
+    from fastload.distributed import file_reads
 
     _init(rank, port)
     own = Path(root) / f"rank{rank}"
@@ -420,7 +420,7 @@ def _failing_read_rank(rank: int, port: int, root: str) -> None:
             def broken(path: str, *args: Any) -> None:
                 raise errors.FastloadIOError(f"{path}: reading failed: [Errno 5] I/O error")
 
-            collective._pread = broken  # type: ignore[assignment]
+            file_reads._pread = broken  # type: ignore[assignment]
         for name, atomic in (("atomic", True), ("in place", False)):
             try:
                 fastload.reload(model, own / "c", atomic=atomic, process_group=dist.group.WORLD)

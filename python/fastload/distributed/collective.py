@@ -28,9 +28,7 @@ gloo moves CPU buffers; with NCCL the buffers live on the rank's CUDA device.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -40,19 +38,15 @@ import torch
 from fastload import _core
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import to_st, to_torch
-from fastload.core.errors import CheckpointError, FastloadIOError, RequestError, UnsupportedError
+from fastload.core.errors import CheckpointError, RequestError, UnsupportedError
+from fastload.distributed.file_reads import PAGE, FileReader
 from fastload.distributed.group import RankGroup, agree_on_plan, together
+from fastload.distributed.needs import Routes, need_of, pack, size, unpack
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
-from fastload.distributed.read_ahead import ReadAhead
 
 #: bytes of one exchanged chunk (smaller when the checkpoint is small, so every rank gets some)
 CHUNK_BYTES = 32 << 20
-#: chunks a rank may read ahead of the exchange
-READ_AHEAD_CHUNKS = 2
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-#: pieces one chunk's read is split into across threads
-_READ_PIECE = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -248,9 +242,18 @@ def read_collectively(
     by_file: dict[int, list[_Target]] = {}
     for t in ordered:
         by_file.setdefault(t.stored.file, []).append(t)
+    # what each rank keeps of each tensor: a chunk goes to each rank as those bytes only
+    kept = {
+        t.stored.name: need_of(t.stored.torch_shape, t.stored.st_dtype, [s for _, s in t.fills])
+        for t in ordered
+    }
+    spans_by_file = {
+        f: [(t.stored.name, t.start, t.start + t.stored.nbytes) for t in ts]
+        for f, ts in by_file.items()
+    }
+    routes = Routes(group.gather(kept), spans_by_file)
     mine = [c for c in chunks if c.owner == group.rank]
     result = Exchange(chunks=mine)
-    result.received_bytes = sum(c.nbytes for c in chunks if c.owner != group.rank)
     reader: FileReader | ObjectReader
     if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
         result.storage_bytes = sum(c.nbytes for c in mine)
@@ -260,7 +263,7 @@ def read_collectively(
         result.storage_bytes = pages(mine)
         reader = FileReader(ckpt, mine, group.device, threads)
     with reader:
-        _exchange(group, chunks, reader, by_file, progress)
+        result.received_bytes = _exchange(group, chunks, reader, by_file, routes, progress)
     unfilled = [t.stored.name for t in targets.values() if t.received != t.stored.nbytes]
     if unfilled:  # a bug, not bad input: every needed byte lies in some chunk
         raise AssertionError(f"collective load: bytes of {unfilled[:3]} never arrived")
@@ -272,17 +275,21 @@ def _exchange(
     chunks: Sequence[Chunk],
     reader: FileReader | ObjectReader,
     by_file: dict[int, list[_Target]],
+    routes: Routes,
     progress: _core.Progress | None = None,
-) -> None:
-    """Each chunk in turn, from its owner to every rank, into the targets. The owner first sends
-    whether it has the chunk: a rank that could not read its chunk stops every rank (one error
-    naming it and the cause: :func:`~fastload.distributed.group.together`), none is left
-    waiting for a chunk that will not come."""
+) -> int:
+    """Each chunk in turn, from its owner to every rank that keeps some of it (broadcast where
+    every rank keeps all of it, else each rank sent only its bytes), into the targets; returns
+    the bytes this rank received. The owner first sends whether it has the chunk: a rank that
+    could not read its chunk stops every rank (one error naming it and the cause:
+    :func:`~fastload.distributed.group.together`), none is left waiting for a chunk that will
+    not come."""
     spare = torch.empty(
         max((c.nbytes for c in chunks), default=0), dtype=torch.uint8, device=group.device
     )
     status = torch.zeros(1, dtype=torch.int32, device=group.device)
-    for chunk in chunks:
+    received = 0
+    for index, chunk in enumerate(chunks):
         buffer, failure = spare[: chunk.nbytes], None
         if chunk.owner == group.rank:
             try:
@@ -293,12 +300,31 @@ def _exchange(
         group.broadcast(status, chunk.owner)
         if status.item():
             together(group, partial(_raise, failure), "reading its share of the checkpoint")
-        group.broadcast(buffer, chunk.owner)
+        if routes.broadcast(chunk.file, chunk.start, chunk.stop):
+            group.broadcast(buffer, chunk.owner)
+            received += chunk.nbytes if chunk.owner != group.rank else 0
+        elif chunk.owner == group.rank:
+            sends = {
+                r: routes.of(r, chunk.file, chunk.start, chunk.stop)
+                for r in range(group.world_size)
+                if r != group.rank
+            }
+            group.send_each({r: pack(buffer, rs) for r, rs in sends.items() if rs}, tag=index)
+        else:
+            ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
+            if ranges:
+                packed = torch.empty(size(ranges), dtype=torch.uint8, device=group.device)
+                group.receive(packed, chunk.owner, tag=index)
+                unpack(packed, buffer, ranges)
+                received += packed.numel()
+        # (bytes this rank does not keep are left as they were in the spare buffer: only the
+        # kept ones are read out of the assembled tensors)
         _scatter(chunk, buffer, by_file.get(chunk.file, ()))
         if progress is not None:
             progress.add(chunk.nbytes)
         if chunk.owner == group.rank:
             reader.release(buffer)
+    return received
 
 
 def _raise(failure: BaseException | None) -> None:
@@ -345,120 +371,3 @@ def _finish(target: _Target) -> None:
         with torch.no_grad():
             dest.copy_(part.reshape(dest.shape))
     target.whole = None
-
-
-class FileReader(ReadAhead):
-    """Reads this rank's chunks in order on a helper thread, at most :data:`READ_AHEAD_CHUNKS`
-    ahead of the exchange, each with parallel positioned reads of exactly its bytes.
-
-    A chunk mostly not in the page cache is read with ``O_DIRECT``: from storage, exactly its
-    pages, and without caching them. Buffered reads of a cold file would not stay within the
-    rank's part: the pages the header read brought in carry read-ahead marks, and from them the
-    kernel reads far ahead into the next rank's part (measured on Linux 6.18: a rank reading
-    15.7 MB of a 29 MB file left 25 MB cached, even with ``POSIX_FADV_RANDOM``). The bytes go
-    into the rank's own tensors anyway: caching them too would hold the model twice. A cached
-    chunk (or a filesystem without ``O_DIRECT``) is read through the page cache."""
-
-    thread_name = "fastload-collective"
-
-    def __init__(
-        self,
-        ckpt: OpenCheckpoint | Checkpoint,
-        chunks: list[Chunk],
-        device: torch.device,
-        threads: int | None,
-    ) -> None:
-        self.ckpt = ckpt
-        self.chunks = chunks
-        self.threads = threads or min(8, os.cpu_count() or 1)
-        self.direct: dict[int, int | None] = {}  # file index -> O_DIRECT descriptor
-        # room for a chunk widened to whole pages at both ends, plus alignment of the start
-        size = max((c.nbytes for c in chunks), default=0) + 3 * PAGE
-        super().__init__(len(chunks), size, READ_AHEAD_CHUNKS, device)
-
-    def _session(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self.threads, thread_name_prefix="fastload-pread")
-
-    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
-        return self._read(session, self.chunks[index], buffer)
-
-    def _close(self) -> None:
-        for fd in self.direct.values():
-            if fd is not None:
-                os.close(fd)
-
-    def _direct_fd(self, index: int) -> int | None:
-        """An ``O_DIRECT`` descriptor of the validated file (``None`` where there is none)."""
-        if index not in self.direct:
-            fd = None
-            flag = getattr(os, "O_DIRECT", 0)
-            own = self.ckpt.files[index].fileno()  # type: ignore[union-attr]
-            if flag and own is not None and os.path.exists(f"/proc/self/fd/{own}"):
-                try:  # the descriptor's own file, even if the path was replaced since
-                    fd = os.open(f"/proc/self/fd/{own}", os.O_RDONLY | flag)
-                except OSError:  # tmpfs and some FUSE filesystems refuse O_DIRECT
-                    fd = None
-            self.direct[index] = fd
-        return self.direct[index]
-
-    def _read(self, pool: ThreadPoolExecutor, chunk: Chunk, buffer: torch.Tensor) -> torch.Tensor:
-        """Reads ``chunk`` into ``buffer``; returns the view of ``buffer`` holding its bytes."""
-        file = self.ckpt.files[chunk.file]
-        fd = None
-        if file.mostly_uncached(chunk.start, chunk.nbytes):  # type: ignore[union-attr]
-            fd = self._direct_fd(chunk.file)
-        if fd is not None:
-            first = chunk.start // PAGE * PAGE
-            last = -(-chunk.stop // PAGE) * PAGE
-            skew = -buffer.data_ptr() % PAGE  # O_DIRECT needs a page-aligned buffer
-            window = buffer[skew : skew + last - first]
-            try:
-                _read_all(pool, file.path, fd, window, first, last, exact=False)
-                return window[chunk.start - first : chunk.stop - first]
-            except OSError:  # the filesystem refused this O_DIRECT read: read it buffered
-                pass
-        view = buffer[: chunk.nbytes]
-        own = file.fileno()  # type: ignore[union-attr]
-        _read_all(pool, file.path, own, view, chunk.start, chunk.stop, exact=True)
-        return view
-
-
-def _read_all(
-    pool: ThreadPoolExecutor,
-    path: str,
-    fd: int,
-    out: torch.Tensor,
-    start: int,
-    stop: int,
-    *,
-    exact: bool,
-) -> None:
-    """Reads file bytes ``[start, stop)`` into ``out`` in :data:`_READ_PIECE` pieces on
-    ``pool``'s threads. ``exact=False`` (an ``O_DIRECT`` read of whole pages) accepts the file
-    ending before ``stop`` (the last page is partial)."""
-    pieces = [(a, min(stop, a + _READ_PIECE)) for a in range(start, stop, _READ_PIECE)]
-    memory = memoryview(out.numpy())
-    reads = [pool.submit(_pread, path, fd, memory, start, a, b, exact) for a, b in pieces]
-    for read in reads:
-        read.result()
-
-
-def _pread(
-    path: str, fd: int, memory: memoryview, base: int, start: int, stop: int, exact: bool
-) -> None:
-    done = start
-    while done < stop:
-        try:
-            got = os.preadv(fd, [memory[done - base : stop - base]], done)
-        except OSError as e:
-            if not exact:
-                raise  # the caller reads buffered instead
-            raise FastloadIOError(f"{path}: reading bytes {done}..{stop} failed: {e}") from e
-        if got == 0:
-            if not exact:
-                return
-            raise CheckpointError(
-                f"{path}: [file-changed] the file ended at byte {done}, before the {stop} its "
-                "header promises; it was truncated while loading"
-            )
-        done += got

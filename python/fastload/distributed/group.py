@@ -69,6 +69,25 @@ class RankGroup:
         except RuntimeError as e:
             raise self.lost(e, f"rank {owner} sent a chunk") from e
 
+    def send_each(self, parts: dict[int, torch.Tensor], tag: int) -> None:
+        """Sends ``parts[r]`` to each rank ``r``, all at once."""
+        try:
+            works = [
+                self.dist.isend(part, dst=self.global_rank(r), group=self.group, tag=tag)
+                for r, part in parts.items()
+            ]
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            raise self.lost(e, "this rank sent a chunk") from e
+
+    def receive(self, buffer: torch.Tensor, owner: int, tag: int) -> None:
+        """Receives into ``buffer`` what :meth:`send_each` of rank ``owner`` sends this rank."""
+        try:
+            self.dist.recv(buffer, src=self.global_rank(owner), group=self.group, tag=tag)
+        except RuntimeError as e:
+            raise self.lost(e, f"rank {owner} sent a chunk") from e
+
     def lost(self, cause: BaseException, doing: str) -> FastloadIOError:
         """The error of an exchange that broke: another rank is gone."""
         return FastloadIOError(

@@ -2,7 +2,7 @@
 few ahead of the exchange, into a fixed set of host buffers that the exchange gives back.
 
 Where the bytes come from is the subclass's: positioned reads of a local file
-(:class:`fastload.distributed.collective.FileReader`) or the engine's ranged GETs from object
+(:class:`fastload.distributed.file_reads.FileReader`) or the engine's ranged GETs from object
 storage (:class:`fastload.distributed.object_reads.ObjectReader`).
 """
 

@@ -229,6 +229,20 @@ class SharedGroup(RankGroup):
             _loads(o[: int(s.item())].numpy().tobytes()) for o, s in zip(out, sizes, strict=True)
         ]
 
+    def send_each(self, parts: dict[int, torch.Tensor], tag: int) -> None:
+        try:
+            works = [self.group.send([part], r, tag) for r, part in parts.items()]
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            raise self.lost(e, "this peer sent a chunk") from e
+
+    def receive(self, buffer: torch.Tensor, owner: int, tag: int) -> None:
+        try:
+            self.group.recv([buffer], owner, tag).wait()
+        except RuntimeError as e:
+            raise self.lost(e, f"peer {owner} sent a chunk") from e
+
     def broadcast(self, buffer: torch.Tensor, owner: int) -> None:
         import torch.distributed as dist
 

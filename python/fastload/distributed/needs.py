@@ -1,0 +1,152 @@
+"""Which bytes of each exchanged chunk each rank keeps, so that a rank receives only those.
+
+In a load without tensor parallelism every rank needs every byte, and each chunk is broadcast.
+Under a tensor-parallel plan a rank keeps a slice of most tensors (a range of one dimension: the
+rows of a column-wise weight, a range of each row of a row-wise one): the chunk's owner then sends
+each other rank only the bytes of its slices (:func:`ranges_in`, packed by :func:`pack`), and the
+others' parts of the chunk never cross the network to it.
+
+A rank's need of a tensor is described compactly (:func:`need_of`: the whole tensor, a flat
+range of elements, or a range of one dimension) and gathered once per read; every rank derives
+the byte ranges from the descriptions, the owner for each receiver of its chunks, a receiver for
+itself, so both cut a chunk the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fastload import _core
+
+#: a rank's need of one tensor: ``("all",)``, ``("flat", first byte, stop byte)`` or ``("dim",
+#: outer count, row bytes, first byte in a row, stop byte in a row)`` (the bytes of a range of one
+#: dimension repeat once per index of the dimensions before it)
+Need = tuple[Any, ...]
+ALL: Need = ("all",)
+
+
+def need_of(shape: Sequence[int], st_dtype: str, selections: Sequence[Any]) -> list[Need]:
+    """The bytes of a stored tensor (``shape``, ``st_dtype``) that the copies of ``selections``
+    (one per destination: ``None`` the whole tensor, ``[start, stop]`` a flat range of elements,
+    ``[dim, start, stop]`` a range of one dimension, anything else the whole) read."""
+    bits = _core.dtype_bits()[st_dtype]
+    if bits % 8:  # packed sub-byte elements: never cut
+        return [ALL]
+    item = bits // 8
+    out: list[Need] = []
+    for selection in selections:
+        if selection is None or not isinstance(selection, list | tuple):
+            return [ALL]
+        if len(selection) == 2:
+            start, stop = selection
+            out.append(("flat", start * item, stop * item))
+        elif len(selection) == 3:
+            dim, start, stop = selection
+            inner = math.prod(shape[dim + 1 :]) * item
+            outer = math.prod(shape[:dim])
+            if start == 0 and stop == shape[dim]:
+                return [ALL]
+            out.append(("dim", outer, shape[dim] * inner, start * inner, stop * inner))
+        else:
+            return [ALL]
+    return out
+
+
+def _ranges_of(need: Need, nbytes: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The byte ranges of ``need`` (offsets in its tensor of ``nbytes`` bytes) within
+    ``[lo, hi)``, clipped to it."""
+    kind = need[0]
+    if kind == "all":
+        return [(lo, hi)]
+    if kind == "flat":
+        a, b = max(lo, need[1]), min(hi, need[2])
+        return [(a, b)] if a < b else []
+    _, outer, row, first, stop = need
+    out: list[tuple[int, int]] = []
+    for o in range(max(0, lo // row), min(outer, -(-hi // row))):
+        a, b = max(lo, o * row + first), min(hi, o * row + stop)
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def ranges_in(
+    needs: dict[str, list[Need]],
+    targets: Sequence[tuple[str, int, int]],
+    chunk_start: int,
+    chunk_stop: int,
+) -> list[tuple[int, int]]:
+    """The byte ranges of the chunk ``[chunk_start, chunk_stop)`` of one file (offsets in the
+    chunk, sorted, merged) that a rank with ``needs`` (tensor name -> its needs) keeps;
+    ``targets``: ``(name, start, stop)`` of the tensors of that file the load reads, at their
+    places in the file."""
+    spans: list[tuple[int, int]] = []
+    for name, t_start, t_stop in targets:
+        lo, hi = max(t_start, chunk_start), min(t_stop, chunk_stop)
+        if lo >= hi or name not in needs:
+            continue
+        for need in needs[name]:
+            for a, b in _ranges_of(need, t_stop - t_start, lo - t_start, hi - t_start):
+                spans.append((a + t_start - chunk_start, b + t_start - chunk_start))
+    spans.sort()
+    merged: list[tuple[int, int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+class Routes:
+    """Who keeps which bytes of each chunk of a read: ``everyone``, each rank's needs (tensor
+    name -> its :data:`Need` list, as :func:`need_of` describes them); ``tensors``, file index ->
+    ``(name, start, stop)`` of the tensors the read covers there."""
+
+    def __init__(
+        self,
+        everyone: Sequence[dict[str, list[Need]]],
+        tensors: dict[int, list[tuple[str, int, int]]],
+    ) -> None:
+        self.everyone = everyone
+        self.tensors = tensors
+
+    def broadcast(self, file: int, start: int, stop: int) -> bool:
+        """Whether every rank keeps every byte of the chunk (then it is broadcast): decided
+        from the descriptions alone, alike on every rank."""
+        for name, t_start, t_stop in self.tensors.get(file, ()):
+            if t_start < stop and start < t_stop:
+                if any(needs.get(name) != [ALL] for needs in self.everyone):
+                    return False
+        return True
+
+    def of(self, rank: int, file: int, start: int, stop: int) -> list[tuple[int, int]]:
+        """The byte ranges of the chunk (offsets in it) that ``rank`` keeps."""
+        return ranges_in(self.everyone[rank], self.tensors.get(file, ()), start, stop)
+
+
+def pack(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The bytes of ``ranges`` of ``buffer``, one after the other."""
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return buffer[a:b]
+    return torch.cat([buffer[a:b] for a, b in ranges])
+
+
+def unpack(packed: torch.Tensor, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+    """Puts the bytes :func:`pack` made back at their places in ``buffer``."""
+    at = 0
+    for a, b in ranges:
+        buffer[a:b].copy_(packed[at : at + b - a])
+        at += b - a
+
+
+def size(ranges: Sequence[tuple[int, int]]) -> int:
+    return sum(b - a for a, b in ranges)
+
+
+__all__ = ["ALL", "Need", "Routes", "need_of", "pack", "ranges_in", "size", "unpack"]
