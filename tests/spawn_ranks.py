@@ -58,6 +58,33 @@ def tcp_bytes_received(pid: int | None = None) -> int | None:
     return total
 
 
+def tcp_connections(pid: int | None = None) -> list[tuple[str, str, int]]:
+    """``(local address, remote address, bytes received)`` of each TCP connection process
+    ``pid`` (default: this one) holds, as the kernel counts them (``ss``); empty without ``ss``."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        return []
+    pid = os.getpid() if pid is None else pid
+    lines = subprocess.run(
+        ["ss", "-tinpH"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    out: list[tuple[str, str, int]] = []
+    ends: tuple[str, str] | None = None
+    for line in lines:
+        if not line.startswith((" ", "\t")):  # a socket's line, then its info line
+            fields = line.split()
+            ends = (fields[3], fields[4]) if f"pid={pid}," in line else None
+        elif ends is not None:
+            m = re.search(r"bytes_received:(\d+)", line)
+            out.append((*ends, int(m.group(1)) if m else 0))
+            ends = None
+    return out
+
+
 def leave_group() -> None:
     """A rank's last step: every rank done before any tears its connections down (a rank whose
     peer exited while its gloo group was still up aborted: "terminate called without an active

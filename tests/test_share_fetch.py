@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 import fastload
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server
-from spawn_ranks import free_port
+from spawn_ranks import free_port, tcp_connections
 
 pytest.importorskip("boto3")
 
@@ -77,7 +77,9 @@ def _peer(index: int, root: str, plan: dict[str, Any]) -> None:
     out: dict[str, Any] = {}
     started = time.monotonic()
     try:
-        rdv = Rendezvous("127.0.0.1", plan["port"], mine["peers"], plan.get("timeout", 60.0))
+        rdv = Rendezvous(
+            "127.0.0.1", plan["port"], mine["peers"], plan.get("timeout", 60.0), mine.get("node")
+        )
         group = join(rdv, f"node:{plan['key']}")
         out["rank"] = group.rank
         skip = set(mine.get("skip", ()))
@@ -90,6 +92,10 @@ def _peer(index: int, root: str, plan: dict[str, Any]) -> None:
         )
         out["digests"] = {name: _digest(t) for name, t in stream}
         out["fetched"], out["received"] = stream.fetched_bytes, stream.received_bytes
+        if plan.get("connections"):  # every peer's sockets still open while each looks
+            group.gather(None)
+            out["pid"], out["connections"] = os.getpid(), tcp_connections()
+            group.gather(None)
     except Exception as e:  # what the user sees, recorded for the test to check
         out["error"] = str(e)
         out["type"] = [c.__name__ for c in type(e).__mro__]
@@ -262,7 +268,7 @@ def test_the_share_fetch_options_are_checked_where_they_enter() -> None:
     url = "s3://models/llama/"
     good = parse_options(
         {"weights": url, "share_fetch": "world", "share_fetch_address": "[::1]:29700",
-         "share_fetch_peers": 8, "share_fetch_timeout": 30}
+         "share_fetch_peers": 8, "share_fetch_timeout": 30, "share_fetch_node": "rack1-n3"}
     )  # fmt: skip
     assert (good.share_fetch, good.share_fetch_peers, good.share_fetch_timeout) == ("world", 8, 30)
     for bad, says in [
@@ -275,6 +281,39 @@ def test_the_share_fetch_options_are_checked_where_they_enter() -> None:
         ({"weights": url, "share_fetch": "node", "share_fetch_address": "host"}, "'host:port'"),
         ({"weights": url, "share_fetch": "node", "share_fetch_address": "h:99999"}, "1 to 65535"),
         ({"weights": url, "share_fetch": "node", "share_fetch_timeout": -1}, "positive number"),
+        ({"weights": url, "share_fetch": "world", "share_fetch_node": ""}, "non-empty string"),
     ]:
         with pytest.raises(RequestError, match=re.escape(says)):
             parse_options(bad)
+
+
+def test_peers_on_two_machines_send_each_chunk_across_once(bucket, tmp_path: Path) -> None:
+    # four peers, two on each of two machines (named by share_fetch_node): the two-tier exchange
+    # sends each chunk to the other machine once, where a flat one sends it to both peers there
+    s3, urls, expected, size = bucket
+    proxies = [FaultProxy(s3.port) for _ in range(4)]
+    try:
+        plan = _plan([urls["one"]] * 4, proxies, [4] * 4, connections=True)
+        for peer, node in zip(plan["peers"], "aabb", strict=True):
+            peer["node"] = node
+        got = _run(tmp_path, plan)
+        sent = [p.sent for p in proxies]
+    finally:
+        for p in proxies:
+            p.close()
+    assert all(g is not None and "error" not in g for g in got), got
+    assert all(g["digests"] == expected for g in got)  # type: ignore[index]
+    assert sum(g["fetched"] for g in got) == size  # type: ignore[index]
+    assert max(sent) < size / 4 + (2 << 20), sent
+    # counted by the kernel at each peer's TCP sockets: the bytes each received from a peer of
+    # the other machine (its connection's far end, a port another peer holds)
+    node_of_pid = {g["pid"]: n for g, n in zip(got, "aabb", strict=True)}  # type: ignore[index]
+    owner = {local: g["pid"] for g in got for local, _, _ in g["connections"]}  # type: ignore[index]
+    across = 0
+    for g in got:
+        for _, remote, received in g["connections"]:  # type: ignore[index]
+            if remote in owner and node_of_pid[owner[remote]] != node_of_pid[g["pid"]]:  # type: ignore[index]
+                across += received
+    # once per chunk to the other machine: the checkpoint once (each machine receives the other's
+    # half), plus the small exchanges (versions, statuses); flat, it would be twice that
+    assert 0.9 * size < across < 1.2 * size, (across, size)

@@ -8,7 +8,9 @@ there (served by whichever process on that host binds the port first; the others
 take ranks in the order they arrive, and once the expected number have arrived open a gloo
 process group of their own, apart from any group their program made. :class:`SharedGroup` gives
 it the interface of :class:`~fastload.distributed.group.RankGroup`, so a collective read
-(:func:`~fastload.distributed.collective.read_collectively`) runs over it unchanged.
+(:func:`~fastload.distributed.collective.read_collectively`) runs over it unchanged. Peers on
+several machines (each says which: its host name, or what it is given) broadcast in two tiers,
+each chunk crossing to each machine once (:mod:`fastload.distributed.tiers`).
 
 Every wait is bounded: a process that expects another number of peers than the first arrival
 stops every waiting process at once with one error saying both numbers; peers that do not all
@@ -32,6 +34,7 @@ import torch
 
 from fastload.core.errors import FastloadIOError, RequestError
 from fastload.distributed.group import RankGroup
+from fastload.distributed.tiers import Tiers, gloo_group
 
 #: seconds a process waits for its peers to arrive, by default
 DEFAULT_TIMEOUT = 300.0
@@ -55,6 +58,9 @@ class Rendezvous:
     port: int
     peers: int
     timeout: float = DEFAULT_TIMEOUT
+    #: the machine this process is on (None: its host name): peers on several machines
+    #: exchange in two tiers (:mod:`fastload.distributed.tiers`)
+    node: str | None = None
 
     @property
     def address(self) -> str:
@@ -134,6 +140,7 @@ def join(rdv: Rendezvous, key: str, *, what: str = "share_fetch") -> SharedGroup
     rank = int(store.add(prefix + "arrivals", 1)) - 1
     if rank == 0:
         store.set(prefix + "peers", str(rdv.peers))
+    store.set(prefix + f"node/{rank}", rdv.node or socket.gethostname())
     deadline = time.monotonic() + rdv.timeout
     while True:
         refused = store.check([prefix + "refused"])
@@ -166,21 +173,23 @@ def join(rdv: Rendezvous, key: str, *, what: str = "share_fetch") -> SharedGroup
                 "started, stopped, or given another address, checkpoint or number of peers)"
             )
         time.sleep(_POLL)
-    import torch.distributed as dist
-
+    nodes = [store.get(prefix + f"node/{r}").decode() for r in range(rdv.peers)]
     try:
-        group = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix + "gloo/", store),
-            rank,
-            rdv.peers,
-            datetime.timedelta(seconds=rdv.timeout),
-        )
+        everyone = list(range(rdv.peers))
+        group = gloo_group(store, prefix + "gloo/", everyone, rank, rdv.timeout)
+        tiers = None
+        if 1 < len(set(nodes)) < rdv.peers:  # several machines, several peers on one
+            tiers = Tiers(
+                nodes,
+                rank,
+                lambda name, ranks: gloo_group(store, f"{prefix}{name}/", ranks, rank, rdv.timeout),
+            )
     except RuntimeError as e:
         raise FastloadIOError(
             f"{what}: peer {rank} of {rdv.peers} at {rdv.address} could not connect to the "
             f"others ({e})"
         ) from e
-    return SharedGroup(group, rank, rdv.peers, address=rdv.address)
+    return SharedGroup(group, rank, rdv.peers, address=rdv.address, tiers=tiers)
 
 
 class _PlainValues(pickle.Unpickler):
@@ -201,8 +210,12 @@ class SharedGroup(RankGroup):
     collective calls go to the group itself (it is not registered with ``torch.distributed``'s
     default group, which the process may not have, or have for another job)."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, *, address: str) -> None:
+    def __init__(
+        self, group: Any, rank: int, world_size: int, *, address: str, tiers: Tiers | None = None
+    ) -> None:
         self.group = group
+        #: the two-tier broadcast of peers on several machines (None: flat)
+        self.tiers = tiers
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device("cpu")
@@ -246,6 +259,12 @@ class SharedGroup(RankGroup):
     def broadcast(self, buffer: torch.Tensor, owner: int) -> None:
         import torch.distributed as dist
 
+        if self.tiers is not None:
+            try:
+                self.tiers.broadcast(buffer, owner)
+            except RuntimeError as e:
+                raise self.lost(e, f"peer {owner} sent a chunk") from e
+            return
         options = dist.BroadcastOptions()
         options.rootRank = owner
         try:

@@ -60,6 +60,9 @@ KEYS = {
     "share_fetch_peers": "how many processes share the fetch (default: this engine's ranks times "
     "its data-parallel replicas, on this node for 'node')",
     "share_fetch_timeout": "seconds a process waits for the others to arrive (default 300)",
+    "share_fetch_node": "the machine this process is on, for 'world': each chunk crosses to "
+    "each machine once, then goes to its processes (default: the host name; under Kubernetes, "
+    "where each pod has its own, the node's name)",
     "skip_unchanged": "true (default): a reload (collective_rpc('reload_weights')) neither reads "
     "nor copies the layers whose checkpoint tensors carry the same fastload digests in the "
     "checkpoint the engine holds and the new one; false reads every tensor",
@@ -99,6 +102,8 @@ class VllmLoadOptions:
     share_fetch_peers: int | None = None
     #: seconds one waits for the others to arrive
     share_fetch_timeout: float = 300.0
+    #: the machine this process is on (None: its host name)
+    share_fetch_node: str | None = None
 
 
 def _bool(key: str, value: object) -> bool:
@@ -237,7 +242,14 @@ def _share_options(extra_config: Mapping[str, object], weights: object) -> dict[
             "--model-loader-extra-config: 'share_fetch_timeout' must be a positive number of "
             f"seconds, got {timeout!r}"
         )
+    node = extra_config.get("share_fetch_node")
+    if node is not None and (not isinstance(node, str) or not node):
+        raise RequestError(
+            "--model-loader-extra-config: 'share_fetch_node' must be a non-empty string, got "
+            f"{node!r}"
+        )
     return {
+        "share_fetch_node": node,
         "share_fetch": scope,
         "share_fetch_address": address,
         "share_fetch_peers": peers,

@@ -11,7 +11,8 @@ the bytes with the engine's ranged GETs, pinned to the version every process agr
 receives the rest from the others; a failure on one stops every one with one error naming it.
 
 ``"node"`` groups the processes of one machine (the rendezvous on 127.0.0.1): the bucket sends
-the model once per node. ``"world"`` groups every process on every machine: once in all.
+the model once per node. ``"world"`` groups every process on every machine: once in all, each
+chunk crossing to each machine once (:mod:`fastload.distributed.tiers`).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def rendezvous_of(options: VllmLoadOptions) -> Rendezvous:
             options.share_fetch_address, "--model-loader-extra-config: 'share_fetch_address'"
         )
     peers = options.share_fetch_peers or ranks * replicas
-    return Rendezvous(host, port, peers, options.share_fetch_timeout)
+    return Rendezvous(host, port, peers, options.share_fetch_timeout, options.share_fetch_node)
 
 
 def share_group(options: VllmLoadOptions, url: str) -> SharedGroup | None:
