@@ -3,7 +3,7 @@ for collective loads from object storage with 2 and 4 ranks, against independent
 node's floor at the bucket's bandwidth, measured in the same run.
 
     python benches/fleet_bench.py [--gib 0.25] [--ranks 2,4] [--cap-mbps 60] [--repeats 2]
-        [--workdir /tmp/fastload-fleet-bench] [--out benches/results/fleet-256MiB]
+        [--shared] [--workdir /tmp/fastload-fleet-bench] [--out benches/results/fleet-256MiB]
 
 The benchmark Llama of ``fastload.tools.bench.run`` (bf16, one ``model.safetensors``) is served
 by the tests' S3-compatible server (s3s-fs on 127.0.0.1, tests/s3_server.py). Each rank (a gloo
@@ -18,7 +18,12 @@ robin, ``--repeats`` times:
 * ``fastload, 1 rank``: ``from_pretrained(LlamaForCausalLM, "s3://...")`` alone;
 * ``fastload(process_group), N ranks``: the same call with ``process_group=WORLD`` on N ranks;
 * ``independent, N ranks``: N ranks each loading alone at the same time (what a fleet does
-  today).
+  today);
+* ``share_fetch, N peers`` (``--shared``): N processes that are not one job (vLLM replicas)
+  meeting at a rendezvous (``fastload.distributed.rendezvous``) and streaming the checkpoint's
+  tensors as vLLM's ``--load-format fastload`` does with ``share_fetch``
+  (``fastload.integrations.vllm.remote.RemoteWeights``: no model is built, so the row is the
+  read alone).
 
 Each rank's time runs from a barrier to a barrier after the load (the slowest rank's time);
 after the clock each rank's state dict is hashed and compared with a local single-process load
@@ -164,6 +169,27 @@ def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: 
     dist.destroy_process_group()
 
 
+def _peer(rank: int, world: int, port: int, out: str, url: str, env: dict) -> None:
+    """A replica of a fleet with ``share_fetch``: the rendezvous, then vLLM's weight stream."""
+    import torch
+
+    from fastload.distributed.rendezvous import Rendezvous, join
+    from fastload.integrations.vllm.remote import RemoteWeights
+
+    os.environ.update(env[rank])
+    torch.set_num_threads(1)
+    group = join(Rendezvous("127.0.0.1", port, world, 600.0), f"bench:{url}")
+    group.gather(None)  # every peer ready
+    start = time.perf_counter()
+    tensors = dict(RemoteWeights(url, group=group))
+    group.gather(None)  # the load ends when the slowest peer is done
+    seconds = time.perf_counter() - start
+    digest = _digest(tensors)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "digest": digest}))
+    group.gather(None)
+    os._exit(0)  # no teardown of the peers' group
+
+
 def _floor(rank: int, out: str, url: str, env: dict) -> None:
     """One node: every byte of the object with ranged GETs into one buffer."""
     import concurrent.futures as futures
@@ -216,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = (checkpoint / "model.safetensors").stat().st_size
     local = fastload.from_pretrained(transformers.LlamaForCausalLM, checkpoint, progress=False)
     expected = _digest(dict(local.state_dict()))
+    stored = _digest(fastload.load_file(checkpoint / "model.safetensors"))  # the stream's
     del local
     root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=work))
     server = S3Server(root)
@@ -225,6 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [("floor", 1), ("single", 1)]
     for world in args.ranks:
         configs += [("collective", world), ("independent", world)]
+        if args.shared:
+            configs.append(("shared", world))
     runs: dict[str, list[dict[str, Any]]] = {}
     try:
         server.bucket(BUCKET)
@@ -249,6 +278,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ]
                 if kind == "floor":
                     mp.spawn(_floor, args=(str(out), url, env), nprocs=1)
+                elif kind == "shared":
+                    mp.spawn(_peer, args=(world, _free_port(), str(out), url, env), nprocs=world)
                 else:
                     mode = "collective" if kind == "collective" else "alone"
                     mp.spawn(_rank, args=(world, _free_port(), str(out), mode, url, env),
@@ -262,7 +293,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "store_bytes_per_rank": [p.sent for p in proxies],
                     "bitwise": None
                     if kind == "floor"
-                    else all(r["digest"] == expected for r in ranks),
+                    else all(
+                        r["digest"] == (stored if kind == "shared" else expected) for r in ranks
+                    ),  # fmt: skip
                 }
                 label = _label(kind, world)
                 runs.setdefault(label, []).append(row)
@@ -279,6 +312,7 @@ def _label(kind: str, world: int) -> str:
         "single": "fastload, 1 rank",
         "collective": f"fastload(process_group), {world} ranks",
         "independent": f"independent loads, {world} ranks",
+        "shared": f"share_fetch (vLLM's weight stream), {world} peers",
     }[kind]
 
 
@@ -350,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fastload-fleet-bench"))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--shared", action="store_true", help="also N peers sharing a fetch (share_fetch)"
+    )
     args = parser.parse_args(argv)
     args.ranks = [int(r) for r in args.ranks.split(",") if r]
     command = "python benches/fleet_bench.py " + " ".join(argv or sys.argv[1:])
