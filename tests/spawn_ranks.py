@@ -86,10 +86,22 @@ def tcp_connections(pid: int | None = None) -> list[tuple[str, str, int]]:
 
 
 def leave_group() -> None:
-    """A rank's last step: every rank done before any tears its connections down (a rank whose
-    peer exited while its gloo group was still up aborted: "terminate called without an active
-    exception"), then the default group destroyed."""
+    """A rank's last step: every rank done before any tears its connections down, then this
+    process gone at once, with nothing torn down. gloo aborts a process ("terminate called
+    without an active exception", SIGABRT) whose group sees a peer's connection close while the
+    group is still up: a rank that destroyed its group (or exited) right after the barrier could
+    do that to a rank still on its way out of it, the wider the window the busier the machine
+    (destroying a group takes milliseconds; the exit here, microseconds). Called while an
+    exception propagates (from a ``finally``), it returns after the barrier, so the rank still
+    fails with it."""
+    import os
+    import sys
+
     import torch.distributed as dist
 
     dist.barrier()
-    dist.destroy_process_group()
+    if sys.exc_info()[0] is not None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
