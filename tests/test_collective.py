@@ -327,3 +327,73 @@ def test_spans_merge_adjacent_tensors_of_a_file_and_pages_count_whole_pages() ->
     needed = [(T(0, 0, 10), 8), (T(0, 10, 20), 8), (T(0, 100, 4), 8), (T(1, 0, 4), 16)]
     assert spans(needed) == [(0, 8, 38), (0, 108, 112), (1, 16, 20)]  # type: ignore[arg-type]
     assert pages([Chunk(0, 4000, 4200), Chunk(0, 4200, 8193)]) == 3 * 4096
+
+
+@pytest.mark.parametrize(
+    "shape,selection",
+    [
+        ((64, 48), [0, 16, 48]),  # rows: one range
+        ((64, 48), [1, 12, 24]),  # a part of each row
+        ((4, 6, 10), [1, 2, 5]),  # a middle dimension
+        ((64, 48), [100, 900]),  # a flat range of elements
+        ((64, 48), None),  # the whole tensor
+    ],
+)
+def test_the_bytes_a_rank_keeps_of_each_chunk_are_those_of_its_selection(
+    shape: tuple[int, ...], selection: list[int] | None
+) -> None:
+    from fastload.distributed.needs import Routes, need_of, pack, unpack
+
+    # a bf16 tensor at byte 1000 of its file, behind another one the rank does not keep
+    tensor = torch.randn(shape).to(torch.bfloat16)
+    raw = tensor.view(-1).view(torch.uint8)
+    start = 1000
+    file = torch.zeros(start + raw.numel() + 500, dtype=torch.uint8)
+    file[start : start + raw.numel()] = raw
+    routes = Routes(
+        [{"t": need_of(shape, "BF16", [selection])}, {}],
+        {0: [("t", start, start + raw.numel()), ("u", 0, start)]},
+    )
+    assert not routes.broadcast(0, 0, file.numel())
+    received = torch.zeros(raw.numel(), dtype=torch.uint8)
+    # chunks of odd sizes, cut anywhere: the owner packs, the receiver unpacks
+    cuts = [0] + [c for c in (700, 1333, 1501, 2100, 4000, 5555) if c < file.numel()]
+    cuts.append(file.numel())
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        assert routes.of(1, 0, a, b) == []  # the other rank keeps nothing
+        ranges = routes.of(0, 0, a, b)
+        image = torch.zeros(b - a, dtype=torch.uint8)
+        unpack(pack(file[a:b], ranges), image, ranges)
+        lo, hi = max(a, start), min(b, start + raw.numel())
+        if lo < hi:
+            received[lo - start : hi - start] = image[lo - a : hi - a]
+    got = received.view(torch.bfloat16).view(shape)
+    if selection is None:
+        want, kept = tensor, got
+    elif len(selection) == 2:
+        want, kept = (
+            tensor.reshape(-1)[selection[0] : selection[1]],
+            got.reshape(-1)[selection[0] : selection[1]],
+        )
+    else:
+        dim, a, b = selection
+        want, kept = tensor.narrow(dim, a, b - a), got.narrow(dim, a, b - a)
+    assert torch.equal(kept, want)
+    # and nothing else: the bytes outside the selection were never sent
+    sent = sum(
+        b - a for x, y in zip(cuts, cuts[1:], strict=False) for a, b in routes.of(0, 0, x, y)
+    )
+    assert sent == want.numel() * 2
+
+
+def test_a_chunk_every_rank_keeps_whole_is_broadcast() -> None:
+    from fastload.distributed.needs import Routes, need_of
+
+    whole = need_of((8, 8), "F32", [None])
+    half = need_of((8, 8), "F32", [[0, 0, 4]])
+    routes = Routes(
+        [{"a": whole, "b": whole}, {"a": whole, "b": half}], {0: [("a", 0, 256), ("b", 256, 512)]}
+    )
+    assert routes.broadcast(0, 0, 256)  # only "a": kept whole by both
+    assert not routes.broadcast(0, 200, 300)  # "b" too, of which rank 1 keeps half
+    assert routes.of(1, 0, 200, 300) == [(0, 100)]  # a's last 56 bytes, b's first 44 (its rows 0-3)

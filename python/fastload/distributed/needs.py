@@ -131,6 +131,8 @@ class Routes:
 
 def pack(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
     """The bytes of ``ranges`` of ``buffer``, one after the other."""
+    if not ranges:
+        return buffer[:0]
     if len(ranges) == 1:
         a, b = ranges[0]
         return buffer[a:b]
