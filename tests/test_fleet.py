@@ -305,6 +305,21 @@ def test_an_object_replaced_mid_load_stops_every_rank_naming_the_url(
     assert all("CheckpointError" in got["replaced"]["type"] for got in ranks)
 
 
+def _spawn_faulty(fn: Any, tmp: Path, plan: list[dict[str, Any]]) -> list[Any]:
+    """Two ranks of ``fn`` (a rank function that breaks rank 1), each given at most
+    :data:`TIMEOUT_S` to end; the processes, ended (any still alive then was killed)."""
+    context = mp.spawn(fn, args=(2, free_port(), str(tmp), plan), nprocs=2, join=False)
+    try:
+        for process in context.processes:
+            process.join(TIMEOUT_S)
+        assert not any(p.is_alive() for p in context.processes), "a rank still waits"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return list(context.processes)
+
+
 def _killed_rank(rank: int, world: int, port: int, root: str, plan: list[dict[str, Any]]) -> None:
     if rank == 1:  # stops in the middle of its first fetch, as a killed node would
         from fastload.distributed import object_reads
@@ -323,19 +338,10 @@ def test_a_rank_killed_mid_load_stops_the_others_at_once(bucket, tmp_path: Path)
     s3, urls, _, _ = bucket
     proxies = [FaultProxy(s3.port) for _ in range(2)]
     plan = [_step("killed", "full", 2, urls["one"], proxies)]
-    context = mp.spawn(
-        _killed_rank, args=(2, free_port(), str(tmp_path), plan), nprocs=2, join=False
-    )
     try:
-        survivor, killed = context.processes
-        survivor.join(TIMEOUT_S)
-        assert not survivor.is_alive(), "rank 0 still waits for the killed rank"
-        killed.join(10)
+        _, killed = _spawn_faulty(_killed_rank, tmp_path, plan)
         assert killed.exitcode == -signal.SIGKILL
     finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
         for p in proxies:
             p.close()
     got = json.loads((tmp_path / "rank0.json").read_text())["killed"]
@@ -366,17 +372,7 @@ def test_a_local_read_failing_on_one_rank_stops_every_rank_naming_it(
     shard = bucket[3]
     mine = {"url": str(shard.parent), "endpoint": "", "secret": ""}
     plan = [{"name": "disk", "kind": "local", "ranks": [mine, mine]}]
-    context = mp.spawn(
-        _failing_disk_rank, args=(2, free_port(), str(tmp_path), plan), nprocs=2, join=False
-    )
-    try:
-        for process in context.processes:
-            process.join(TIMEOUT_S)
-        assert not any(p.is_alive() for p in context.processes), "a rank still waits"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    _spawn_faulty(_failing_disk_rank, tmp_path, plan)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     errors = [got["disk"].get("error") for got in ranks]
     assert errors[0] is not None and errors[0] == errors[1], errors
@@ -406,17 +402,9 @@ def test_a_rank_failing_while_planning_stops_every_rank_naming_it(bucket, tmp_pa
     s3, urls, _, _ = bucket
     proxies = [FaultProxy(s3.port) for _ in range(2)]
     plan = [_step("plan", "full", 2, urls["one"], proxies)]
-    context = mp.spawn(
-        _failing_plan_rank, args=(2, free_port(), str(tmp_path), plan), nprocs=2, join=False
-    )
     try:
-        for process in context.processes:
-            process.join(TIMEOUT_S)
-        assert not any(p.is_alive() for p in context.processes), "a rank still waits"
+        _spawn_faulty(_failing_plan_rank, tmp_path, plan)
     finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
         sent = [p.sent for p in proxies]
         for p in proxies:
             p.close()

@@ -18,6 +18,8 @@ import os
 import re
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +151,17 @@ def bucket(tmp_path_factory: pytest.TempPathFactory):
     s3.stop()
 
 
+@contextmanager
+def _proxies(s3: S3Server, n: int) -> Iterator[list[FaultProxy]]:
+    """``n`` counting proxies in front of the store, one per peer, closed after."""
+    proxies = [FaultProxy(s3.port) for _ in range(n)]
+    try:
+        yield proxies
+    finally:
+        for p in proxies:
+            p.close()
+
+
 def _plan(urls: list[str], proxies: list[FaultProxy], peers: list[int], **extra: Any):
     return {
         "port": free_port(),
@@ -166,17 +179,13 @@ def test_each_peer_fetches_about_its_share_and_gets_every_tensor_as_stored(
     bucket, tmp_path: Path, n: int
 ) -> None:
     s3, urls, expected, size = bucket
-    proxies = [FaultProxy(s3.port) for _ in range(n)]
-    try:
+    with _proxies(s3, n) as proxies:
         plan = _plan([urls["one"]] * n, proxies, [n] * n)
         # one peer's model leaves a tensor out (vLLM's skip): it still fetches its share of it
         skipped = "model.layers.0.mlp.up_proj.weight"
         plan["peers"][0]["skip"] = [skipped]
         got = _run(tmp_path, plan)
         sent = [p.sent for p in proxies]
-    finally:
-        for p in proxies:
-            p.close()
     assert all(g is not None and "error" not in g for g in got), got
     assert sorted(g["rank"] for g in got) == list(range(n))  # type: ignore[index]
     for i, g in enumerate(got):
@@ -201,12 +210,8 @@ def test_a_peer_expecting_another_number_of_peers_stops_every_peer_at_once(
     bucket, tmp_path: Path
 ) -> None:
     s3, urls, _, _ = bucket
-    proxies = [FaultProxy(s3.port) for _ in range(2)]
-    try:
+    with _proxies(s3, 2) as proxies:
         got = _run(tmp_path, _plan([urls["one"]] * 2, proxies, [2, 3], timeout=120.0))
-    finally:
-        for p in proxies:
-            p.close()
     for g in got:
         assert g is not None and "RequestError" in g["type"], got
         assert "disagree on their number" in g["error"] and "2" in g["error"], g
@@ -231,13 +236,9 @@ def test_a_peer_with_another_revision_stops_every_peer_before_any_tensor_byte(
     bucket, tmp_path: Path
 ) -> None:
     s3, urls, _, size = bucket
-    proxies = [FaultProxy(s3.port) for _ in range(2)]
-    try:
+    with _proxies(s3, 2) as proxies:
         got = _run(tmp_path, _plan([urls["one"], urls["two"]], proxies, [2, 2]))
         sent = [p.sent for p in proxies]
-    finally:
-        for p in proxies:
-            p.close()
     for g in got:
         assert g is not None and "CheckpointError" in g["type"], got
         assert "version-mismatch" in g["error"], g
@@ -247,14 +248,10 @@ def test_a_peer_with_another_revision_stops_every_peer_before_any_tensor_byte(
 
 def test_a_peer_killed_mid_fetch_stops_the_others_at_once(bucket, tmp_path: Path) -> None:
     s3, urls, _, _ = bucket
-    proxies = [FaultProxy(s3.port) for _ in range(2)]
-    try:
+    with _proxies(s3, 2) as proxies:
         plan = _plan([urls["one"]] * 2, proxies, [2, 2], timeout=120.0)
         plan["peers"][1]["die"] = True
         survivor, killed = _run(tmp_path, plan)
-    finally:
-        for p in proxies:
-            p.close()
     assert killed is None
     assert survivor is not None and "FastloadIOError" in survivor["type"], survivor
     assert "rank-lost" in survivor["error"], survivor
@@ -291,16 +288,12 @@ def test_peers_on_two_machines_send_each_chunk_across_once(bucket, tmp_path: Pat
     # four peers, two on each of two machines (named by share_fetch_node): the two-tier exchange
     # sends each chunk to the other machine once, where a flat one sends it to both peers there
     s3, urls, expected, size = bucket
-    proxies = [FaultProxy(s3.port) for _ in range(4)]
-    try:
+    with _proxies(s3, 4) as proxies:
         plan = _plan([urls["one"]] * 4, proxies, [4] * 4, connections=True)
         for peer, node in zip(plan["peers"], "aabb", strict=True):
             peer["node"] = node
         got = _run(tmp_path, plan)
         sent = [p.sent for p in proxies]
-    finally:
-        for p in proxies:
-            p.close()
     assert all(g is not None and "error" not in g for g in got), got
     assert all(g["digests"] == expected for g in got)  # type: ignore[index]
     assert sum(g["fetched"] for g in got) == size  # type: ignore[index]
