@@ -39,7 +39,7 @@ from fastload import _core
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import to_st, to_torch
 from fastload.core.errors import CheckpointError, RequestError, UnsupportedError
-from fastload.distributed.file_reads import PAGE, FileReader
+from fastload.distributed.file_reads import PAGE, Chunk, FileReader
 from fastload.distributed.group import RankGroup, agree_on_plan, together
 from fastload.distributed.needs import Routes, need_of, pack, size, unpack
 from fastload.distributed.object_reads import ObjectReader, deal_objects
@@ -47,20 +47,6 @@ from fastload.distributed.pinning import agree_on_versions
 
 #: bytes of one exchanged chunk (smaller when the checkpoint is small, so every rank gets some)
 CHUNK_BYTES = 32 << 20
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """File bytes ``[start, stop)`` of file ``file``, read by rank ``owner``."""
-
-    file: int
-    start: int
-    stop: int
-    owner: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.stop - self.start
 
 
 def check_same_checkpoint(group: RankGroup, ckpt: OpenCheckpoint | Checkpoint) -> None:

@@ -5,8 +5,10 @@ their bytes (:class:`FileReader`), ahead of the exchange
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -14,14 +16,33 @@ from fastload.core.checkpoint import OpenCheckpoint
 from fastload.core.errors import CheckpointError, FastloadIOError
 from fastload.distributed.read_ahead import ReadAhead
 
-if TYPE_CHECKING:
-    from fastload.distributed.collective import Checkpoint, Chunk
-
 #: chunks a rank may read ahead of the exchange
 READ_AHEAD_CHUNKS = 2
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: pieces one chunk's read is split into across threads
 _READ_PIECE = 4 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """File bytes ``[start, stop)`` of file ``file``, read by rank ``owner``."""
+
+    file: int
+    start: int
+    stop: int
+    owner: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+class Files(Protocol):
+    """What a reader needs of a checkpoint: its opened files (an :class:`OpenCheckpoint`, or a
+    collective read's :class:`~fastload.distributed.collective.Checkpoint`)."""
+
+    @property
+    def files(self) -> Sequence[Any]: ...
 
 
 class FileReader(ReadAhead):
@@ -40,7 +61,7 @@ class FileReader(ReadAhead):
 
     def __init__(
         self,
-        ckpt: OpenCheckpoint | Checkpoint,
+        ckpt: OpenCheckpoint | Files,
         chunks: list[Chunk],
         device: torch.device,
         threads: int | None,
@@ -141,4 +162,4 @@ def _pread(
         done += got
 
 
-__all__ = ["FileReader", "PAGE", "READ_AHEAD_CHUNKS"]
+__all__ = ["PAGE", "READ_AHEAD_CHUNKS", "Chunk", "FileReader", "Files"]

@@ -82,13 +82,13 @@ def parse_address(text: object, where: str) -> tuple[str, int]:
 def _is_this_host(host: str) -> bool:
     """Whether ``host`` names this machine (then this process may serve the rendezvous)."""
     try:
-        wanted = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        wanted = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except OSError:
         return False
     if any(a.startswith("127.") or a == "::1" for a in wanted):
         return True
     try:
-        mine = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        mine = {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}
     except OSError:
         return False
     return bool(wanted & mine)
