@@ -155,12 +155,12 @@ def test_under_the_patch_a_quantization_config_goes_to_transformers_loader(
     "quantization",
     [
         {"quant_method": "bitsandbytes", "load_in_8bit": True},
-        # fp8 is served on the CPU now (dequantized: tests/test_hf_fp8_dequantize.py); mxfp4
-        # (gpt-oss, dequantized on the CPU) is a load operation fastload does not run yet
-        {"quant_method": "mxfp4"},
+        # fp8 and mxfp4 are served on the CPU now (dequantized: tests/test_hf_fp8_dequantize.py,
+        # tests/test_hf_mxfp4_dequantize.py); torchao is a method fastload does not read
+        {"quant_method": "torchao", "quant_type": "int4_weight_only"},
         {"quant_method": "unknown"},
     ],
-    ids=["bitsandbytes", "mxfp4", "unknown"],
+    ids=["bitsandbytes", "torchao", "unknown"],
 )
 def test_the_direct_api_refuses_a_checkpoint_with_a_quantization_config(tmp_path, quantization):
     directory = with_quantization_config(make_checkpoint(tmp_path, "BertModel"), quantization)

@@ -1,20 +1,22 @@
 """Quantization methods with a load operation: transformers' operation run on tensors fastload
-read (FP8 fine-grained blocks, which transformers dequantizes on a CPU).
+read (FP8 fine-grained blocks and gpt-oss' MXFP4 experts, which transformers dequantizes on a
+CPU).
 
-A quantizer whose load mode has an operation (``get_load_operations``: ``Fp8Dequantize``) adds
-general ``WeightConverter`` entries (``get_weight_conversions``): the stored tensors of one model
-tensor (``weight``, ``weight_scale_inv``, ``activation_scale``) are collected by source pattern
-and the operation makes the model tensor of them. fastload matches the stored names to those
-converters as transformers does (its renames first), checks the pairs from the headers before
-anything is read, and after the read of everything else runs each operation in the order of the
-file: its inputs read by the engine into temporaries, transformers' own ``convert`` run on them,
-the result put in the model, the temporaries dropped (one operation's inputs in memory at a
-time, never a second copy of the checkpoint). fastload never computes what the operation does.
+A quantizer whose load mode has an operation (``get_load_operations``: ``Fp8Dequantize``,
+``Mxfp4Dequantize``) adds general ``WeightConverter`` entries (``get_weight_conversions``): the
+stored tensors of one model tensor (``weight``, ``weight_scale_inv``, ``activation_scale``;
+``gate_up_proj_blocks``, ``gate_up_proj_scales``) are collected by source pattern and the
+operation makes the model tensor of them. fastload matches the stored names to those converters
+as transformers does (its renames first), checks them from the headers before anything is read
+(:mod:`fastload.hf.load_op_checks`), and after the read of everything else runs each operation
+in the order of the file: its inputs read by the engine into temporaries, transformers' own
+``convert`` run on them, the result put in the model, the temporaries dropped (one operation's
+inputs in memory at a time, never a second copy of the checkpoint). fastload never computes
+what the operation does.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +26,9 @@ from torch import nn
 
 from fastload.core import keys as keymod
 from fastload.core import reading
-from fastload.core.dtypes import CONVERTIBLE
-from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from fastload.core.errors import ModelMismatchError, UnsupportedError
+from fastload.hf.load_op_checks import check
 from fastload.hf.renames import transformers_renames
-
-#: stored dtypes of a block scale transformers' dequantize reads (float, or E8M0 exponents)
-SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "U8", "F8_E8M0"})
 
 
 @dataclass
@@ -82,10 +81,9 @@ def plan_operations(
                 op = found.setdefault(target, PlannedOperation(target, converter))
                 op.inputs.setdefault(pattern, []).append(stored)
             break
-    block = _block_size(quantizer)
     planned = {}
     for target, op in found.items():
-        if _check(op, ckpt, shapes[target], block, rules.source):
+        if check(op, ckpt, shapes[target], quantizer, rules.source):
             planned[target] = op
     for target in planned:
         module, _, leaf = target.rpartition(".")
@@ -95,70 +93,6 @@ def plan_operations(
                 "not a parameter of the model; fastload does not load such a checkpoint"
             )
     return planned
-
-
-def _block_size(quantizer: Any) -> tuple[int, int] | None:
-    size = getattr(quantizer.quantization_config, "weight_block_size", None)
-    return (int(size[0]), int(size[1])) if size else None
-
-
-def _check(
-    op: PlannedOperation,
-    ckpt: Any,
-    want: tuple[int, ...],
-    block: tuple[int, int] | None,
-    source: str,
-) -> bool:
-    """Whether ``op`` runs the operation (``False``: a tensor stored as the model holds it);
-    raises for a pair the operation cannot make the model's tensor of."""
-    first, *companions = op.converter.source_patterns
-    weights = op.inputs.get(first, [])
-    scales = [n for p in companions if p.endswith("scale_inv") for n in op.inputs.get(p, [])]
-    if not weights:
-        stored = ckpt.tensors[op.names()[0]]
-        raise CheckpointError(
-            f"{ckpt.file_path(stored)}: tensor {stored.name!r} has no {first!r} beside it "
-            f"(the model's {op.target!r} is made of both)"
-        )
-    weight = ckpt.tensors[weights[0]]
-    if not scales:
-        if weight.st_dtype in CONVERTIBLE:
-            return False  # stored as the model holds it: transformers' operation casts it
-        raise CheckpointError(
-            f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
-            f"({weight.st_dtype}) but its scale "
-            f"{weight.name.rpartition('.')[0] + '.' + companions[0]!r} is missing"
-        )
-    got = weight.torch_shape
-    if got != want:
-        raise ModelMismatchError(
-            f"{ckpt.file_path(weight)}: tensor {weight.name!r} has shape {list(got)}, the "
-            f"model's {op.target!r} has shape {list(want)}"
-        )
-    scale = ckpt.tensors[scales[0]]
-    if scale.st_dtype not in SCALE_DTYPES:
-        raise CheckpointError(
-            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has dtype {scale.st_dtype}; a "
-            f"block scale is one of {', '.join(sorted(SCALE_DTYPES))}"
-        )
-    rows, cols = (got[-2], got[-1]) if len(got) >= 2 else (1, 1)
-    grid = tuple(scale.shape[-2:]) if len(scale.shape) >= 2 else None
-    expected = (math.ceil(rows / block[0]), math.ceil(cols / block[1])) if block else grid
-    if (
-        grid is None
-        or tuple(scale.shape[:-2]) != tuple(got[:-2])
-        or grid != expected
-        or rows % grid[0]
-        or cols % grid[1]
-    ):
-        shown = list(got[:-2]) + list(expected) if expected else "a grid dividing it"
-        raise ModelMismatchError(
-            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has shape {list(scale.shape)}; "
-            f"the scale of {weight.name!r} {list(got)} in blocks of {list(block or ())} has "
-            f"shape {shown} (whose cells divide the weight: transformers' "
-            f"{type(op.converter.operations[0]).__name__} needs it)"
-        )
-    return True
 
 
 def run_operations(

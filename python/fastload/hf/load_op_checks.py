@@ -1,0 +1,137 @@
+"""Header checks of the stored tensors a quantizer's load operation makes a model tensor of
+(:mod:`fastload.hf.load_ops`), one checker per operation fastload runs: what transformers'
+operation needs of its inputs (dtypes, shapes, the companions beside a quantized tensor),
+checked from the headers before anything is read, every refusal naming the stored tensor and
+what was expected.
+
+* ``Fp8Dequantize`` (``quant_method: fp8``): an FP8 ``weight`` of the model's shape and its
+  ``weight_scale_inv``, one float scale per block of the config's ``weight_block_size``
+  (``[ceil(rows/128), ceil(cols/128)]``), the blocks dividing the weight.
+* ``Mxfp4Dequantize`` (``quant_method: mxfp4``, gpt-oss' experts): ``<proj>_blocks``, ``uint8``
+  ``[experts, rows, cols/32, 16]`` (32 FP4 values of one row in 16 bytes, the low nibble first)
+  and ``<proj>_scales``, ``uint8`` ``[experts, rows, cols/32]`` (a power-of-two exponent biased
+  by 127 per 32 values), of the model's ``[experts, cols, rows]`` expert tensor (transformers'
+  operation transposes the rows it unpacks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from fastload.core.dtypes import CONVERTIBLE
+from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+
+#: stored dtypes of an FP8 block scale transformers' dequantize reads (float, or E8M0 exponents)
+SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "U8", "F8_E8M0"})
+#: MXFP4: FP4 values per scale, and the stored dtype of the packed values and of the exponents
+MX_BLOCK = 32
+MX_DTYPE = "U8"
+
+
+def check(op: Any, ckpt: Any, want: tuple[int, ...], quantizer: Any, source: str) -> bool:
+    """Whether ``op`` (a :class:`~fastload.hf.load_ops.PlannedOperation`) runs the operation
+    (``False``: a tensor stored as the model holds it, which the operation only casts); raises
+    for inputs the operation cannot make the model's tensor ``want`` of."""
+    operation = type(op.converter.operations[0]).__name__
+    checker = CHECKERS.get(operation)
+    if checker is None:
+        raise UnsupportedError(
+            f"{source}: transformers' load operation {operation} for {op.target!r} is not one "
+            f"fastload runs ({', '.join(sorted(CHECKERS))}): load it with transformers"
+        )
+    first, *companions = op.converter.source_patterns
+    weights = op.inputs.get(first, [])
+    scale_pattern = next((p for p in companions if p.endswith(_SCALE_SUFFIX[operation])), None)
+    scales = op.inputs.get(scale_pattern, []) if scale_pattern else []
+    if not weights:
+        stored = ckpt.tensors[op.names()[0]]
+        raise CheckpointError(
+            f"{ckpt.file_path(stored)}: tensor {stored.name!r} has no {first!r} beside it "
+            f"(the model's {op.target!r} is made of both)"
+        )
+    weight = ckpt.tensors[weights[0]]
+    if not scales:
+        if weight.st_dtype in CONVERTIBLE:
+            return False  # stored as the model holds it: transformers' operation casts it
+        stem = weight.name[: -len(first)] if weight.name.endswith(first) else ""
+        missing = (stem or weight.name.rpartition(".")[0] + ".") + (scale_pattern or companions[0])
+        raise CheckpointError(
+            f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
+            f"({weight.st_dtype}) but its scale {missing!r} is missing"
+        )
+    checker(op, ckpt, weight, ckpt.tensors[scales[0]], want, quantizer)
+    return True
+
+
+def _fp8(
+    op: Any, ckpt: Any, weight: Any, scale: Any, want: tuple[int, ...], quantizer: Any
+) -> None:
+    size = getattr(quantizer.quantization_config, "weight_block_size", None)
+    block = (int(size[0]), int(size[1])) if size else None
+    got = weight.torch_shape
+    if got != want:
+        raise ModelMismatchError(
+            f"{ckpt.file_path(weight)}: tensor {weight.name!r} has shape {list(got)}, the "
+            f"model's {op.target!r} has shape {list(want)}"
+        )
+    if scale.st_dtype not in SCALE_DTYPES:
+        raise CheckpointError(
+            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has dtype {scale.st_dtype}; a "
+            f"block scale is one of {', '.join(sorted(SCALE_DTYPES))}"
+        )
+    rows, cols = (got[-2], got[-1]) if len(got) >= 2 else (1, 1)
+    grid = tuple(scale.shape[-2:]) if len(scale.shape) >= 2 else None
+    expected = (math.ceil(rows / block[0]), math.ceil(cols / block[1])) if block else grid
+    if (
+        grid is None
+        or tuple(scale.shape[:-2]) != tuple(got[:-2])
+        or grid != expected
+        or rows % grid[0]
+        or cols % grid[1]
+    ):
+        shown = list(got[:-2]) + list(expected) if expected else "a grid dividing it"
+        raise ModelMismatchError(
+            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has shape {list(scale.shape)}; "
+            f"the scale of {weight.name!r} {list(got)} in blocks of {list(block or ())} has "
+            f"shape {shown} (whose cells divide the weight: transformers' "
+            f"{type(op.converter.operations[0]).__name__} needs it)"
+        )
+
+
+def _mxfp4(
+    op: Any, ckpt: Any, blocks: Any, scales: Any, want: tuple[int, ...], quantizer: Any
+) -> None:
+    if len(want) != 3 or want[1] % MX_BLOCK:
+        raise UnsupportedError(
+            f"{ckpt.file_path(blocks)}: the model's {op.target!r} has shape {list(want)}, not "
+            f"[experts, cols, rows] with cols a multiple of {MX_BLOCK}: transformers' "
+            "Mxfp4Dequantize does not make it; load it with transformers"
+        )
+    experts, cols, rows = want
+    expected = {
+        blocks.name: (blocks, [experts, rows, cols // MX_BLOCK, MX_BLOCK // 2]),
+        scales.name: (scales, [experts, rows, cols // MX_BLOCK]),
+    }
+    for name, (stored, shape) in expected.items():
+        if stored.st_dtype != MX_DTYPE:
+            raise CheckpointError(
+                f"{ckpt.file_path(stored)}: tensor {name!r} has dtype {stored.st_dtype}; "
+                f"MXFP4 {'exponents' if stored is scales else 'packed values'} are stored "
+                f"as {MX_DTYPE}"
+            )
+        if list(stored.shape) != shape:
+            layout = "[experts, out, in/32, 16]" if stored is blocks else "[experts, out, in/32]"
+            raise ModelMismatchError(
+                f"{ckpt.file_path(stored)}: tensor {name!r} has shape {list(stored.shape)}; "
+                f"the model's {op.target!r} is {list(want)} ([experts, in, out]), stored in "
+                f"MXFP4 as {shape} ({layout}: {MX_BLOCK} values per scale, two per byte)"
+            )
+
+
+CHECKERS: dict[str, Callable[..., None]] = {"Fp8Dequantize": _fp8, "Mxfp4Dequantize": _mxfp4}
+#: the companion pattern holding the scale, by operation
+_SCALE_SUFFIX = {"Fp8Dequantize": "scale_inv", "Mxfp4Dequantize": "_scales"}
+
+__all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check"]

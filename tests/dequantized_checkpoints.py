@@ -1,0 +1,198 @@
+"""Tiny checkpoints of the formats transformers dequantizes on load on a machine without a GPU,
+written as transformers' quantizers store them (their quantizers need a GPU, or the hub's
+kernels, to quantize): the model is built and saved by transformers, then its quantized tensors
+are replaced by their stored form and the config gets the quantization_config transformers
+writes.
+
+* :func:`fp8_checkpoint`: a Llama whose projections are FP8 e4m3 per 128x128 block, with
+  float32 inverse scales ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``
+  (``quant_method: fp8``, transformers' ``Fp8Dequantize``).
+* :func:`mxfp4_checkpoint`: a gpt-oss whose experts are MXFP4 as OpenAI's gpt-oss checkpoints
+  store them (``quant_method: mxfp4``, transformers' ``Mxfp4Dequantize``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensor_samples import raw_bytes
+
+FP8_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "modules_to_not_convert": None,
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+#: the quantization_config of openai/gpt-oss-20b
+MXFP4_QUANTIZATION = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+#: the FP4 (e2m1) value of each 4-bit code, as transformers' FP4_VALUES
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in e4m3 per 128x128 block, and the float32 inverse scale of each block."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / 128), math.ceil(cols / 128))
+    blocks = weight.float().reshape(grid[0], 128, grid[1], 128)
+    inverse = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    values = (blocks / inverse[:, None, :, None]).clamp(-448, 448).reshape(rows, cols)
+    return values.to(torch.float8_e4m3fn), inverse
+
+
+def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor as gpt-oss holds it (``[experts, cols, rows]``) in MXFP4 as its
+    checkpoints store it, the layout transformers' ``Mxfp4Dequantize`` reads: each row's values
+    in groups of 32, one power-of-two scale per group stored as its exponent plus 127 (``uint8``
+    ``[experts, rows, cols/32]``), the values as FP4 codes (nearest of :data:`FP4_VALUES` after
+    the scale), two to a byte, the even one in the low nibble (``uint8``
+    ``[experts, rows, cols/32, 16]``). transformers unpacks the rows and transposes them back."""
+    rows_first = weight.float().transpose(1, 2)  # [experts, rows, cols]
+    experts, rows, cols = rows_first.shape
+    groups = rows_first.reshape(experts, rows, cols // 32, 32)
+    exponent = (
+        torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100))) - 2
+    )  # 6 = 1.5 * 4
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def _store(directory: Path, model: torch.nn.Module, quantize: Any, quantization: dict) -> Path:
+    import safetensors.torch as st
+
+    model.save_pretrained(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensors.update(quantize(name, tensor) or {name: tensor.contiguous()})
+    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def fp8_checkpoint(directory: Path) -> Path:
+    """A tiny bf16 Llama whose projections are stored in FP8 blocks (the sizes multiples of
+    128: transformers' dequantize needs whole blocks), with transformers' quantization_config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not name.endswith("proj.weight"):
+            return None
+        weight, scale = fp8_blocks(tensor)
+        return {name: weight, name + "_scale_inv": scale}
+
+    return _store(directory, model, quantize, FP8_QUANTIZATION)
+
+
+def mxfp4_checkpoint(directory: Path) -> Path:
+    """A tiny bf16 gpt-oss (2 layers of 4 experts, sizes multiples of 32) whose experts'
+    ``gate_up_proj`` and ``down_proj`` are stored as ``<proj>_blocks`` and ``<proj>_scales``
+    (their biases, attention, router, norms and embeddings in bf16, as gpt-oss stores them),
+    with gpt-oss' quantization_config."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        dtype="bfloat16",
+    )
+    model = GptOssForCausalLM(config).to(torch.bfloat16)
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return None
+        blocks, scales = mxfp4_blocks(tensor)
+        return {name + "_blocks": blocks, name + "_scales": scales}
+
+    return _store(directory, model, quantize, MXFP4_QUANTIZATION)
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[1, 5, 9, 17, 33]])).logits  # type: ignore[no-any-return]
+
+
+def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Module classes, parameters and buffers (names, dtypes, shapes, bytes, trainability),
+    what transformers' quantizer leaves on the model, and the logits of a fixed input."""
+    assert [type(m) for m in got.modules()] == [type(m) for m in want.modules()]
+    for kind in ("named_parameters", "named_buffers"):
+        got_tensors, want_tensors = dict(getattr(got, kind)()), dict(getattr(want, kind)())
+        assert list(got_tensors) == list(want_tensors), kind
+        for name, w in want_tensors.items():
+            g = got_tensors[name]
+            assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
+            assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
+    # a dequantized model is transformers' unquantized one: its quantizer's postprocess_model
+    # removes hf_quantizer and the quantization config
+    for attribute in ("hf_quantizer", "is_quantized", "quantization_method"):
+        assert hasattr(got, attribute) == hasattr(want, attribute), attribute
+        assert getattr(got, attribute, None) == getattr(want, attribute, None), attribute
+    assert hasattr(got.config, "quantization_config") == hasattr(want.config, "quantization_config")
+    assert got.training == want.training
+    assert torch.equal(_logits(got), _logits(want))
+
+
+def assert_saves_alike(got: torch.nn.Module, want: torch.nn.Module, directory: Path) -> None:
+    """``save_pretrained`` of ``got`` writes what it writes of ``want``: the same file names,
+    the same bytes in each (tensors, config, generation config)."""
+    want.save_pretrained(directory / "transformers")
+    got.save_pretrained(directory / "fastload")
+    names = sorted(p.name for p in (directory / "transformers").iterdir())
+    assert names == sorted(p.name for p in (directory / "fastload").iterdir())
+    for name in names:
+        mine = (directory / "fastload" / name).read_bytes()
+        assert mine == (directory / "transformers" / name).read_bytes(), name
