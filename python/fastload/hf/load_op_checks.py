@@ -12,6 +12,8 @@ what was expected.
   and ``<proj>_scales``, ``uint8`` ``[experts, rows, cols/32]`` (a power-of-two exponent biased
   by 127 per 32 values), of the model's ``[experts, cols, rows]`` expert tensor (transformers'
   operation transposes the rows it unpacks).
+* ``Bnb4bitDeserialize``, ``Bnb8bitDeserialize`` (``quant_method: bitsandbytes``):
+  :mod:`fastload.hf.load_op_checks_bnb`.
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ MX_BLOCK = 32
 MX_DTYPE = "U8"
 
 
-def check(op: Any, ckpt: Any, want: tuple[int, ...], quantizer: Any, source: str) -> bool:
+def check(
+    op: Any, ckpt: Any, want: tuple[int, ...], quantizer: Any, source: str, model: Any
+) -> bool:
     """Whether ``op`` (a :class:`~fastload.hf.load_ops.PlannedOperation`) runs the operation
     (``False``: a tensor stored as the model holds it, which the operation only casts); raises
-    for inputs the operation cannot make the model's tensor ``want`` of."""
+    for inputs the operation cannot make the model's tensor ``want`` of. A float tensor stored
+    without its quant state where the quantizer's module holds a quantized one (bitsandbytes'
+    ``Int8Params``: a checkpoint saved unquantized under a bitsandbytes config) is refused
+    naming it: transformers would put the float tensor in the quantized module as it is."""
     operation = type(op.converter.operations[0]).__name__
     checker = CHECKERS.get(operation)
     if checker is None:
@@ -43,7 +50,7 @@ def check(op: Any, ckpt: Any, want: tuple[int, ...], quantizer: Any, source: str
         )
     first, *companions = op.converter.source_patterns
     weights = op.inputs.get(first, [])
-    scale_pattern = next((p for p in companions if p.endswith(_SCALE_SUFFIX[operation])), None)
+    scale_pattern = next((p for p in companions if _SCALE[operation](p)), None)
     scales = op.inputs.get(scale_pattern, []) if scale_pattern else []
     if not weights:
         stored = ckpt.tensors[op.names()[0]]
@@ -53,14 +60,20 @@ def check(op: Any, ckpt: Any, want: tuple[int, ...], quantizer: Any, source: str
         )
     weight = ckpt.tensors[weights[0]]
     if not scales:
-        if weight.st_dtype in CONVERTIBLE:
-            return False  # stored as the model holds it: transformers' operation casts it
-        stem = weight.name[: -len(first)] if weight.name.endswith(first) else ""
-        missing = (stem or weight.name.rpartition(".")[0] + ".") + (scale_pattern or companions[0])
-        raise CheckpointError(
-            f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
-            f"({weight.st_dtype}) but its scale {missing!r} is missing"
-        )
+        missing = stem(weight, first) + (scale_pattern or companions[0])
+        if weight.st_dtype not in CONVERTIBLE:
+            raise CheckpointError(
+                f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
+                f"({weight.st_dtype}) but its scale {missing!r} is missing"
+            )
+        if quantizer.param_needs_quantization(model, op.target):
+            raise CheckpointError(
+                f"{ckpt.file_path(weight)}: tensor {weight.name!r} is stored unquantized "
+                f"({weight.st_dtype}) where transformers' quantizer makes the model's "
+                f"{op.target!r} quantized, of it and its scale {missing!r}, which is missing "
+                "(a checkpoint saved before quantizing, under a quantization_config?)"
+            )
+        return False  # stored as the model holds it: transformers' operation casts it
     checker(op, ckpt, weight, ckpt.tensors[scales[0]], want, quantizer)
     return True
 
@@ -130,8 +143,43 @@ def _mxfp4(
             )
 
 
-CHECKERS: dict[str, Callable[..., None]] = {"Fp8Dequantize": _fp8, "Mxfp4Dequantize": _mxfp4}
-#: the companion pattern holding the scale, by operation
-_SCALE_SUFFIX = {"Fp8Dequantize": "scale_inv", "Mxfp4Dequantize": "_scales"}
+def companion(op: Any, ckpt: Any, pattern: str) -> Any:
+    """The stored tensor the operation collected for the source ``pattern`` (``None``: none)."""
+    names = op.inputs.get(pattern, [])
+    return ckpt.tensors[names[0]] if names else None
 
-__all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check"]
+
+def stem(weight: Any, pattern: str) -> str:
+    """The stored name of ``weight`` less its source pattern (``...q_proj.``)."""
+    if weight.name.endswith(pattern):
+        return weight.name[: -len(pattern)]
+    return weight.name.rpartition(".")[0] + "."
+
+
+def _bnb4(*args: Any) -> None:
+    from fastload.hf.load_op_checks_bnb import check_4bit
+
+    check_4bit(*args)
+
+
+def _bnb8(*args: Any) -> None:
+    from fastload.hf.load_op_checks_bnb import check_8bit
+
+    check_8bit(*args)
+
+
+CHECKERS: dict[str, Callable[..., None]] = {
+    "Fp8Dequantize": _fp8,
+    "Mxfp4Dequantize": _mxfp4,
+    "Bnb4bitDeserialize": _bnb4,
+    "Bnb8bitDeserialize": _bnb8,
+}
+#: which of the operation's companion patterns holds the scale, by operation
+_SCALE: dict[str, Callable[[str], bool]] = {
+    "Fp8Dequantize": lambda p: p.endswith("scale_inv"),
+    "Mxfp4Dequantize": lambda p: p.endswith("_scales"),
+    "Bnb4bitDeserialize": lambda p: p == "weight.absmax",
+    "Bnb8bitDeserialize": lambda p: p == "SCB",
+}
+
+__all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check", "companion", "stem"]

@@ -83,7 +83,7 @@ def plan_operations(
             break
     planned = {}
     for target, op in found.items():
-        if check(op, ckpt, shapes[target], quantizer, rules.source):
+        if check(op, ckpt, shapes[target], quantizer, rules.source, model):
             planned[target] = op
     for target in planned:
         module, _, leaf = target.rpartition(".")
@@ -127,7 +127,7 @@ def run_operations(
                 missing_keys=None,
             )
         seconds += time.perf_counter() - start
-        _place(model, target, _result(collected, target), ckpt.file_path(first[target]))
+        _place(model, target, _result(collected, target), ckpt.file_path(first[target]), op)
         del collected  # the temporaries go with it
     return seconds, read
 
@@ -159,17 +159,25 @@ def _result(collected: dict[str, Any], target: str) -> torch.Tensor:
     return value
 
 
-def _place(model: nn.Module, target: str, value: torch.Tensor, where: str) -> None:
+def _place(model: nn.Module, target: str, value: torch.Tensor, where: str, op: Any) -> None:
+    """``value`` into the model as transformers' loader sets it (``set_param_for_module``): a
+    parameter the operation made (bitsandbytes' ``Params4bit``, ``Int8Params``, with their
+    quant state) as it is, any other tensor in a new ``Parameter``; its shape checked against
+    the model's unless the quantizer quantizes that parameter (a packed weight)."""
     module_name, _, leaf = target.rpartition(".")
     module = model.get_submodule(module_name)
     old = module._parameters[leaf]
     assert old is not None
-    if tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
+    quantizer = getattr(op.converter.operations[0], "hf_quantizer", None)
+    packed = quantizer is not None and quantizer.param_needs_quantization(model, target)
+    if not packed and (tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype):
         raise ModelMismatchError(
             f"{where}: transformers' load operation made {target!r} "
             f"{list(value.shape)} {value.dtype}, the model's is {list(old.shape)} {old.dtype}"
         )
-    module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+    if not isinstance(value, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=value.is_floating_point())
+    module._parameters[leaf] = value
 
 
 __all__ = ["PlannedOperation", "load_op_converters", "plan_operations", "run_operations"]

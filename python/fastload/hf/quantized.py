@@ -44,7 +44,7 @@ SERVED_METHODS = frozenset({"compressed-tensors"})
 #: (:mod:`fastload.hf.load_ops`), with the load mode it runs: FP8 blocks and gpt-oss' MXFP4
 #: experts dequantized (what transformers does on a machine without a GPU, or with
 #: ``dequantize=True``)
-OPERATION_METHODS = {"fp8": "dequantize", "mxfp4": "dequantize"}
+OPERATION_METHODS = {"fp8": "dequantize", "mxfp4": "dequantize", "bitsandbytes": "deserialize"}
 
 
 @dataclass
