@@ -24,6 +24,7 @@ from typing import Any
 
 from fastload.core.dtypes import CONVERTIBLE
 from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from fastload.hf.load_op_checks_bnb import check_4bit, check_8bit
 
 #: stored dtypes of an FP8 block scale transformers' dequantize reads (float, or E8M0 exponents)
 SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "U8", "F8_E8M0"})
@@ -143,12 +144,6 @@ def _mxfp4(
             )
 
 
-def companion(op: Any, ckpt: Any, pattern: str) -> Any:
-    """The stored tensor the operation collected for the source ``pattern`` (``None``: none)."""
-    names = op.inputs.get(pattern, [])
-    return ckpt.tensors[names[0]] if names else None
-
-
 def stem(weight: Any, pattern: str) -> str:
     """The stored name of ``weight`` less its source pattern (``...q_proj.``)."""
     if weight.name.endswith(pattern):
@@ -156,23 +151,11 @@ def stem(weight: Any, pattern: str) -> str:
     return weight.name.rpartition(".")[0] + "."
 
 
-def _bnb4(*args: Any) -> None:
-    from fastload.hf.load_op_checks_bnb import check_4bit
-
-    check_4bit(*args)
-
-
-def _bnb8(*args: Any) -> None:
-    from fastload.hf.load_op_checks_bnb import check_8bit
-
-    check_8bit(*args)
-
-
 CHECKERS: dict[str, Callable[..., None]] = {
     "Fp8Dequantize": _fp8,
     "Mxfp4Dequantize": _mxfp4,
-    "Bnb4bitDeserialize": _bnb4,
-    "Bnb8bitDeserialize": _bnb8,
+    "Bnb4bitDeserialize": check_4bit,
+    "Bnb8bitDeserialize": check_8bit,
 }
 #: which of the operation's companion patterns holds the scale, by operation
 _SCALE: dict[str, Callable[[str], bool]] = {
@@ -182,4 +165,4 @@ _SCALE: dict[str, Callable[[str], bool]] = {
     "Bnb8bitDeserialize": lambda p: p == "SCB",
 }
 
-__all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check", "companion", "stem"]
+__all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check", "stem"]

@@ -20,7 +20,6 @@ import math
 from typing import Any
 
 from fastload.core.errors import CheckpointError, ModelMismatchError
-from fastload.hf.load_op_checks import companion, stem
 
 #: bitsandbytes' block sizes (values per absmax)
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -46,15 +45,18 @@ def _expect(
 
 
 def _required(op: Any, ckpt: Any, weight: Any, patterns: list[str], what: str) -> dict[str, Any]:
+    """The operation's stored tensors for ``patterns`` (``weight.quant_map`` ...), each one
+    required beside the packed ``weight``."""
     found = {}
     for pattern in patterns:
-        stored = companion(op, ckpt, pattern)
-        if stored is None:
+        names = op.inputs.get(pattern, [])
+        if not names:
+            missing = weight.name.removesuffix("weight") + pattern
             raise CheckpointError(
                 f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
-                f"({weight.st_dtype}) but {stem(weight, 'weight') + pattern!r} ({what}) is missing"
+                f"({weight.st_dtype}) but {missing!r} ({what}) is missing"
             )
-        found[pattern] = stored
+        found[pattern] = ckpt.tensors[names[0]]
     return found
 
 
