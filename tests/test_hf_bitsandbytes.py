@@ -24,8 +24,8 @@ pytest.importorskip("accelerate")
 bnb = pytest.importorskip("bitsandbytes")
 
 import fastload  # noqa: E402
-from dequantized_checkpoints import assert_saves_alike  # noqa: E402
 from fastload.hf import patch  # noqa: E402
+from quantized_checkpoints import assert_saves_alike, bnb_checkpoint  # noqa: E402
 from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -50,29 +50,6 @@ def _quiet() -> Any:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     yield
     logging.getLogger("bitsandbytes").setLevel(logging.NOTSET)
-
-
-def bnb_checkpoint(directory: Path, arguments: dict[str, Any]) -> Path:
-    """A tiny bf16 Llama quantized on load by transformers' bitsandbytes quantizer (every
-    Linear but the head) and saved by its ``save_pretrained``."""
-    from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
-    settings = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = _transformers(directory / "bf16", quantization_config=settings)
-    model.save_pretrained(directory / "quantized")
-    return directory / "quantized"
 
 
 @pytest.fixture(scope="module", params=FORMATS, ids=[f[0] for f in FORMATS])

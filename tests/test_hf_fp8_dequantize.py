@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it
 
-import dequantized_checkpoints  # noqa: E402
 import fastload  # noqa: E402
-from dequantized_checkpoints import assert_same_model, assert_saves_alike  # noqa: E402
+import quantized_checkpoints  # noqa: E402
 from fastload.hf import patch  # noqa: E402
+from quantized_checkpoints import assert_same_model, assert_saves_alike  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return dequantized_checkpoints.fp8_checkpoint(tmp_path_factory.mktemp("fp8"))
+    return quantized_checkpoints.fp8_checkpoint(tmp_path_factory.mktemp("fp8"))
 
 
 def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:

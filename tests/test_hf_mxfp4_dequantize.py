@@ -2,7 +2,7 @@
 ``<proj>_scales``) on a machine without a GPU, where transformers dequantizes them on load
 (``Mxfp4Dequantize``): fastload reads the packed values and exponents, runs transformers' own
 operation on them (:mod:`fastload.hf.load_ops`) and the model is transformers' own, bitwise.
-The checkpoint is written as gpt-oss stores one (:mod:`dequantized_checkpoints`: transformers'
+The checkpoint is written as gpt-oss stores one (:mod:`quantized_checkpoints`: transformers'
 MXFP4 quantizer needs the hub's Triton kernels to quantize)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.gpt_oss")
 
-import dequantized_checkpoints  # noqa: E402
 import fastload  # noqa: E402
-from dequantized_checkpoints import assert_same_model, assert_saves_alike  # noqa: E402
+import quantized_checkpoints  # noqa: E402
 from fastload.hf import patch  # noqa: E402
+from quantized_checkpoints import assert_same_model, assert_saves_alike  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
@@ -31,7 +31,7 @@ EXPERTS = "model.layers.1.mlp.experts"
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return dequantized_checkpoints.mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"))
+    return quantized_checkpoints.mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"))
 
 
 def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:

@@ -1,8 +1,17 @@
-"""Tiny checkpoints of the formats transformers dequantizes on load on a machine without a GPU,
-written as transformers' quantizers store them (their quantizers need a GPU, or the hub's
-kernels, to quantize): the model is built and saved by transformers, then its quantized tensors
-are replaced by their stored form and the config gets the quantization_config transformers
-writes.
+"""Tiny pre-quantized checkpoints, of each format fastload serves (docs/quantized.md), and the
+comparisons of a loaded model with transformers'.
+
+Made by the format's own quantizer where it runs on a CPU:
+
+* :func:`compressed_tensors_checkpoint`: a Llama (or Mixtral) quantized weight-only by
+  compressed-tensors' own code and saved as llm-compressor saves one;
+* :func:`bnb_checkpoint`: a Llama quantized on load by transformers' bitsandbytes quantizer
+  and saved by its ``save_pretrained``.
+
+Written as transformers' quantizers store them where those need a GPU, or the hub's kernels, to
+quantize (the formats transformers dequantizes on load on a machine without a GPU): the model
+is built and saved by transformers, then its quantized tensors are replaced by their stored form
+and the config gets the quantization_config transformers writes.
 
 * :func:`fp8_checkpoint`: a Llama whose projections are FP8 e4m3 per 128x128 block, with
   float32 inverse scales ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``
@@ -158,6 +167,105 @@ def mxfp4_checkpoint(directory: Path) -> Path:
         return {name + "_blocks": blocks, name + "_scales": scales}
 
     return _store(directory, model, quantize, MXFP4_QUANTIZATION)
+
+
+def compressed_tensors_checkpoint(
+    directory: Path,
+    scheme: str | tuple[str, int] = ("int", 8),
+    form: str = "int-quantized",
+    moe: bool = False,
+) -> Path:
+    """A tiny Llama (``moe``: Mixtral) whose Linear layers but the head compressed-tensors
+    quantized weight-only by ``scheme`` (symmetric), compressed in its format ``form`` and saved
+    as llm-compressor saves one."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    if moe:
+        config: Any = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)
+        model = MixtralForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
+    if isinstance(scheme, str):
+        weights = preset_name_to_scheme(scheme, ["Linear"])
+    else:
+        kind, bits = scheme
+        args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
+        weights = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            _calibrate(module, weights.weights)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return directory
+
+
+def _calibrate(module: torch.nn.Module, args: Any) -> None:
+    """What a calibration of the weights computes: the scales (and zero points, global scale)
+    of their ranges, per output channel or per group."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    w = module.weight.detach().float()
+    if args.group_size:
+        groups = w.reshape(w.shape[0], -1, args.group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+    else:
+        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    whole = None
+    if hasattr(module, "weight_global_scale"):
+        whole = generate_gparam(w.amin(), w.amax())
+        module.weight_global_scale.data.copy_(whole.reshape(module.weight_global_scale.shape))
+    scale, zero = calculate_qparams(low, high, args, global_scale=whole)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+def bnb_checkpoint(directory: Path, arguments: dict[str, Any]) -> Path:
+    """A tiny bf16 Llama quantized on load by transformers' bitsandbytes quantizer (every
+    Linear but the head; ``arguments``: ``BitsAndBytesConfig``'s) and saved by its
+    ``save_pretrained`` into ``directory / "quantized"`` (the bf16 model in ``"bf16"``)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
+    settings = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
+    model.save_pretrained(directory / "quantized")
+    return directory / "quantized"
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
