@@ -169,6 +169,19 @@ def mxfp4_checkpoint(directory: Path) -> Path:
     return _store(directory, model, quantize, MXFP4_QUANTIZATION)
 
 
+#: (id, the weights' scheme, compressed-tensors format): a compressed-tensors preset, or (value
+#: type, bits) per output channel. int8 and FP8 (e4m3) are stored as is, int4 packed eight to an
+#: int32, NVFP4 and MXFP4 two to a uint8 beside FP8 (NVFP4, with a global scale) or E8M0 scales
+#: per group of 16 or 32
+COMPRESSED_TENSORS_FORMATS: list[tuple[str, str | tuple[str, int], str]] = [
+    ("int8", ("int", 8), "int-quantized"),
+    ("int4-packed", ("int", 4), "pack-quantized"),
+    ("fp8", ("float", 8), "float-quantized"),
+    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
+    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
+]
+
+
 def compressed_tensors_checkpoint(
     directory: Path,
     scheme: str | tuple[str, int] = ("int", 8),

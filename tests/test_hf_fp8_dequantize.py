@@ -8,6 +8,7 @@ quantize): e4m3 weights, float32 inverse scales ``[ceil(out/128), ceil(in/128)]`
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,27 @@ def test_fp8_kept_in_fp8_is_still_refused(fp8_checkpoint: Path, tmp_path: Path) 
         mp.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
         with pytest.raises(fastload.UnsupportedError, match="quant_method='fp8'.*deserialize"):
             fastload.from_pretrained(directory)
+
+
+def test_under_the_patch_fp8_kept_in_fp8_goes_to_transformers_saying_so(
+    fp8_checkpoint: Path,
+    caplog: pytest.LogCaptureFixture,
+    transformers_loads: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quantized load fastload does not serve is transformers' own, with one warning."""
+    from transformers.quantizers import quantizer_finegrained_fp8 as fp8
+
+    monkeypatch.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
+    caplog.set_level(logging.WARNING, logger="fastload")
+    with fastload.patch_transformers():
+        model = _transformers(fp8_checkpoint)
+    assert transformers_loads == ["LlamaForCausalLM"]
+    assert patch.last_report is None
+    assert patch.last_fallback is not None and "quant_method='fp8'" in patch.last_fallback
+    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
+    assert len(said) == 1 and "deserialize" in said[0]
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "FP8Linear"  # transformers' own
 
 
 def test_a_model_made_by_a_load_operation_is_not_reloaded(fp8_checkpoint: Path) -> None:

@@ -3,12 +3,12 @@ quantizer swaps the modules, fastload reads the tensors, and the model is transf
 the same module classes, parameters and buffers (bitwise, dtypes, trainability), logits,
 ``hf_quantizer`` and ``save_pretrained`` files. The checkpoints are tiny Llamas quantized by
 compressed-tensors' own code (weight-only int8, int4 packed into int32, FP8 e4m3, NVFP4 and
-MXFP4), formats stored as they run, which transformers keeps as stored on a CPU."""
+MXFP4), formats stored as they run, which transformers keeps as stored on a CPU. The same
+checkpoints with ``dequantize: true``: tests/test_hf_compressed_dequantize.py."""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -19,22 +19,15 @@ pytest.importorskip("compressed_tensors")
 
 import fastload  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import compressed_tensors_checkpoint  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    COMPRESSED_TENSORS_FORMATS,
+    compressed_tensors_checkpoint,
+)
 from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
 
-#: (id, the weights' scheme, compressed-tensors format): a compressed-tensors preset, or (value
-#: type, bits) per output channel. int8 and FP8 (e4m3) are stored as is, int4 packed eight to an
-#: int32, NVFP4 and MXFP4 two to a uint8 beside FP8 (NVFP4, with a global scale) or E8M0 scales
-#: per group of 16 or 32
-FORMATS: list[tuple[str, str | tuple[str, int], str]] = [
-    ("int8", ("int", 8), "int-quantized"),
-    ("int4-packed", ("int", 4), "pack-quantized"),
-    ("fp8", ("float", 8), "float-quantized"),
-    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
-    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
-]
+FORMATS = COMPRESSED_TENSORS_FORMATS
 
 
 @pytest.fixture(scope="module", params=FORMATS, ids=[f[0] for f in FORMATS])
@@ -134,32 +127,6 @@ def _with_quantization(directory: Path, tmp_path: Path, **changes: object) -> Pa
     config["quantization_config"].update(changes)
     (copy / "config.json").write_text(json.dumps(config))
     return copy
-
-
-def test_a_format_transformers_dequantizes_on_load_is_refused_naming_its_operation(
-    quantized: Path, tmp_path: Path
-) -> None:
-    directory = _with_quantization(quantized, tmp_path, dequantize=True)
-    with pytest.raises(
-        fastload.UnsupportedError,
-        match=r"quant_method='compressed-tensors'.*CompressedTensorsDequantize \(dequantize\)",
-    ):
-        fastload.from_pretrained(directory)
-
-
-def test_under_the_patch_a_format_with_a_load_operation_goes_to_transformers_saying_so(
-    quantized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, transformers_loads: list[str]
-) -> None:
-    directory = _with_quantization(quantized, tmp_path, dequantize=True)
-    caplog.set_level(logging.WARNING, logger="fastload")
-    with fastload.patch_transformers():
-        model = _transformers(directory)
-    assert transformers_loads == ["LlamaForCausalLM"]
-    assert patch.last_report is None
-    assert patch.last_fallback is not None and "CompressedTensorsDequantize" in patch.last_fallback
-    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
-    assert len(said) == 1 and "CompressedTensorsDequantize" in said[0]
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # dequantized
 
 
 def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor_before_reading(

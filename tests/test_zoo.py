@@ -266,11 +266,26 @@ def test_checkpoint_loads_under_the_patch_exactly_like_transformers(
     cell(assert_loads_alike(ours, theirs, patched=True))
 
 
-def _compressed_tensors(directory: Path, *, scheme: Any, form: str) -> Path:
+def _compressed_tensors_formats() -> list[tuple[str, Any, str]]:
+    from quantized_checkpoints import COMPRESSED_TENSORS_FORMATS
+
+    return COMPRESSED_TENSORS_FORMATS
+
+
+def _compressed_tensors(directory: Path, *, scheme: Any, form: str, dequantize: bool) -> Path:
+    """compressed-tensors' checkpoint of ``form``; ``dequantize``: its config asks transformers
+    to dequantize it on load (``CompressedTensorsDequantize``)."""
+    import json
+
     from quantized_checkpoints import compressed_tensors_checkpoint
 
     directory.mkdir(parents=True)
-    return compressed_tensors_checkpoint(directory, scheme, form)
+    compressed_tensors_checkpoint(directory, scheme, form)
+    if dequantize:
+        config = json.loads((directory / "config.json").read_text())
+        config["quantization_config"]["dequantize"] = True
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
 
 
 def _fp8(directory: Path) -> Path:
@@ -295,18 +310,13 @@ def _bnb(directory: Path, *, arguments: dict[str, Any]) -> Path:
 #: class its checkpoint loads into, the maker of its checkpoint in a directory)
 QUANTIZED: dict[str, tuple[str, str, Any]] = {
     **{
-        f"compressed-tensors-{name}": (
+        f"compressed-tensors-{name}{'-dequantized' if dequantize else ''}": (
             "compressed_tensors",
             "LlamaForCausalLM",
-            functools.partial(_compressed_tensors, scheme=scheme, form=form),
+            functools.partial(_compressed_tensors, scheme=scheme, form=form, dequantize=dequantize),
         )
-        for name, scheme, form in (
-            ("int8", ("int", 8), "int-quantized"),
-            ("int4-packed", ("int", 4), "pack-quantized"),
-            ("fp8", ("float", 8), "float-quantized"),
-            ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
-            ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
-        )
+        for name, scheme, form in _compressed_tensors_formats()
+        for dequantize in (False, True)
     },
     "fp8-dequantized": ("accelerate", "LlamaForCausalLM", _fp8),
     "mxfp4-dequantized": ("transformers", "GptOssForCausalLM", _mxfp4),

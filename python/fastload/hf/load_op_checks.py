@@ -14,6 +14,8 @@ what was expected.
   operation transposes the rows it unpacks).
 * ``Bnb4bitDeserialize``, ``Bnb8bitDeserialize`` (``quant_method: bitsandbytes``):
   :mod:`fastload.hf.load_op_checks_bnb`.
+* ``CompressedTensorsDequantize`` (``quant_method: compressed-tensors``, ``dequantize: true``):
+  :mod:`fastload.hf.load_op_checks_ct`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ def check(
             f"fastload runs ({', '.join(sorted(CHECKERS))}): load it with transformers"
         )
     first, *companions = op.converter.source_patterns
+    # the quantized tensor: the first source pattern, or one the format stores instead of it
+    # (compressed-tensors' packed formats: weight_packed)
+    first = next((p for p in _MAIN.get(operation, ()) if op.inputs.get(p)), first)
+    companions = [p for p in op.converter.source_patterns if p != first]
     weights = op.inputs.get(first, [])
     scale_pattern = next((p for p in companions if _SCALE[operation](p)), None)
     scales = op.inputs.get(scale_pattern, []) if scale_pattern else []
@@ -151,18 +157,30 @@ def stem(weight: Any, pattern: str) -> str:
     return weight.name.rpartition(".")[0] + "."
 
 
+def _compressed_tensors(
+    op: Any, ckpt: Any, weight: Any, scale: Any, want: tuple[int, ...], quantizer: Any
+) -> None:
+    from fastload.hf.load_op_checks_ct import check_compressed
+
+    check_compressed(op, ckpt, weight, scale, want, quantizer)
+
+
 CHECKERS: dict[str, Callable[..., None]] = {
     "Fp8Dequantize": _fp8,
     "Mxfp4Dequantize": _mxfp4,
     "Bnb4bitDeserialize": check_4bit,
     "Bnb8bitDeserialize": check_8bit,
+    "CompressedTensorsDequantize": _compressed_tensors,
 }
+#: the source patterns of the quantized tensor, where a format stores another than the first
+_MAIN = {"CompressedTensorsDequantize": ("weight", "weight_packed")}
 #: which of the operation's companion patterns holds the scale, by operation
 _SCALE: dict[str, Callable[[str], bool]] = {
     "Fp8Dequantize": lambda p: p.endswith("scale_inv"),
     "Mxfp4Dequantize": lambda p: p.endswith("_scales"),
     "Bnb4bitDeserialize": lambda p: p == "weight.absmax",
     "Bnb8bitDeserialize": lambda p: p == "SCB",
+    "CompressedTensorsDequantize": lambda p: p == "weight_scale",
 }
 
 __all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check", "stem"]
