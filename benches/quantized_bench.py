@@ -16,7 +16,10 @@ compressed in the format and saved as llm-compressor saves one. Formats (``--for
 * ``nvfp4``: the ``NVFP4A16`` preset (``nvfp4-pack-quantized``: FP4 two to a uint8, FP8 scales per
   16 values, a global scale);
 * ``mxfp4``: the ``MXFP4A16`` preset (``mxfp4-pack-quantized``: FP4 two to a uint8, E8M0 scales
-  per 32 values).
+  per 32 values);
+* ``fp8-blocks``, ``int4-dequantized``, ``bnb-nf4``, ``bnb-int8``: formats transformers loads
+  through a load operation on a CPU, which fastload runs on the tensors it read
+  (``benches/quantized_op_formats.py``); their ``quantizer`` time includes the operations.
 
 Every run is a fresh process (torch, transformers, compressed-tensors, fastload's entry point and
 transformers' compressed-tensors quantizer imported before the clock; each run records the modules
@@ -69,7 +72,16 @@ FORMATS: dict[str, tuple[str | tuple[str, int], str] | None] = {
     "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
     "mxfp4": ("MXFP4A16", "mxfp4-pack-quantized"),
 }
+#: the formats with a load operation (benches/quantized_op_formats.py: OP_FORMATS)
+OP_FORMATS = ["fp8-blocks", "int4-dequantized", "bnb-nf4", "bnb-int8"]
 GIB = 1 << 30
+
+
+def _op_formats() -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import quantized_op_formats
+
+    return quantized_op_formats
 
 
 def llama_config(gib: float, tiny: bool) -> Any:
@@ -114,11 +126,17 @@ def make_checkpoints(work: Path, gib: float, tiny: bool, formats: list[str]) -> 
         model.load_state_dict(state, assign=True)
         model.config.dtype = "bfloat16"
         _save(model, bf16, None)
-    for name in formats:
-        if FORMATS[name] is not None and not (dirs[name] / "config.json").exists():
+    needed = {"int4"} if "int4-dequantized" in formats else set()
+    for name in [*dict.fromkeys([*needed, *formats])]:
+        directory = work / name
+        if name in OP_FORMATS and not (directory / "config.json").exists():
+            print(f"[quantized-bench] making {name} ...", flush=True)
+            source, _ = _op_formats().OP_FORMATS[name]
+            _op_formats().make(name, work / source, directory)
+        elif FORMATS.get(name) is not None and not (directory / "config.json").exists():
             print(f"[quantized-bench] quantizing {name} ...", flush=True)
             model = LlamaForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
-            _save(model, dirs[name], FORMATS[name])
+            _save(model, directory, FORMATS[name])
     return dirs
 
 
@@ -223,6 +241,8 @@ def run_one(method: str, directory: Path) -> dict[str, Any]:
         import fastload.api  # noqa: F401
         import fastload.hf.front  # noqa: F401
         import fastload.hf.quantized  # noqa: F401
+
+        _op_formats().import_before_the_clock()
 
     out: dict[str, Any] = {}
     before = set(sys.modules)
@@ -497,9 +517,10 @@ def main() -> None:
         resummarize(Path(args.summarize))
         return
     formats = args.formats.split(",")
-    unknown = set(formats) - set(FORMATS)
+    unknown = set(formats) - set(FORMATS) - set(OP_FORMATS)
     if unknown:
-        raise SystemExit(f"unknown formats {sorted(unknown)}; known: {', '.join(FORMATS)}")
+        known = ", ".join([*FORMATS, *OP_FORMATS])
+        raise SystemExit(f"unknown formats {sorted(unknown)}; known: {known}")
     work = Path(args.workdir) / ("tiny" if args.tiny else f"{args.gib:g}GiB")
     run(
         args.gib,
