@@ -257,10 +257,11 @@ def _calibrate(module: torch.nn.Module, args: Any) -> None:
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
 
 
-def bnb_checkpoint(directory: Path, arguments: dict[str, Any]) -> Path:
+def bnb_checkpoint(directory: Path, arguments: dict[str, Any], *, tied: bool = False) -> Path:
     """A tiny bf16 Llama quantized on load by transformers' bitsandbytes quantizer (every
     Linear but the head; ``arguments``: ``BitsAndBytesConfig``'s) and saved by its
-    ``save_pretrained`` into ``directory / "quantized"`` (the bf16 model in ``"bf16"``)."""
+    ``save_pretrained`` into ``directory / "quantized"`` (the bf16 model in ``"bf16"``);
+    ``tied``: its head tied to its embeddings."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -273,6 +274,7 @@ def bnb_checkpoint(directory: Path, arguments: dict[str, Any]) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=64,
         dtype="bfloat16",
+        tie_word_embeddings=tied,
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
     settings = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.bfloat16)

@@ -101,12 +101,21 @@ def assert_same_bnb_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
         assert torch.equal(got(ids).logits, want(ids).logits)
 
 
-@pytest.mark.parametrize("read_mode", ["pread", "mmap"])
+@pytest.mark.parametrize(
+    ("read_mode", "dtype"), [("pread", None), ("mmap", None), ("mmap", torch.float16)]
+)
 def test_a_bitsandbytes_checkpoint_loads_as_transformers_loads_it(
-    quantized: Path, read_mode: str
+    quantized: Path, read_mode: str, dtype: torch.dtype | None
 ) -> None:
-    want = _transformers(quantized)
-    got, report = fastload.from_pretrained(quantized, read_mode=read_mode, output_loading_info=True)
+    """In another dtype too: transformers' deserializer passes the tensors it collects alone
+    (embeddings, norms, the head: every ``weight``) through uncast, so they keep the stored
+    bf16 while the biases and the rest take the dtype asked for; fastload runs the same."""
+    options = {} if dtype is None else {"dtype": dtype}
+    want = _transformers(quantized, **options)
+    got, report = fastload.from_pretrained(
+        quantized, read_mode=read_mode, output_loading_info=True, **options
+    )
+    assert got.model.embed_tokens.weight.dtype == torch.bfloat16
     assert report.quant_method == "bitsandbytes" and report.quant_seconds > 0
     assert "quantized: bitsandbytes" in report.summary()
     assert not report.missing and not report.unexpected and not report.mismatched
@@ -363,3 +372,24 @@ def test_an_unquantized_checkpoint_under_a_bitsandbytes_config_is_refused_naming
         r"'\1\.SCB', which is missing",
     ):
         fastload.from_pretrained(directory)
+
+
+def test_a_tied_model_in_another_dtype_is_refused_naming_the_tensor(
+    tmp_path_factory: pytest.TempPathFactory, transformers_loads: list[str]
+) -> None:
+    """transformers keeps the tied embeddings in their stored dtype (its deserializer passes them
+    through uncast); fastload does not run that on a tied tensor: refused by name, and under the
+    patch transformers loads it."""
+    directory = bnb_checkpoint(tmp_path_factory.mktemp("tied"), dict(FORMATS)["nf4"], tied=True)
+    assert fastload.from_pretrained(directory).lm_head.weight.dtype == torch.bfloat16
+    with pytest.raises(
+        fastload.UnsupportedError,
+        match=r"keeps 'model\.embed_tokens\.weight' in its stored BF16 .* ties it",
+    ):
+        fastload.from_pretrained(directory, dtype=torch.float16)
+    transformers_loads.clear()
+    with fastload.patch_transformers():
+        model = _transformers(directory, dtype=torch.float16)
+    assert transformers_loads == ["LlamaForCausalLM"] and patch.last_report is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16

@@ -60,13 +60,17 @@ def plan_operations(
     quantized weight without its scale, a scale without its weight, of a dtype the operation
     does not read or of the wrong shape, or a weight not of the model's shape, is refused
     naming the stored tensor, before any tensor is read. A tensor stored as the model holds it
-    (a norm, the embeddings: the operation only casts it) is left to the ordinary read."""
+    (a norm, the embeddings: the operation only casts it) is left to the ordinary read, but for
+    an operation that passes such a tensor through uncast (:data:`PASS_THROUGH`) when its
+    stored dtype is not the model's: transformers then keeps the stored dtype, and so does the
+    operation run here."""
     converters = load_op_converters(quantizer)
     if not converters:
         return {}
     renames = transformers_renames(model, rules.source, quantizer)
     prefix = rules.base_model_prefix
-    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    tensors = model.state_dict(keep_vars=True)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
     found: dict[str, PlannedOperation] = {}
     for stored in ckpt.tensors:
         name = rules.rename(stored)
@@ -82,8 +86,21 @@ def plan_operations(
                 op.inputs.setdefault(pattern, []).append(stored)
             break
     planned = {}
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    tied_names = set(tied) | set(tied.values())
     for target, op in found.items():
         if check(op, ckpt, shapes[target], quantizer, rules.source, model):
+            planned[target] = op
+        elif _uncast(op, ckpt, tensors[target]):
+            if target in tied_names:
+                stored = ckpt.tensors[op.names()[0]]
+                raise UnsupportedError(
+                    f"{ckpt.file_path(stored)}: transformers keeps {stored.name!r} in its stored "
+                    f"{stored.st_dtype} ({type(op.converter.operations[0]).__name__} passes it "
+                    f"through uncast), not the model's {tensors[target].dtype}, and the model "
+                    "ties it to another tensor; fastload does not load it so: load it in the "
+                    "stored dtype (dtype='auto'), or with transformers"
+                )
             planned[target] = op
     for target in planned:
         module, _, leaf = target.rpartition(".")
@@ -93,6 +110,22 @@ def plan_operations(
                 "not a parameter of the model; fastload does not load such a checkpoint"
             )
     return planned
+
+
+#: operations that give a tensor they collected alone back as it is, uncast (bitsandbytes'
+#: deserializers: transformers' loader then sets it in the stored dtype, whatever dtype the
+#: model was asked in)
+PASS_THROUGH = frozenset({"Bnb4bitDeserialize", "Bnb8bitDeserialize"})
+
+
+def _uncast(op: PlannedOperation, ckpt: Any, param: torch.Tensor) -> bool:
+    """Whether ``op`` runs on a tensor stored as the model holds it to keep its stored dtype."""
+    names = op.names()
+    return (
+        type(op.converter.operations[0]).__name__ in PASS_THROUGH
+        and len(names) == 1
+        and ckpt.tensors[names[0]].dtype != param.dtype
+    )
 
 
 def run_operations(
@@ -163,14 +196,18 @@ def _place(model: nn.Module, target: str, value: torch.Tensor, where: str, op: A
     """``value`` into the model as transformers' loader sets it (``set_param_for_module``): a
     parameter the operation made (bitsandbytes' ``Params4bit``, ``Int8Params``, with their
     quant state) as it is, any other tensor in a new ``Parameter``; its shape checked against
-    the model's unless the quantizer quantizes that parameter (a packed weight)."""
+    the model's unless the quantizer quantizes that parameter (a packed weight), its dtype
+    unless the operation passed it through uncast (:data:`PASS_THROUGH`)."""
     module_name, _, leaf = target.rpartition(".")
     module = model.get_submodule(module_name)
     old = module._parameters[leaf]
     assert old is not None
     quantizer = getattr(op.converter.operations[0], "hf_quantizer", None)
     packed = quantizer is not None and quantizer.param_needs_quantization(model, target)
-    if not packed and (tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype):
+    uncast = type(op.converter.operations[0]).__name__ in PASS_THROUGH and len(op.names()) == 1
+    if not packed and (
+        tuple(value.shape) != tuple(old.shape) or (value.dtype != old.dtype and not uncast)
+    ):
         raise ModelMismatchError(
             f"{where}: transformers' load operation made {target!r} "
             f"{list(value.shape)} {value.dtype}, the model's is {list(old.shape)} {old.dtype}"
@@ -180,4 +217,10 @@ def _place(model: nn.Module, target: str, value: torch.Tensor, where: str, op: A
     module._parameters[leaf] = value
 
 
-__all__ = ["PlannedOperation", "load_op_converters", "plan_operations", "run_operations"]
+__all__ = [
+    "PASS_THROUGH",
+    "PlannedOperation",
+    "load_op_converters",
+    "plan_operations",
+    "run_operations",
+]
