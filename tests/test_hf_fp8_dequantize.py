@@ -120,6 +120,36 @@ def test_save_pretrained_writes_what_it_writes_of_transformers_model(
     assert "quantization_config" not in saved
 
 
+def test_weights_and_scales_in_other_shards_load_as_transformers_loads_them(
+    fp8_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Every weight in one file, every scale in another: each operation's inputs are read from
+    both files (one read per file)."""
+    import safetensors.torch as st
+
+    tensors = st.load_file(str(fp8_checkpoint / "model.safetensors"))
+    shards = {
+        "model-00001-of-00002.safetensors": {
+            k: v for k, v in tensors.items() if not k.endswith("_scale_inv")
+        },
+        "model-00002-of-00002.safetensors": {
+            k: v for k, v in tensors.items() if k.endswith("_scale_inv")
+        },
+    }
+    for f in fp8_checkpoint.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    weight_map = {}
+    for file, part in shards.items():
+        st.save_file(part, str(tmp_path / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    got, report = fastload.from_pretrained(tmp_path, output_loading_info=True)
+    assert len(report.files) == 2 and not report.missing and not report.unexpected
+    assert_same_model(got, _transformers(tmp_path))
+
+
 def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
     import safetensors.torch as st
 
