@@ -1,6 +1,12 @@
-"""The formats of ``benches/quantized_bench.py`` that load through a quantizer's load operation
-(docs/quantized.md, "Formats with a load operation"): each made of the bench's bf16 Llama (or
-its int4 checkpoint), as the tests make theirs (``tests/quantized_checkpoints.py``):
+"""How the checkpoints of ``benches/quantized_bench.py`` are made.
+
+:func:`save_compressed`: the bf16 Llama, or the model quantized by compressed-tensors' own code
+(every Linear layer but the head, weight-only, symmetric, its scales calibrated from the
+weights) and saved as llm-compressor saves one.
+
+:func:`make`: the formats that load through a quantizer's load operation (docs/quantized.md,
+"Formats with a load operation"), each made of the bench's bf16 Llama (or its int4
+checkpoint), as the tests make theirs (``tests/quantized_checkpoints.py``):
 
 * ``fp8-blocks``: the Linear layers but the head in FP8 e4m3 per 128x128 block with float32
   inverse scales (``quant_method: fp8``), as transformers' FP8 quantizer stores them (it needs a
@@ -29,6 +35,68 @@ OP_FORMATS: dict[str, tuple[str, str]] = {
     "bnb-nf4": ("bf16", "bitsandbytes"),
     "bnb-int8": ("bf16", "bitsandbytes"),
 }
+
+
+def save_compressed(
+    model: Any, directory: Path, spec: tuple[str | tuple[str, int], str] | None
+) -> None:
+    """Quantizes ``model`` by ``spec`` with compressed-tensors' own code (none: bf16) and saves it
+    in one file, into a temporary folder renamed when complete."""
+    import shutil
+
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    compressor = None
+    if spec is not None:
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.quantization import (
+            QuantizationArgs,
+            QuantizationConfig,
+            QuantizationScheme,
+            apply_quantization_config,
+            preset_name_to_scheme,
+        )
+
+        scheme, form = spec
+        if isinstance(scheme, str):
+            weights = preset_name_to_scheme(scheme, ["Linear"])
+        else:
+            kind, bits = scheme
+            args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
+            weights = QuantizationScheme(targets=["Linear"], weights=args)
+        apply_quantization_config(
+            model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
+        )
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):
+                _calibrate(module, weights.weights)
+        compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
+        compressor.compress_model(model)
+    model.save_pretrained(tmp, max_shard_size="100GB")
+    if compressor is not None:
+        compressor.update_config(tmp)
+    os.replace(tmp, directory)
+
+
+def _calibrate(module: Any, args: Any) -> None:
+    """The scales (and zero points, global scale) of the weights' ranges, per output channel or
+    per group, as a calibration computes them."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    w = module.weight.detach().float()
+    if args.group_size:
+        groups = w.reshape(w.shape[0], -1, args.group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+    else:
+        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    whole = None
+    if hasattr(module, "weight_global_scale"):
+        whole = generate_gparam(w.amin(), w.amax())
+        module.weight_global_scale.data.copy_(whole.reshape(module.weight_global_scale.shape))
+    scale, zero = calculate_qparams(low, high, args, global_scale=whole)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
 
 
 def _fp8_blocks(weight: Any) -> tuple[Any, Any]:
