@@ -150,6 +150,22 @@ def test_weights_and_scales_in_other_shards_load_as_transformers_loads_them(
     assert_same_model(got, _transformers(tmp_path))
 
 
+def test_scales_stored_under_transformers_legacy_name_load_as_transformers_loads_them(
+    fp8_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Scales stored as ``<module>.scale`` (DeepSeek-V4's naming), which transformers' FP8
+    quantizer renames to ``weight_scale_inv`` before its converters match them."""
+
+    def rename(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+            tensors[name.removesuffix(".weight_scale_inv") + ".scale"] = tensors.pop(name)
+
+    directory = _rewritten(fp8_checkpoint, tmp_path, rename)
+    got, report = fastload.from_pretrained(directory, output_loading_info=True)
+    assert not report.missing and not report.unexpected and not report.authorized_unexpected
+    assert_same_model(got, _transformers(directory))
+
+
 def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
     import safetensors.torch as st
 

@@ -67,24 +67,27 @@ def plan_operations(
     converters = load_op_converters(quantizer)
     if not converters:
         return {}
-    renames = transformers_renames(model, rules.source, quantizer)
     prefix = rules.base_model_prefix
     tensors = model.state_dict(keep_vars=True)
     shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    renames: list[Any] | None = None  # transformers' renames, built only if a name needs them
     found: dict[str, PlannedOperation] = {}
     for stored in ckpt.tensors:
         name = rules.rename(stored)
-        for r in renames:
-            name = r(name)
-        for converter in converters:
-            converted, pattern = converter.rename_source_key(name)
-            if pattern is None:
-                continue
-            target = keymod.adjust(converted, prefix, model_keys)
-            if target in model_keys:
-                op = found.setdefault(target, PlannedOperation(target, converter))
-                op.inputs.setdefault(pattern, []).append(stored)
-            break
+        hit = _match(converters, name, prefix, model_keys)
+        if hit is None and name not in model_keys:
+            # not taken as it is: transformers' renames first (legacy names, a quantizer's own,
+            # such as FP8's .scale to .weight_scale_inv); building them compiles ~1000 regexes
+            if renames is None:
+                renames = transformers_renames(model, rules.source, quantizer)
+            renamed = name
+            for r in renames:
+                renamed = r(renamed)
+            hit = _match(converters, renamed, prefix, model_keys) if renamed != name else None
+        if hit is not None:
+            target, pattern, converter = hit
+            op = found.setdefault(target, PlannedOperation(target, converter))
+            op.inputs.setdefault(pattern, []).append(stored)
     planned = {}
     tied = getattr(model, "all_tied_weights_keys", None) or {}
     tied_names = set(tied) | set(tied.values())
@@ -110,6 +113,20 @@ def plan_operations(
                 "not a parameter of the model; fastload does not load such a checkpoint"
             )
     return planned
+
+
+def _match(
+    converters: list[Any], name: str, prefix: str | None, model_keys: set[str]
+) -> tuple[str, str, Any] | None:
+    """The model tensor, source pattern and converter the first converter whose pattern matches
+    ``name`` takes it to, if that is a model tensor."""
+    for converter in converters:
+        converted, pattern = converter.rename_source_key(name)
+        if pattern is None:
+            continue
+        target = keymod.adjust(converted, prefix, model_keys)
+        return (target, pattern, converter) if target in model_keys else None
+    return None
 
 
 #: operations that give a tensor they collected alone back as it is, uncast (bitsandbytes'
