@@ -235,3 +235,21 @@ def test_a_packed_weight_without_its_shape_is_refused_naming_it(
     ):
         fastload.from_pretrained(directory)
     assert no_operation == []
+
+
+def test_an_asymmetric_scheme_without_its_zero_point_is_refused_naming_it(
+    dequantized: Path, tmp_path: Path, no_operation: list[str]
+) -> None:
+    """The config group says asymmetric (a zero point per scale) and the checkpoint has none."""
+    directory = _rewritten(dequantized, tmp_path, lambda t: None)
+    config = json.loads((directory / "config.json").read_text())
+    for group in config["quantization_config"]["config_groups"].values():
+        group["weights"]["symmetric"] = False
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        fastload.CheckpointError,
+        match=r"is quantized asymmetrically \(its config group\) but its zero point "
+        r"'model\.layers\.\d\.\w+\.\w+_proj\.weight_zero_point' is missing",
+    ):
+        fastload.from_pretrained(directory)
+    assert no_operation == []

@@ -7,6 +7,7 @@ model's ``[out, in]`` weight:
 * ``weight`` (int8, FP8: stored as it runs) of the model's shape; or ``weight_packed``: ints
   packed into ``I32`` ``[out, ceil(in*bits/32)]`` beside its ``weight_shape`` (``[2]``), FP4
   two to a ``U8`` ``[out, in/2]``;
+* ``weight_zero_point``: present where the config group is asymmetric;
 * ``weight_scale``: ``[1]`` per tensor, ``[out, 1]`` per channel, ``[out, ceil(in/group)]``
   per group, ``[ceil(out/b0), ceil(in/b1)]`` per block; floating, FP8 (NVFP4) or ``U8``
   exponents (MXFP4).
@@ -98,6 +99,12 @@ def check_compressed(
                 _refuse(ckpt, stored, [2], f"the shape of {name}")
     elif tuple(weight.torch_shape) != tuple(want):
         _refuse(ckpt, weight, list(want), f"the {kind} weight of {name}")
+    if not args.symmetric and not op.inputs.get("weight_zero_point"):
+        missing = scale.name.removesuffix("weight_scale") + "weight_zero_point"
+        raise CheckpointError(
+            f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized asymmetrically (its "
+            f"config group) but its zero point {missing!r} is missing"
+        )
     if scale.st_dtype not in CT_SCALE_DTYPES:
         raise CheckpointError(
             f"{ckpt.file_path(scale)}: tensor {scale.name!r} has dtype {scale.st_dtype}; a "
