@@ -61,9 +61,10 @@ def check(
     scales = op.inputs.get(scale_pattern, []) if scale_pattern else []
     if not weights:
         stored = ckpt.tensors[op.names()[0]]
+        wanted = " or ".join(repr(p) for p in _MAIN.get(operation, (first,)))
         raise CheckpointError(
-            f"{ckpt.file_path(stored)}: tensor {stored.name!r} has no {first!r} beside it "
-            f"(the model's {op.target!r} is made of both)"
+            f"{ckpt.file_path(stored)}: tensor {stored.name!r} has no {wanted} beside it "
+            f"(the model's {op.target!r} is made of them)"
         )
     weight = ckpt.tensors[weights[0]]
     if not scales:
