@@ -251,6 +251,25 @@ def test_mxfp4_kept_packed_is_still_refused(mxfp4_checkpoint: Path) -> None:
             fastload.from_pretrained(mxfp4_checkpoint)
 
 
+def test_dequantize_true_in_the_config_is_served_where_the_kernels_would_run(
+    mxfp4_checkpoint: Path, tmp_path: Path
+) -> None:
+    """``dequantize: true`` asks transformers to dequantize whatever the machine (its
+    environment check, made a no-op here as where the kernels run, is not what decides)."""
+    from transformers.quantizers import quantizer_mxfp4
+
+    directory = _rewritten(mxfp4_checkpoint, tmp_path, lambda t: None)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"]["dequantize"] = True
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(quantizer_mxfp4.Mxfp4HfQuantizer, "validate_environment", lambda *a, **k: None)
+        got, report = fastload.from_pretrained(directory, output_loading_info=True)
+        want = _transformers(directory)
+    assert report.quant_method == "mxfp4"
+    assert_same_model(got, want)
+
+
 def test_a_model_made_by_a_load_operation_is_not_reloaded(mxfp4_checkpoint: Path) -> None:
     model = fastload.from_pretrained(mxfp4_checkpoint)
     with pytest.raises(fastload.UnsupportedError, match="load operation"):
