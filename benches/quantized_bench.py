@@ -16,7 +16,10 @@ compressed in the format and saved as llm-compressor saves one. Formats (``--for
 * ``nvfp4``: the ``NVFP4A16`` preset (``nvfp4-pack-quantized``: FP4 two to a uint8, FP8 scales per
   16 values, a global scale);
 * ``mxfp4``: the ``MXFP4A16`` preset (``mxfp4-pack-quantized``: FP4 two to a uint8, E8M0 scales
-  per 32 values).
+  per 32 values);
+* ``fp8-blocks``, ``int4-dequantized``, ``bnb-nf4``, ``bnb-int8``: formats transformers loads
+  through a load operation on a CPU, which fastload runs on the tensors it read
+  (``benches/quantized_formats.py``); their ``quantizer`` time includes the operations.
 
 Every run is a fresh process (torch, transformers, compressed-tensors, fastload's entry point and
 transformers' compressed-tensors quantizer imported before the clock; each run records the modules
@@ -69,7 +72,17 @@ FORMATS: dict[str, tuple[str | tuple[str, int], str] | None] = {
     "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
     "mxfp4": ("MXFP4A16", "mxfp4-pack-quantized"),
 }
+#: the formats with a load operation (benches/quantized_formats.py: OP_FORMATS)
+OP_FORMATS = ["fp8-blocks", "int4-dequantized", "bnb-nf4", "bnb-int8"]
 GIB = 1 << 30
+
+
+def _formats() -> Any:
+    """benches/quantized_formats.py: how each format's checkpoint is made."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import quantized_formats
+
+    return quantized_formats
 
 
 def llama_config(gib: float, tiny: bool) -> Any:
@@ -113,73 +126,19 @@ def make_checkpoints(work: Path, gib: float, tiny: bool, formats: list[str]) -> 
         }
         model.load_state_dict(state, assign=True)
         model.config.dtype = "bfloat16"
-        _save(model, bf16, None)
-    for name in formats:
-        if FORMATS[name] is not None and not (dirs[name] / "config.json").exists():
+        _formats().save_compressed(model, bf16, None)
+    needed = {"int4"} if "int4-dequantized" in formats else set()
+    for name in [*dict.fromkeys([*needed, *formats])]:
+        directory = work / name
+        if name in OP_FORMATS and not (directory / "config.json").exists():
+            print(f"[quantized-bench] making {name} ...", flush=True)
+            source, _ = _formats().OP_FORMATS[name]
+            _formats().make(name, work / source, directory)
+        elif FORMATS.get(name) is not None and not (directory / "config.json").exists():
             print(f"[quantized-bench] quantizing {name} ...", flush=True)
             model = LlamaForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
-            _save(model, dirs[name], FORMATS[name])
+            _formats().save_compressed(model, directory, FORMATS[name])
     return dirs
-
-
-def _save(model: Any, directory: Path, spec: tuple[str | tuple[str, int], str] | None) -> None:
-    """Quantizes ``model`` by ``spec`` with compressed-tensors' own code (none: bf16) and saves it
-    in one file, into a temporary folder renamed when complete."""
-    import shutil
-
-    tmp = directory.with_name(directory.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    compressor = None
-    if spec is not None:
-        from compressed_tensors.compressors import ModelCompressor
-        from compressed_tensors.quantization import (
-            QuantizationArgs,
-            QuantizationConfig,
-            QuantizationScheme,
-            apply_quantization_config,
-            preset_name_to_scheme,
-        )
-
-        scheme, form = spec
-        if isinstance(scheme, str):
-            weights = preset_name_to_scheme(scheme, ["Linear"])
-        else:
-            kind, bits = scheme
-            args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
-            weights = QuantizationScheme(targets=["Linear"], weights=args)
-        apply_quantization_config(
-            model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
-        )
-        for module in model.modules():
-            if hasattr(module, "weight_scale"):
-                _calibrate(module, weights.weights)
-        compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
-        compressor.compress_model(model)
-    model.save_pretrained(tmp, max_shard_size="100GB")
-    if compressor is not None:
-        compressor.update_config(tmp)
-    os.replace(tmp, directory)
-
-
-def _calibrate(module: Any, args: Any) -> None:
-    """The scales (and zero points, global scale) of the weights' ranges, per output channel or
-    per group, as a calibration computes them."""
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
-
-    w = module.weight.detach().float()
-    if args.group_size:
-        groups = w.reshape(w.shape[0], -1, args.group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-    else:
-        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    whole = None
-    if hasattr(module, "weight_global_scale"):
-        whole = generate_gparam(w.amin(), w.amax())
-        module.weight_global_scale.data.copy_(whole.reshape(module.weight_global_scale.shape))
-    scale, zero = calculate_qparams(low, high, args, global_scale=whole)
-    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-    if hasattr(module, "weight_zero_point"):
-        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
 
 
 def files_of(directory: Path) -> list[Path]:
@@ -223,6 +182,8 @@ def run_one(method: str, directory: Path) -> dict[str, Any]:
         import fastload.api  # noqa: F401
         import fastload.hf.front  # noqa: F401
         import fastload.hf.quantized  # noqa: F401
+
+        _formats().import_before_the_clock()
 
     out: dict[str, Any] = {}
     before = set(sys.modules)
@@ -497,9 +458,10 @@ def main() -> None:
         resummarize(Path(args.summarize))
         return
     formats = args.formats.split(",")
-    unknown = set(formats) - set(FORMATS)
+    unknown = set(formats) - set(FORMATS) - set(OP_FORMATS)
     if unknown:
-        raise SystemExit(f"unknown formats {sorted(unknown)}; known: {', '.join(FORMATS)}")
+        known = ", ".join([*FORMATS, *OP_FORMATS])
+        raise SystemExit(f"unknown formats {sorted(unknown)}; known: {known}")
     work = Path(args.workdir) / ("tiny" if args.tiny else f"{args.gib:g}GiB")
     run(
         args.gib,

@@ -154,13 +154,14 @@ def test_under_the_patch_a_quantization_config_goes_to_transformers_loader(
 @pytest.mark.parametrize(
     "quantization",
     [
-        {"quant_method": "bitsandbytes", "load_in_8bit": True},
-        # fp8 is served on the CPU now (dequantized: tests/test_hf_fp8_dequantize.py); mxfp4
-        # (gpt-oss, dequantized on the CPU) is a load operation fastload does not run yet
-        {"quant_method": "mxfp4"},
+        # fp8, mxfp4 (dequantized) and bitsandbytes are served on the CPU now
+        # (tests/test_hf_fp8_dequantize.py, test_hf_mxfp4_dequantize.py, test_hf_bitsandbytes.py);
+        # GPTQ and torchao are methods fastload does not read
+        {"quant_method": "gptq", "bits": 4},
+        {"quant_method": "torchao", "quant_type": "int4_weight_only"},
         {"quant_method": "unknown"},
     ],
-    ids=["bitsandbytes", "mxfp4", "unknown"],
+    ids=["gptq", "torchao", "unknown"],
 )
 def test_the_direct_api_refuses_a_checkpoint_with_a_quantization_config(tmp_path, quantization):
     directory = with_quantization_config(make_checkpoint(tmp_path, "BertModel"), quantization)

@@ -8,7 +8,7 @@ quantize): e4m3 weights, float32 inverse scales ``[ceil(out/128), ceil(in/128)]`
 from __future__ import annotations
 
 import json
-import math
+import logging
 from pathlib import Path
 
 import pytest
@@ -18,96 +18,25 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it
 
 import fastload  # noqa: E402
+import quantized_checkpoints  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from tensor_samples import raw_bytes  # noqa: E402
+from quantized_checkpoints import assert_same_model, assert_saves_alike  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
     pytest.mark.skipif(torch.cuda.is_available(), reason="transformers keeps FP8 on a GPU"),
 ]
 
-QUANTIZATION = {
-    "activation_scheme": "dynamic",
-    "modules_to_not_convert": None,
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
-
-
-def _fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` in e4m3 per 128x128 block, and the float32 inverse scale of each block."""
-    rows, cols = weight.shape
-    grid = (math.ceil(rows / 128), math.ceil(cols / 128))
-    blocks = weight.float().reshape(grid[0], 128, grid[1], 128)
-    inverse = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    values = (blocks / inverse[:, None, :, None]).clamp(-448, 448).reshape(rows, cols)
-    return values.to(torch.float8_e4m3fn), inverse
-
 
 @pytest.fixture(scope="module")
 def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny bf16 Llama whose projections are stored in FP8 blocks (the sizes multiples of
-    128: transformers' dequantize needs whole blocks), with transformers' quantization_config."""
-    import safetensors.torch as st
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    directory = tmp_path_factory.mktemp("fp8")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(directory)
-    tensors = {}
-    for name, tensor in model.state_dict().items():
-        if name.endswith("proj.weight"):
-            tensors[name], tensors[name + "_scale_inv"] = _fp8_blocks(tensor)
-        else:
-            tensors[name] = tensor.contiguous()
-    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    saved = json.loads((directory / "config.json").read_text())
-    saved["quantization_config"] = QUANTIZATION
-    (directory / "config.json").write_text(json.dumps(saved, indent=2))
-    return directory
+    return quantized_checkpoints.fp8_checkpoint(tmp_path_factory.mktemp("fp8"))
 
 
 def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory, **kwargs)
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([[1, 5, 9, 17, 33]])).logits  # type: ignore[no-any-return]
-
-
-def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
-    """Module classes, parameters and buffers (names, dtypes, shapes, bytes, trainability),
-    what transformers' quantizer leaves on the model, and the logits of a fixed input."""
-    assert [type(m) for m in got.modules()] == [type(m) for m in want.modules()]
-    for kind in ("named_parameters", "named_buffers"):
-        got_tensors, want_tensors = dict(getattr(got, kind)()), dict(getattr(want, kind)())
-        assert list(got_tensors) == list(want_tensors), kind
-        for name, w in want_tensors.items():
-            g = got_tensors[name]
-            assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
-            assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
-    # a dequantized model is transformers' unquantized one: its quantizer's postprocess_model
-    # removes hf_quantizer and the quantization config
-    for attribute in ("hf_quantizer", "is_quantized", "quantization_method"):
-        assert hasattr(got, attribute) == hasattr(want, attribute), attribute
-        assert getattr(got, attribute, None) == getattr(want, attribute, None), attribute
-    assert hasattr(got.config, "quantization_config") == hasattr(want.config, "quantization_config")
-    assert got.training == want.training
-    assert torch.equal(_logits(got), _logits(want))
 
 
 @pytest.mark.parametrize(
@@ -179,6 +108,62 @@ def test_under_the_patch_an_fp8_checkpoint_is_read_by_fastload(
     assert patch.last_fallback is None
     assert patch.last_report is not None and patch.last_report.quant_method == "fp8"
     assert_same_model(got, want)
+
+
+def test_save_pretrained_writes_what_it_writes_of_transformers_model(
+    fp8_checkpoint: Path, tmp_path: Path
+) -> None:
+    """A dequantized model saves as transformers' does: bf16 weights, no quantization config."""
+    got = fastload.from_pretrained(fp8_checkpoint)
+    assert_saves_alike(got, _transformers(fp8_checkpoint), tmp_path)
+    saved = json.loads((tmp_path / "fastload" / "config.json").read_text())
+    assert "quantization_config" not in saved
+
+
+def test_weights_and_scales_in_other_shards_load_as_transformers_loads_them(
+    fp8_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Every weight in one file, every scale in another: each operation's inputs are read from
+    both files (one read per file)."""
+    import safetensors.torch as st
+
+    tensors = st.load_file(str(fp8_checkpoint / "model.safetensors"))
+    shards = {
+        "model-00001-of-00002.safetensors": {
+            k: v for k, v in tensors.items() if not k.endswith("_scale_inv")
+        },
+        "model-00002-of-00002.safetensors": {
+            k: v for k, v in tensors.items() if k.endswith("_scale_inv")
+        },
+    }
+    for f in fp8_checkpoint.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    weight_map = {}
+    for file, part in shards.items():
+        st.save_file(part, str(tmp_path / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    got, report = fastload.from_pretrained(tmp_path, output_loading_info=True)
+    assert len(report.files) == 2 and not report.missing and not report.unexpected
+    assert_same_model(got, _transformers(tmp_path))
+
+
+def test_scales_stored_under_transformers_legacy_name_load_as_transformers_loads_them(
+    fp8_checkpoint: Path, tmp_path: Path
+) -> None:
+    """Scales stored as ``<module>.scale`` (DeepSeek-V4's naming), which transformers' FP8
+    quantizer renames to ``weight_scale_inv`` before its converters match them."""
+
+    def rename(tensors: dict[str, torch.Tensor]) -> None:
+        for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
+            tensors[name.removesuffix(".weight_scale_inv") + ".scale"] = tensors.pop(name)
+
+    directory = _rewritten(fp8_checkpoint, tmp_path, rename)
+    got, report = fastload.from_pretrained(directory, output_loading_info=True)
+    assert not report.missing and not report.unexpected and not report.authorized_unexpected
+    assert_same_model(got, _transformers(directory))
 
 
 def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
@@ -261,6 +246,27 @@ def test_fp8_kept_in_fp8_is_still_refused(fp8_checkpoint: Path, tmp_path: Path) 
         mp.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
         with pytest.raises(fastload.UnsupportedError, match="quant_method='fp8'.*deserialize"):
             fastload.from_pretrained(directory)
+
+
+def test_under_the_patch_fp8_kept_in_fp8_goes_to_transformers_saying_so(
+    fp8_checkpoint: Path,
+    caplog: pytest.LogCaptureFixture,
+    transformers_loads: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A quantized load fastload does not serve is transformers' own, with one warning."""
+    from transformers.quantizers import quantizer_finegrained_fp8 as fp8
+
+    monkeypatch.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
+    caplog.set_level(logging.WARNING, logger="fastload")
+    with fastload.patch_transformers():
+        model = _transformers(fp8_checkpoint)
+    assert transformers_loads == ["LlamaForCausalLM"]
+    assert patch.last_report is None
+    assert patch.last_fallback is not None and "quant_method='fp8'" in patch.last_fallback
+    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
+    assert len(said) == 1 and "deserialize" in said[0]
+    assert type(model.model.layers[0].mlp.up_proj).__name__ == "FP8Linear"  # transformers' own
 
 
 def test_a_model_made_by_a_load_operation_is_not_reloaded(fp8_checkpoint: Path) -> None:

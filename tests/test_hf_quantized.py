@@ -3,14 +3,13 @@ quantizer swaps the modules, fastload reads the tensors, and the model is transf
 the same module classes, parameters and buffers (bitwise, dtypes, trainability), logits,
 ``hf_quantizer`` and ``save_pretrained`` files. The checkpoints are tiny Llamas quantized by
 compressed-tensors' own code (weight-only int8, int4 packed into int32, FP8 e4m3, NVFP4 and
-MXFP4), formats stored as they run, which transformers keeps as stored on a CPU."""
+MXFP4), formats stored as they run, which transformers keeps as stored on a CPU. The same
+checkpoints with ``dequantize: true``: tests/test_hf_compressed_dequantize.py."""
 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,102 +19,21 @@ pytest.importorskip("compressed_tensors")
 
 import fastload  # noqa: E402
 from fastload.hf import patch  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    COMPRESSED_TENSORS_FORMATS,
+    compressed_tensors_checkpoint,
+)
 from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
 
-#: (id, the weights' scheme, compressed-tensors format): a compressed-tensors preset, or (value
-#: type, bits) per output channel. int8 and FP8 (e4m3) are stored as is, int4 packed eight to an
-#: int32, NVFP4 and MXFP4 two to a uint8 beside FP8 (NVFP4, with a global scale) or E8M0 scales
-#: per group of 16 or 32
-FORMATS: list[tuple[str, str | tuple[str, int], str]] = [
-    ("int8", ("int", 8), "int-quantized"),
-    ("int4-packed", ("int", 4), "pack-quantized"),
-    ("fp8", ("float", 8), "float-quantized"),
-    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
-    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
-]
-
-
-def _quantize(
-    directory: Path,
-    scheme: str | tuple[str, int] = ("int", 8),
-    form: str = "int-quantized",
-    moe: bool = False,
-) -> Path:
-    """A tiny Llama (``moe``: Mixtral) whose Linear layers but the head compressed-tensors
-    quantized weight-only by ``scheme`` (symmetric), compressed in its format ``form`` and saved
-    as llm-compressor saves one."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    sizes = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
-    if moe:
-        config: Any = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)
-        model = MixtralForCausalLM(config).to(torch.bfloat16)
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
-    if isinstance(scheme, str):
-        weights = preset_name_to_scheme(scheme, ["Linear"])
-    else:
-        kind, bits = scheme
-        args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
-        weights = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(
-        model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
-    )
-    for module in model.modules():
-        if hasattr(module, "weight_scale"):
-            _calibrate(module, weights.weights)
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
-    compressor.compress_model(model)
-    model.save_pretrained(directory)
-    compressor.update_config(directory)
-    return directory
-
-
-def _calibrate(module: torch.nn.Module, args: Any) -> None:
-    """What a calibration of the weights computes: the scales (and zero points, global scale)
-    of their ranges, per output channel or per group."""
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
-
-    w = module.weight.detach().float()
-    if args.group_size:
-        groups = w.reshape(w.shape[0], -1, args.group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-    else:
-        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-    whole = None
-    if hasattr(module, "weight_global_scale"):
-        whole = generate_gparam(w.amin(), w.amax())
-        module.weight_global_scale.data.copy_(whole.reshape(module.weight_global_scale.shape))
-    scale, zero = calculate_qparams(low, high, args, global_scale=whole)
-    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
-    if hasattr(module, "weight_zero_point"):
-        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+FORMATS = COMPRESSED_TENSORS_FORMATS
 
 
 @pytest.fixture(scope="module", params=FORMATS, ids=[f[0] for f in FORMATS])
 def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     name, scheme, form = request.param
-    return _quantize(tmp_path_factory.mktemp(name), scheme, form)
+    return compressed_tensors_checkpoint(tmp_path_factory.mktemp(name), scheme, form)
 
 
 def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
@@ -211,32 +129,6 @@ def _with_quantization(directory: Path, tmp_path: Path, **changes: object) -> Pa
     return copy
 
 
-def test_a_format_transformers_dequantizes_on_load_is_refused_naming_its_operation(
-    quantized: Path, tmp_path: Path
-) -> None:
-    directory = _with_quantization(quantized, tmp_path, dequantize=True)
-    with pytest.raises(
-        fastload.UnsupportedError,
-        match=r"quant_method='compressed-tensors'.*CompressedTensorsDequantize \(dequantize\)",
-    ):
-        fastload.from_pretrained(directory)
-
-
-def test_under_the_patch_a_format_with_a_load_operation_goes_to_transformers_saying_so(
-    quantized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, transformers_loads: list[str]
-) -> None:
-    directory = _with_quantization(quantized, tmp_path, dequantize=True)
-    caplog.set_level(logging.WARNING, logger="fastload")
-    with fastload.patch_transformers():
-        model = _transformers(directory)
-    assert transformers_loads == ["LlamaForCausalLM"]
-    assert patch.last_report is None
-    assert patch.last_fallback is not None and "CompressedTensorsDequantize" in patch.last_fallback
-    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
-    assert len(said) == 1 and "CompressedTensorsDequantize" in said[0]
-    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16  # dequantized
-
-
 def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor_before_reading(
     quantized: Path, tmp_path: Path
 ) -> None:
@@ -300,7 +192,7 @@ def test_a_merge_of_experts_that_needs_a_load_operation_is_refused_naming_it(
     # transformers 5 saves Mixtral's experts one per tensor, unquantized (compressed-tensors
     # quantizes Linear modules, and the merged experts are not); its quantizer then puts its
     # dequantize operation before the merge, which fastload does not run
-    directory = _quantize(tmp_path, moe=True)
+    directory = compressed_tensors_checkpoint(tmp_path, moe=True)
     with pytest.raises(
         fastload.UnsupportedError, match=r"needs CompressedTensorsDequantize, a load operation"
     ):

@@ -62,18 +62,18 @@ def test_a_tiny_run_times_every_method_in_fresh_processes_and_writes_its_results
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "out"
-    cmd = [sys.executable, str(BENCH), "--tiny", "--repeats", "1", "--formats", "int8"]
+    cmd = [sys.executable, str(BENCH), "--tiny", "--repeats", "1", "--formats", "int8,fp8-blocks"]
     cmd += ["--workdir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "quantized-tiny.json").read_text())
     assert results["command"].endswith(" ".join(cmd[1:]))
-    assert set(results["bytes"]) == {"int8"} and results["bytes"]["int8"] > 0
+    assert set(results["bytes"]) == {"int8", "fp8-blocks"} and results["bytes"]["int8"] > 0
     methods = ["floor: map+touch", "floor: parallel read", "fastload", "transformers"]
     runs = results["runs"]
     # round robin: every method on every format once, in order
     assert [(r["format"], r["method"]) for r in runs] == [
-        (f, m) for f in ("int8",) for m in methods
+        (f, m) for f in ("int8", "fp8-blocks") for m in methods
     ]
     assert all(r["seconds"] > 0 and r["mode"] == "warm" for r in runs)
     loads = {(r["format"], r["method"]): r for r in runs if r["method"] in methods[2:]}
@@ -86,6 +86,10 @@ def test_a_tiny_run_times_every_method_in_fresh_processes_and_writes_its_results
         assert mine["linear_tensors"] == theirs["linear_tensors"]
         assert mine["linear_class"] == theirs["linear_class"]
     assert loads["int8", "fastload"]["linear_tensors"]["weight"] == "torch.int8"
+    # a format with a load operation: FP8 blocks, dequantized by transformers' operation
+    assert loads["fp8-blocks", "fastload"]["quant_method"] == "fp8"
+    mine, theirs = loads["fp8-blocks", "fastload"], loads["fp8-blocks", "transformers"]
+    assert mine["linear_tensors"] == theirs["linear_tensors"] == {"weight": "torch.bfloat16"}
     cells = results["summary"]["warm"]["int8"]
     assert list(cells) == methods
     assert cells["fastload"]["x floor: map+touch"] > 0

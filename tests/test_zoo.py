@@ -18,6 +18,12 @@ each sub-model's checkpoint into the composite classes; and the fp32 load under
 deliberate difference (:mod:`zoo_compare`) passes and is counted apart
 (``conftest.zoo_summary``).
 
+The pre-quantized formats fastload serves (docs/quantized.md) are cells too, each on the
+direct API and under the patch: a tiny checkpoint of the format (:mod:`quantized_checkpoints`:
+made by its own quantizer where that runs on a CPU, else written as transformers stores it)
+loaded by transformers and by fastload and compared as any cell; they run by default (a
+format whose package is missing is skipped; ``--zoo-types`` names them ``quantized-<id>``).
+
 Only :data:`zoo_models.FAST_TYPES` run by default; the whole zoo runs with ``--zoo`` (or
 ``-m zoo``). A type that cannot be built tiny is skipped with the reason.
 """
@@ -75,6 +81,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "zoo_sub" in metafunc.fixturenames:
         cells = [(t, k) for t in types for k in sub_config_keys(t)]
         metafunc.parametrize("zoo_sub", [param(c, c[0], f"{c[0]}-{c[1]}") for c in cells])
+    if "quantized" in metafunc.fixturenames:  # by default; --zoo-types: those it names
+        names = [n for n in QUANTIZED if not patterns or _named(f"quantized-{n}", patterns)]
+        metafunc.parametrize("quantized", names)
+
+
+def _named(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 @pytest.fixture(autouse=True)
@@ -94,6 +107,8 @@ def cell(request: pytest.FixtureRequest, record_property: Any) -> Any:
     """Records the cell's type, and returns the recorder of its documented differences."""
     params = request.node.callspec.params
     value = params.get("zoo") or params.get("zoo_class") or params.get("zoo_sub")
+    if "quantized" in params:  # a pre-quantized format's cell: its own row
+        value = f"quantized {params['quantized']}"
     record_property("zoo_type", value if isinstance(value, str) else value[0])
 
     def differences(found: list[str]) -> None:
@@ -249,3 +264,101 @@ def test_checkpoint_loads_under_the_patch_exactly_like_transformers(
     if not ours.served:
         pytest.skip(f"{zoo}: the patch leaves this load to transformers")
     cell(assert_loads_alike(ours, theirs, patched=True))
+
+
+def _compressed_tensors_formats() -> list[tuple[str, Any, str]]:
+    from quantized_checkpoints import COMPRESSED_TENSORS_FORMATS
+
+    return COMPRESSED_TENSORS_FORMATS
+
+
+def _compressed_tensors(directory: Path, *, scheme: Any, form: str, dequantize: bool) -> Path:
+    """compressed-tensors' checkpoint of ``form``; ``dequantize``: its config asks transformers
+    to dequantize it on load (``CompressedTensorsDequantize``)."""
+    import json
+
+    from quantized_checkpoints import compressed_tensors_checkpoint
+
+    directory.mkdir(parents=True)
+    compressed_tensors_checkpoint(directory, scheme, form)
+    if dequantize:
+        config = json.loads((directory / "config.json").read_text())
+        config["quantization_config"]["dequantize"] = True
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _fp8(directory: Path) -> Path:
+    from quantized_checkpoints import fp8_checkpoint
+
+    return fp8_checkpoint(directory)
+
+
+def _mxfp4(directory: Path) -> Path:
+    from quantized_checkpoints import mxfp4_checkpoint
+
+    return mxfp4_checkpoint(directory)
+
+
+def _bnb(directory: Path, *, arguments: dict[str, Any]) -> Path:
+    from quantized_checkpoints import bnb_checkpoint
+
+    return bnb_checkpoint(directory, arguments)
+
+
+#: the pre-quantized formats fastload serves, by cell id: (the package the format needs, the
+#: class its checkpoint loads into, the maker of its checkpoint in a directory)
+QUANTIZED: dict[str, tuple[str, str, Any]] = {
+    **{
+        f"compressed-tensors-{name}{'-dequantized' if dequantize else ''}": (
+            "compressed_tensors",
+            "LlamaForCausalLM",
+            functools.partial(_compressed_tensors, scheme=scheme, form=form, dequantize=dequantize),
+        )
+        for name, scheme, form in _compressed_tensors_formats()
+        for dequantize in (False, True)
+    },
+    "fp8-dequantized": ("accelerate", "LlamaForCausalLM", _fp8),
+    "mxfp4-dequantized": ("transformers", "GptOssForCausalLM", _mxfp4),
+    **{
+        f"bitsandbytes-{name}": (
+            "bitsandbytes",
+            "LlamaForCausalLM",
+            functools.partial(_bnb, arguments=arguments),
+        )
+        for name, arguments in (
+            ("nf4", {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}),
+            ("fp4", {"load_in_4bit": True, "bnb_4bit_quant_type": "fp4"}),
+            (
+                "nf4-double",
+                {
+                    "load_in_4bit": True,
+                    "bnb_4bit_quant_type": "nf4",
+                    "bnb_4bit_use_double_quant": True,
+                },
+            ),
+            ("int8", {"load_in_8bit": True}),
+        )
+    },
+}
+
+
+@functools.cache
+def _quantized(name: str) -> Path:
+    package, _, make = QUANTIZED[name]
+    pytest.importorskip(package)
+    return make(_ROOT / "quantized" / name)  # type: ignore[no-any-return]
+
+
+@pytest.mark.usefixtures("unpatched")
+@pytest.mark.parametrize("patched", [False, True], ids=["direct", "patched"])
+def test_a_pre_quantized_checkpoint_loads_like_transformers(
+    quantized: str, patched: bool, cell: Any
+) -> None:
+    package, class_name, _ = QUANTIZED[quantized]
+    pytest.importorskip(package)
+    ours, theirs = load_pair(class_name, _quantized(quantized), patched=patched)
+    assert theirs.error is None, f"transformers cannot load it here: {theirs.error}"
+    if patched:
+        assert ours.served, "the patch left this load to transformers"
+    cell(assert_loads_alike(ours, theirs, patched=patched))

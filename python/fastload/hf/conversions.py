@@ -51,13 +51,20 @@ def converters_of(model: Any, quantizer: Any = None) -> list[Any]:
 
 
 def transformers_merges(
-    model: Any, ckpt: Any, model_keys: set[str], rules: keymod.KeyRules, *, quantizer: Any = None
+    model: Any,
+    ckpt: Any,
+    model_keys: set[str],
+    rules: keymod.KeyRules,
+    *,
+    quantizer: Any = None,
+    taken: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> dict[str, Merge]:
     """The merges and splits transformers' conversion mapping makes for ``model`` on the
     checkpoint ``ckpt`` (``rules``: how names map); empty when every stored name already is a
-    model name."""
+    model name or one of ``taken`` (the stored tensors a quantizer's load operation takes onto
+    model tensors: fastload.hf.load_ops)."""
     known = model_keys.union(rules.computed)
-    if all(rules.rename(k) in known for k in ckpt.tensors):
+    if all(k in taken or rules.rename(k) in known for k in ckpt.tensors):
         return {}
     converters = converters_of(model, quantizer)
     if not converters:

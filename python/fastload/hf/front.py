@@ -166,8 +166,8 @@ def load_hf(
                 )
             if quant is not None and quant.operation and options.device.type != "cpu":
                 raise UnsupportedError(
-                    f"{path}: quant_method={quant.method!r} is dequantized here by transformers' "
-                    f"operation on the CPU; fastload runs it onto the CPU only, not "
+                    f"{path}: quant_method={quant.method!r} loads here through transformers' "
+                    f"load operation on the CPU; fastload runs it onto the CPU only, not "
                     f"{options.device}: load it with transformers"
                 )
             if quant is not None and not contract and not {"missing", "strict"} & set(given):

@@ -99,7 +99,27 @@ class TransformersHooks(ModelHooks):
         model_keys: set[str],
         rules: KeyRules,
     ) -> dict[str, Merge]:
-        return transformers_merges(model, ckpt, model_keys, rules, quantizer=self._quantizer())
+        # the quantizer's load operations first: the stored tensors they take are no names a
+        # merge needs (transformers' conversion mapping is built only if another name is not
+        # a model name: it compiles ~1000 regexes)
+        planned = self._plan_operations(model, ckpt, model_keys, rules)
+        taken = {name for op in planned.values() for name in op.names()}
+        return transformers_merges(
+            model, ckpt, model_keys, rules, quantizer=self._quantizer(), taken=taken
+        )
+
+    def _plan_operations(
+        self, model: nn.Module, ckpt: OpenCheckpoint, model_keys: set[str], rules: KeyRules
+    ) -> dict[str, Any]:
+        quant = self.quantization
+        if quant is None or not quant.operation:
+            return {}
+        if self._operations is None or self._operations[0] is not ckpt:
+            from fastload.hf.load_ops import plan_operations
+
+            planned = plan_operations(quant.quantizer, model, ckpt, model_keys, rules)
+            self._operations = (ckpt, planned)
+        return self._operations[1]
 
     def operations(
         self,
@@ -108,13 +128,7 @@ class TransformersHooks(ModelHooks):
         model_keys: set[str],
         rules: KeyRules,
     ) -> dict[str, Operation]:
-        quant = self.quantization
-        if quant is None or not quant.operation:
-            return {}
-        from fastload.hf.load_ops import plan_operations
-
-        planned = plan_operations(quant.quantizer, model, ckpt, model_keys, rules)
-        self._operations = (ckpt, planned)
+        planned = self._plan_operations(model, ckpt, model_keys, rules)
         return {t: Operation(t, op.names()) for t, op in planned.items()}
 
     def auto_dtype(self, ckpt: OpenCheckpoint) -> torch.dtype | None:

@@ -1,20 +1,22 @@
 """Quantization methods with a load operation: transformers' operation run on tensors fastload
-read (FP8 fine-grained blocks, which transformers dequantizes on a CPU).
+read (FP8 fine-grained blocks and gpt-oss' MXFP4 experts, which transformers dequantizes on a
+CPU).
 
-A quantizer whose load mode has an operation (``get_load_operations``: ``Fp8Dequantize``) adds
-general ``WeightConverter`` entries (``get_weight_conversions``): the stored tensors of one model
-tensor (``weight``, ``weight_scale_inv``, ``activation_scale``) are collected by source pattern
-and the operation makes the model tensor of them. fastload matches the stored names to those
-converters as transformers does (its renames first), checks the pairs from the headers before
-anything is read, and after the read of everything else runs each operation in the order of the
-file: its inputs read by the engine into temporaries, transformers' own ``convert`` run on them,
-the result put in the model, the temporaries dropped (one operation's inputs in memory at a
-time, never a second copy of the checkpoint). fastload never computes what the operation does.
+A quantizer whose load mode has an operation (``get_load_operations``: ``Fp8Dequantize``,
+``Mxfp4Dequantize``) adds general ``WeightConverter`` entries (``get_weight_conversions``): the
+stored tensors of one model tensor (``weight``, ``weight_scale_inv``, ``activation_scale``;
+``gate_up_proj_blocks``, ``gate_up_proj_scales``) are collected by source pattern and the
+operation makes the model tensor of them. fastload matches the stored names to those converters
+as transformers does (its renames first), checks them from the headers before anything is read
+(:mod:`fastload.hf.load_op_checks`), and after the read of everything else runs each operation
+in the order of the file: its inputs read by the engine into temporaries, transformers' own
+``convert`` run on them, the result put in the model, the temporaries dropped (one operation's
+inputs in memory at a time, never a second copy of the checkpoint). fastload never computes
+what the operation does.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,12 +26,9 @@ from torch import nn
 
 from fastload.core import keys as keymod
 from fastload.core import reading
-from fastload.core.dtypes import CONVERTIBLE
-from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from fastload.core.errors import ModelMismatchError, UnsupportedError
+from fastload.hf.load_op_checks import check
 from fastload.hf.renames import transformers_renames
-
-#: stored dtypes of a block scale transformers' dequantize reads (float, or E8M0 exponents)
-SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "U8", "F8_E8M0"})
 
 
 @dataclass
@@ -61,31 +60,50 @@ def plan_operations(
     quantized weight without its scale, a scale without its weight, of a dtype the operation
     does not read or of the wrong shape, or a weight not of the model's shape, is refused
     naming the stored tensor, before any tensor is read. A tensor stored as the model holds it
-    (a norm, the embeddings: the operation only casts it) is left to the ordinary read."""
+    (a norm, the embeddings: the operation only casts it) is left to the ordinary read, but for
+    an operation that passes such a tensor through uncast (:data:`PASS_THROUGH`) when its
+    stored dtype is not the model's: transformers then keeps the stored dtype, and so does the
+    operation run here."""
     converters = load_op_converters(quantizer)
     if not converters:
         return {}
-    renames = transformers_renames(model, rules.source, quantizer)
     prefix = rules.base_model_prefix
-    shapes = {n: tuple(t.shape) for n, t in model.state_dict(keep_vars=True).items()}
+    tensors = model.state_dict(keep_vars=True)
+    shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+    renames: list[Any] | None = None  # transformers' renames, built only if a name needs them
     found: dict[str, PlannedOperation] = {}
     for stored in ckpt.tensors:
         name = rules.rename(stored)
-        for r in renames:
-            name = r(name)
-        for converter in converters:
-            converted, pattern = converter.rename_source_key(name)
-            if pattern is None:
-                continue
-            target = keymod.adjust(converted, prefix, model_keys)
-            if target in model_keys:
-                op = found.setdefault(target, PlannedOperation(target, converter))
-                op.inputs.setdefault(pattern, []).append(stored)
-            break
-    block = _block_size(quantizer)
+        hit = _match(converters, name, prefix, model_keys)
+        if hit is None and name not in model_keys:
+            # not taken as it is: transformers' renames first (legacy names, a quantizer's own,
+            # such as FP8's .scale to .weight_scale_inv); building them compiles ~1000 regexes
+            if renames is None:
+                renames = transformers_renames(model, rules.source, quantizer)
+            renamed = name
+            for r in renames:
+                renamed = r(renamed)
+            hit = _match(converters, renamed, prefix, model_keys) if renamed != name else None
+        if hit is not None:
+            target, pattern, converter = hit
+            op = found.setdefault(target, PlannedOperation(target, converter))
+            op.inputs.setdefault(pattern, []).append(stored)
     planned = {}
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    tied_names = set(tied) | set(tied.values())
     for target, op in found.items():
-        if _check(op, ckpt, shapes[target], block, rules.source):
+        if check(op, ckpt, shapes[target], quantizer, rules.source, model):
+            planned[target] = op
+        elif _uncast(op, ckpt, tensors[target]):
+            if target in tied_names:
+                stored = ckpt.tensors[op.names()[0]]
+                raise UnsupportedError(
+                    f"{ckpt.file_path(stored)}: transformers keeps {stored.name!r} in its stored "
+                    f"{stored.st_dtype} ({type(op.converter.operations[0]).__name__} passes it "
+                    f"through uncast), not the model's {tensors[target].dtype}, and the model "
+                    "ties it to another tensor; fastload does not load it so: load it in the "
+                    "stored dtype (dtype='auto'), or with transformers"
+                )
             planned[target] = op
     for target in planned:
         module, _, leaf = target.rpartition(".")
@@ -97,68 +115,34 @@ def plan_operations(
     return planned
 
 
-def _block_size(quantizer: Any) -> tuple[int, int] | None:
-    size = getattr(quantizer.quantization_config, "weight_block_size", None)
-    return (int(size[0]), int(size[1])) if size else None
+def _match(
+    converters: list[Any], name: str, prefix: str | None, model_keys: set[str]
+) -> tuple[str, str, Any] | None:
+    """The model tensor, source pattern and converter the first converter whose pattern matches
+    ``name`` takes it to, if that is a model tensor."""
+    for converter in converters:
+        converted, pattern = converter.rename_source_key(name)
+        if pattern is None:
+            continue
+        target = keymod.adjust(converted, prefix, model_keys)
+        return (target, pattern, converter) if target in model_keys else None
+    return None
 
 
-def _check(
-    op: PlannedOperation,
-    ckpt: Any,
-    want: tuple[int, ...],
-    block: tuple[int, int] | None,
-    source: str,
-) -> bool:
-    """Whether ``op`` runs the operation (``False``: a tensor stored as the model holds it);
-    raises for a pair the operation cannot make the model's tensor of."""
-    first, *companions = op.converter.source_patterns
-    weights = op.inputs.get(first, [])
-    scales = [n for p in companions if p.endswith("scale_inv") for n in op.inputs.get(p, [])]
-    if not weights:
-        stored = ckpt.tensors[op.names()[0]]
-        raise CheckpointError(
-            f"{ckpt.file_path(stored)}: tensor {stored.name!r} has no {first!r} beside it "
-            f"(the model's {op.target!r} is made of both)"
-        )
-    weight = ckpt.tensors[weights[0]]
-    if not scales:
-        if weight.st_dtype in CONVERTIBLE:
-            return False  # stored as the model holds it: transformers' operation casts it
-        raise CheckpointError(
-            f"{ckpt.file_path(weight)}: tensor {weight.name!r} is quantized "
-            f"({weight.st_dtype}) but its scale "
-            f"{weight.name.rpartition('.')[0] + '.' + companions[0]!r} is missing"
-        )
-    got = weight.torch_shape
-    if got != want:
-        raise ModelMismatchError(
-            f"{ckpt.file_path(weight)}: tensor {weight.name!r} has shape {list(got)}, the "
-            f"model's {op.target!r} has shape {list(want)}"
-        )
-    scale = ckpt.tensors[scales[0]]
-    if scale.st_dtype not in SCALE_DTYPES:
-        raise CheckpointError(
-            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has dtype {scale.st_dtype}; a "
-            f"block scale is one of {', '.join(sorted(SCALE_DTYPES))}"
-        )
-    rows, cols = (got[-2], got[-1]) if len(got) >= 2 else (1, 1)
-    grid = tuple(scale.shape[-2:]) if len(scale.shape) >= 2 else None
-    expected = (math.ceil(rows / block[0]), math.ceil(cols / block[1])) if block else grid
-    if (
-        grid is None
-        or tuple(scale.shape[:-2]) != tuple(got[:-2])
-        or grid != expected
-        or rows % grid[0]
-        or cols % grid[1]
-    ):
-        shown = list(got[:-2]) + list(expected) if expected else "a grid dividing it"
-        raise ModelMismatchError(
-            f"{ckpt.file_path(scale)}: tensor {scale.name!r} has shape {list(scale.shape)}; "
-            f"the scale of {weight.name!r} {list(got)} in blocks of {list(block or ())} has "
-            f"shape {shown} (whose cells divide the weight: transformers' "
-            f"{type(op.converter.operations[0]).__name__} needs it)"
-        )
-    return True
+#: operations that give a tensor they collected alone back as it is, uncast (bitsandbytes'
+#: deserializers: transformers' loader then sets it in the stored dtype, whatever dtype the
+#: model was asked in)
+PASS_THROUGH = frozenset({"Bnb4bitDeserialize", "Bnb8bitDeserialize"})
+
+
+def _uncast(op: PlannedOperation, ckpt: Any, param: torch.Tensor) -> bool:
+    """Whether ``op`` runs on a tensor stored as the model holds it to keep its stored dtype."""
+    names = op.names()
+    return (
+        type(op.converter.operations[0]).__name__ in PASS_THROUGH
+        and len(names) == 1
+        and ckpt.tensors[names[0]].dtype != param.dtype
+    )
 
 
 def run_operations(
@@ -193,7 +177,7 @@ def run_operations(
                 missing_keys=None,
             )
         seconds += time.perf_counter() - start
-        _place(model, target, _result(collected, target), ckpt.file_path(first[target]))
+        _place(model, target, _result(collected, target), ckpt.file_path(first[target]), op)
         del collected  # the temporaries go with it
     return seconds, read
 
@@ -225,17 +209,35 @@ def _result(collected: dict[str, Any], target: str) -> torch.Tensor:
     return value
 
 
-def _place(model: nn.Module, target: str, value: torch.Tensor, where: str) -> None:
+def _place(model: nn.Module, target: str, value: torch.Tensor, where: str, op: Any) -> None:
+    """``value`` into the model as transformers' loader sets it (``set_param_for_module``): a
+    parameter the operation made (bitsandbytes' ``Params4bit``, ``Int8Params``, with their
+    quant state) as it is, any other tensor in a new ``Parameter``; its shape checked against
+    the model's unless the quantizer quantizes that parameter (a packed weight), its dtype
+    unless the operation passed it through uncast (:data:`PASS_THROUGH`)."""
     module_name, _, leaf = target.rpartition(".")
     module = model.get_submodule(module_name)
     old = module._parameters[leaf]
     assert old is not None
-    if tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype:
+    quantizer = getattr(op.converter.operations[0], "hf_quantizer", None)
+    packed = quantizer is not None and quantizer.param_needs_quantization(model, target)
+    uncast = type(op.converter.operations[0]).__name__ in PASS_THROUGH and len(op.names()) == 1
+    if not packed and (
+        tuple(value.shape) != tuple(old.shape) or (value.dtype != old.dtype and not uncast)
+    ):
         raise ModelMismatchError(
             f"{where}: transformers' load operation made {target!r} "
             f"{list(value.shape)} {value.dtype}, the model's is {list(old.shape)} {old.dtype}"
         )
-    module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+    if not isinstance(value, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=value.is_floating_point())
+    module._parameters[leaf] = value
 
 
-__all__ = ["PlannedOperation", "load_op_converters", "plan_operations", "run_operations"]
+__all__ = [
+    "PASS_THROUGH",
+    "PlannedOperation",
+    "load_op_converters",
+    "plan_operations",
+    "run_operations",
+]

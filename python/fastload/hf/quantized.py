@@ -17,10 +17,11 @@ tensor with the engine:
 Served are the formats stored as they run: the quantizer's load mode has no operation, so each
 parameter is the stored tensor itself (:data:`SERVED_METHODS`, tested against transformers);
 and the methods whose load operation fastload runs on tensors it read
-(:data:`OPERATION_METHODS`, :mod:`fastload.hf.load_ops`: FP8 blocks dequantized). Any other
-method, and a method whose quantizer asks for another load operation here (its ``dequantize``
-option, a format it deserializes), is refused with ``UnsupportedError`` naming the method, and
-under the patch goes to transformers' own loader; fastload never reimplements a method.
+(:data:`OPERATION_METHODS`, :mod:`fastload.hf.load_ops`: FP8 blocks, MXFP4 experts and
+compressed-tensors dequantized, bitsandbytes deserialized). Any other method, and a method whose
+quantizer asks for another load operation here (MXFP4 kept packed, a mode not listed), is
+refused with ``UnsupportedError`` naming the method, and under the patch goes to transformers'
+own loader; fastload never reimplements a method.
 """
 
 from __future__ import annotations
@@ -40,9 +41,16 @@ from fastload.hf.context import quantization_method
 #: operation, checked against transformers by tests/test_hf_quantized.py)
 SERVED_METHODS = frozenset({"compressed-tensors"})
 #: the ``quant_method`` values whose quantizer's load operation fastload runs on tensors it read
-#: (:mod:`fastload.hf.load_ops`), with the load mode it runs: FP8 blocks dequantized (what
-#: transformers does on a machine without a GPU, or with ``dequantize=True``)
-OPERATION_METHODS = {"fp8": "dequantize"}
+#: (:mod:`fastload.hf.load_ops`), with the load mode it runs: FP8 blocks and gpt-oss' MXFP4
+#: experts dequantized (what transformers does on a machine without a GPU, or with
+#: ``dequantize=True``), bitsandbytes deserialized (its CPU backend), compressed-tensors with
+#: ``dequantize: true`` (compressed-tensors is also in :data:`SERVED_METHODS`: without it)
+OPERATION_METHODS = {
+    "fp8": "dequantize",
+    "mxfp4": "dequantize",
+    "bitsandbytes": "deserialize",
+    "compressed-tensors": "dequantize",
+}
 
 
 @dataclass

@@ -1,0 +1,321 @@
+"""Tiny pre-quantized checkpoints, of each format fastload serves (docs/quantized.md), and the
+comparisons of a loaded model with transformers'.
+
+Made by the format's own quantizer where it runs on a CPU:
+
+* :func:`compressed_tensors_checkpoint`: a Llama (or Mixtral) quantized weight-only by
+  compressed-tensors' own code and saved as llm-compressor saves one;
+* :func:`bnb_checkpoint`: a Llama quantized on load by transformers' bitsandbytes quantizer
+  and saved by its ``save_pretrained``.
+
+Written as transformers' quantizers store them where those need a GPU, or the hub's kernels, to
+quantize (the formats transformers dequantizes on load on a machine without a GPU): the model
+is built and saved by transformers, then its quantized tensors are replaced by their stored form
+and the config gets the quantization_config transformers writes.
+
+* :func:`fp8_checkpoint`: a Llama whose projections are FP8 e4m3 per 128x128 block, with
+  float32 inverse scales ``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``
+  (``quant_method: fp8``, transformers' ``Fp8Dequantize``).
+* :func:`mxfp4_checkpoint`: a gpt-oss whose experts are MXFP4 as OpenAI's gpt-oss checkpoints
+  store them (``quant_method: mxfp4``, transformers' ``Mxfp4Dequantize``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensor_samples import raw_bytes
+
+FP8_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "modules_to_not_convert": None,
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+#: the quantization_config of openai/gpt-oss-20b
+MXFP4_QUANTIZATION = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+#: the FP4 (e2m1) value of each 4-bit code, as transformers' FP4_VALUES
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def fp8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` in e4m3 per 128x128 block, and the float32 inverse scale of each block."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / 128), math.ceil(cols / 128))
+    blocks = weight.float().reshape(grid[0], 128, grid[1], 128)
+    inverse = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    values = (blocks / inverse[:, None, :, None]).clamp(-448, 448).reshape(rows, cols)
+    return values.to(torch.float8_e4m3fn), inverse
+
+
+def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor as gpt-oss holds it (``[experts, cols, rows]``) in MXFP4 as its
+    checkpoints store it, the layout transformers' ``Mxfp4Dequantize`` reads: each row's values
+    in groups of 32, one power-of-two scale per group stored as its exponent plus 127 (``uint8``
+    ``[experts, rows, cols/32]``), the values as FP4 codes (nearest of :data:`FP4_VALUES` after
+    the scale), two to a byte, the even one in the low nibble (``uint8``
+    ``[experts, rows, cols/32, 16]``). transformers unpacks the rows and transposes them back."""
+    rows_first = weight.float().transpose(1, 2)  # [experts, rows, cols]
+    experts, rows, cols = rows_first.shape
+    groups = rows_first.reshape(experts, rows, cols // 32, 32)
+    exponent = (
+        torch.floor(torch.log2(groups.abs().amax(-1).clamp(min=2.0**-100))) - 2
+    )  # 6 = 1.5 * 4
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
+
+
+def _store(directory: Path, model: torch.nn.Module, quantize: Any, quantization: dict) -> Path:
+    import safetensors.torch as st
+
+    model.save_pretrained(directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensors.update(quantize(name, tensor) or {name: tensor.contiguous()})
+    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def fp8_checkpoint(directory: Path) -> Path:
+    """A tiny bf16 Llama whose projections are stored in FP8 blocks (the sizes multiples of
+    128: transformers' dequantize needs whole blocks), with transformers' quantization_config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not name.endswith("proj.weight"):
+            return None
+        weight, scale = fp8_blocks(tensor)
+        return {name: weight, name + "_scale_inv": scale}
+
+    return _store(directory, model, quantize, FP8_QUANTIZATION)
+
+
+def mxfp4_checkpoint(directory: Path) -> Path:
+    """A tiny bf16 gpt-oss (2 layers of 4 experts, sizes multiples of 32) whose experts'
+    ``gate_up_proj`` and ``down_proj`` are stored as ``<proj>_blocks`` and ``<proj>_scales``
+    (their biases, attention, router, norms and embeddings in bf16, as gpt-oss stores them),
+    with gpt-oss' quantization_config."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    config = GptOssConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        dtype="bfloat16",
+    )
+    model = GptOssForCausalLM(config).to(torch.bfloat16)
+
+    def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            return None
+        blocks, scales = mxfp4_blocks(tensor)
+        return {name + "_blocks": blocks, name + "_scales": scales}
+
+    return _store(directory, model, quantize, MXFP4_QUANTIZATION)
+
+
+#: (id, the weights' scheme, compressed-tensors format): a compressed-tensors preset, or (value
+#: type, bits) per output channel. int8 and FP8 (e4m3) are stored as is, int4 packed eight to an
+#: int32, NVFP4 and MXFP4 two to a uint8 beside FP8 (NVFP4, with a global scale) or E8M0 scales
+#: per group of 16 or 32
+COMPRESSED_TENSORS_FORMATS: list[tuple[str, str | tuple[str, int], str]] = [
+    ("int8", ("int", 8), "int-quantized"),
+    ("int4-packed", ("int", 4), "pack-quantized"),
+    ("fp8", ("float", 8), "float-quantized"),
+    ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
+    ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
+]
+
+
+def compressed_tensors_checkpoint(
+    directory: Path,
+    scheme: str | tuple[str, int] = ("int", 8),
+    form: str = "int-quantized",
+    moe: bool = False,
+) -> Path:
+    """A tiny Llama (``moe``: Mixtral) whose Linear layers but the head compressed-tensors
+    quantized weight-only by ``scheme`` (symmetric), compressed in its format ``form`` and saved
+    as llm-compressor saves one."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    if moe:
+        config: Any = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)
+        model = MixtralForCausalLM(config).to(torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
+    if isinstance(scheme, str):
+        weights = preset_name_to_scheme(scheme, ["Linear"])
+    else:
+        kind, bits = scheme
+        args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
+        weights = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
+    )
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            _calibrate(module, weights.weights)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
+    compressor.compress_model(model)
+    model.save_pretrained(directory)
+    compressor.update_config(directory)
+    return directory
+
+
+def _calibrate(module: torch.nn.Module, args: Any) -> None:
+    """What a calibration of the weights computes: the scales (and zero points, global scale)
+    of their ranges, per output channel or per group."""
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+    w = module.weight.detach().float()
+    if args.group_size:
+        groups = w.reshape(w.shape[0], -1, args.group_size)
+        low, high = groups.amin(-1), groups.amax(-1)
+    else:
+        low, high = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    whole = None
+    if hasattr(module, "weight_global_scale"):
+        whole = generate_gparam(w.amin(), w.amax())
+        module.weight_global_scale.data.copy_(whole.reshape(module.weight_global_scale.shape))
+    scale, zero = calculate_qparams(low, high, args, global_scale=whole)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+def bnb_checkpoint(directory: Path, arguments: dict[str, Any], *, tied: bool = False) -> Path:
+    """A tiny bf16 Llama quantized on load by transformers' bitsandbytes quantizer (every
+    Linear but the head; ``arguments``: ``BitsAndBytesConfig``'s) and saved by its
+    ``save_pretrained`` into ``directory / "quantized"`` (the bf16 model in ``"bf16"``);
+    ``tied``: its head tied to its embeddings."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+        tie_word_embeddings=tied,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
+    settings = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
+    model.save_pretrained(directory / "quantized")
+    return directory / "quantized"
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([[1, 5, 9, 17, 33]])).logits  # type: ignore[no-any-return]
+
+
+def assert_same_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
+    """Module classes, parameters and buffers (names, dtypes, shapes, bytes, trainability),
+    what transformers' quantizer leaves on the model, and the logits of a fixed input."""
+    assert [type(m) for m in got.modules()] == [type(m) for m in want.modules()]
+    for kind in ("named_parameters", "named_buffers"):
+        got_tensors, want_tensors = dict(getattr(got, kind)()), dict(getattr(want, kind)())
+        assert list(got_tensors) == list(want_tensors), kind
+        for name, w in want_tensors.items():
+            g = got_tensors[name]
+            assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
+            assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
+    # a dequantized model is transformers' unquantized one: its quantizer's postprocess_model
+    # removes hf_quantizer and the quantization config
+    for attribute in ("hf_quantizer", "is_quantized", "quantization_method"):
+        assert hasattr(got, attribute) == hasattr(want, attribute), attribute
+        assert getattr(got, attribute, None) == getattr(want, attribute, None), attribute
+    assert hasattr(got.config, "quantization_config") == hasattr(want.config, "quantization_config")
+    assert got.training == want.training
+    assert torch.equal(_logits(got), _logits(want))
+
+
+def assert_saves_alike(got: torch.nn.Module, want: torch.nn.Module, directory: Path) -> None:
+    """``save_pretrained`` of ``got`` writes what it writes of ``want``: the same file names,
+    the same bytes in each (tensors, config, generation config)."""
+    want.save_pretrained(directory / "transformers")
+    got.save_pretrained(directory / "fastload")
+    names = sorted(p.name for p in (directory / "transformers").iterdir())
+    assert names == sorted(p.name for p in (directory / "fastload").iterdir())
+    for name in names:
+        mine = (directory / "fastload" / name).read_bytes()
+        assert mine == (directory / "transformers" / name).read_bytes(), name
