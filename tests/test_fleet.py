@@ -414,8 +414,8 @@ def test_a_rank_failing_while_planning_stops_every_rank_naming_it(bucket, tmp_pa
     assert "planning the load failed on rank 1" in errors[0], errors
     assert "1.0 MiB" in errors[0], errors
     assert all("MemoryBudgetError" in got["plan"]["type"] for got in ranks)
-    # bounded by the exchange, not by the process group's timeout; no tensor byte fetched
-    assert all(got["plan"]["seconds"] < TIMEOUT_S // 4 for got in ranks), ranks
+    # the error of the exchange the failing rank joined (a rank left waiting would have raised
+    # the process group's timeout instead); no tensor byte fetched
     assert max(sent) < bucket[2]["sizes"]["one"] // 20, sent
 
 

@@ -52,7 +52,7 @@ def _digest(t: torch.Tensor) -> str:
 
 def _peer(index: int, root: str, plan: dict[str, Any]) -> None:
     """One peer: joins the rendezvous, streams the checkpoint as vLLM's loader does, writes the
-    tensors' digests (or the error it raised, and when) to ``root/peer<index>.json``."""
+    tensors' digests (or the error it raised) to ``root/peer<index>.json``."""
     for key in [k for k in os.environ if k.startswith("AWS_")]:
         del os.environ[key]
     os.environ.update(FASTLOAD_DISABLE_PROGRESS_BARS="1", GLOO_SOCKET_IFNAME="lo")
@@ -77,10 +77,13 @@ def _peer(index: int, root: str, plan: dict[str, Any]) -> None:
 
         object_reads.copy_into = die  # type: ignore[assignment]
     out: dict[str, Any] = {}
-    started = time.monotonic()
     try:
         rdv = Rendezvous(
-            "127.0.0.1", plan["port"], mine["peers"], plan.get("timeout", 60.0), mine.get("node")
+            "127.0.0.1",
+            plan["port"],
+            mine["peers"],
+            plan.get("timeout", TIMEOUT_S / 2),
+            mine.get("node"),
         )
         group = join(rdv, f"node:{plan['key']}")
         out["rank"] = group.rank
@@ -101,7 +104,6 @@ def _peer(index: int, root: str, plan: dict[str, Any]) -> None:
     except Exception as e:  # what the user sees, recorded for the test to check
         out["error"] = str(e)
         out["type"] = [c.__name__ for c in type(e).__mro__]
-    out["seconds"] = time.monotonic() - started
     (Path(root) / f"peer{index}.json").write_text(json.dumps(out))
     os._exit(0)  # no teardown of a group whose peers may be gone
 
@@ -211,11 +213,11 @@ def test_a_peer_expecting_another_number_of_peers_stops_every_peer_at_once(
 ) -> None:
     s3, urls, _, _ = bucket
     with _proxies(s3, 2) as proxies:
-        got = _run(tmp_path, _plan([urls["one"]] * 2, proxies, [2, 3], timeout=120.0))
+        # peers that waited for the others would wait past the harness' deadline (a hang)
+        got = _run(tmp_path, _plan([urls["one"]] * 2, proxies, [2, 3], timeout=600.0))
     for g in got:
         assert g is not None and "RequestError" in g["type"], got
         assert "disagree on their number" in g["error"] and "2" in g["error"], g
-        assert g["seconds"] < 60, g  # told at once, not after the 120 s the peers would wait
 
 
 def test_peers_that_never_come_stop_the_one_waiting_after_its_timeout(
@@ -249,13 +251,13 @@ def test_a_peer_with_another_revision_stops_every_peer_before_any_tensor_byte(
 def test_a_peer_killed_mid_fetch_stops_the_others_at_once(bucket, tmp_path: Path) -> None:
     s3, urls, _, _ = bucket
     with _proxies(s3, 2) as proxies:
-        plan = _plan([urls["one"]] * 2, proxies, [2, 2], timeout=120.0)
+        # a survivor that waited for its group's timeout would outlive the harness' deadline
+        plan = _plan([urls["one"]] * 2, proxies, [2, 2], timeout=600.0)
         plan["peers"][1]["die"] = True
         survivor, killed = _run(tmp_path, plan)
     assert killed is None
     assert survivor is not None and "FastloadIOError" in survivor["type"], survivor
     assert "rank-lost" in survivor["error"], survivor
-    assert survivor["seconds"] < 60, survivor  # the broken connection, not the group's timeout
 
 
 def test_the_share_fetch_options_are_checked_where_they_enter() -> None:

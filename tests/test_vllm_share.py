@@ -17,6 +17,7 @@ from pathlib import Path
 
 from test_vllm import (
     MAX_TOKENS,
+    TIMEOUT,
     _config_only,
     _env,
     _offline,
@@ -67,6 +68,8 @@ def test_two_replicas_share_one_fetch_and_give_the_tokens_of_safetensors(
             "share_fetch": "node",
             "share_fetch_address": f"127.0.0.1:{free_port()}",
             "share_fetch_peers": 2,
+            # a replica may start much later than the other on a busy machine
+            "share_fetch_timeout": TIMEOUT,
         }
         runs = [
             _offline(
@@ -122,6 +125,8 @@ def test_two_replicas_reloading_at_once_fetch_the_changed_tensors_once_in_all(
         "share_fetch": "node",
         "share_fetch_address": f"127.0.0.1:{free_port()}",
         "share_fetch_peers": 2,
+        # a replica may start much later than the other on a busy machine
+        "share_fetch_timeout": TIMEOUT,
     }
 
     def start(i: int) -> Engine:
