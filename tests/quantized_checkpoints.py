@@ -319,3 +319,40 @@ def assert_saves_alike(got: torch.nn.Module, want: torch.nn.Module, directory: P
     for name in names:
         mine = (directory / "fastload" / name).read_bytes()
         assert mine == (directory / "transformers" / name).read_bytes(), name
+
+
+def operation_order(
+    checkpoint: Path, operation: Any, monkeypatch: Any
+) -> list[tuple[tuple[str, ...], str]]:
+    """Loads ``checkpoint`` with fastload, recording each read (the names it fills) and each
+    ``operation.convert`` (transformers' load operation: the layer it makes). Asserts that the
+    reads and conversions alternate, one read before each conversion, and that the reads come
+    in the order of the file; returns ``(names read, layer made)`` of each operation."""
+    import fastload
+    from fastload.core import reading
+
+    events: list[tuple[str, ...]] = []
+    real_fill, real_convert = reading.fill, operation.convert
+
+    def fill(file, items, *args, **kwargs):  # type: ignore[no-untyped-def]
+        items = list(items)
+        events.append(("read", *(name for name, _, _ in items)))
+        return real_fill(file, items, *args, **kwargs)
+
+    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
+        events.append(("convert", kwargs["full_layer_name"]))
+        return real_convert(self, input_dict, **kwargs)
+
+    monkeypatch.setattr(reading, "fill", fill)
+    monkeypatch.setattr(operation, "convert", convert)
+    fastload.from_pretrained(checkpoint)
+    data = (checkpoint / "model.safetensors").read_bytes()
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    offsets = {n: v["data_offsets"][0] for n, v in header.items() if n != "__metadata__"}
+    reads = [e[1:] for e in events if e[0] == "read"]
+    converts = [e[1] for e in events if e[0] == "convert"]
+    # each operation's inputs read, then converted, before the next is read
+    assert [kind for kind, *_ in events] == ["read", "convert"] * len(converts)
+    firsts = [min(offsets[n] for n in names) for names in reads]
+    assert firsts == sorted(firsts)
+    return list(zip(reads, converts, strict=True))

@@ -25,7 +25,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 import fastload  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_saves_alike, bnb_checkpoint  # noqa: E402
+from quantized_checkpoints import assert_saves_alike, bnb_checkpoint, operation_order  # noqa: E402
 from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -129,41 +129,17 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 ) -> None:
     from transformers.integrations import bitsandbytes as integration
 
-    from fastload.core import reading
-
     operation = (
         integration.Bnb8bitDeserialize
         if "int8" in str(quantized)
         else integration.Bnb4bitDeserialize
     )
-    events: list[tuple[str, ...]] = []
-    real_fill, real_convert = reading.fill, operation.convert
-
-    def fill(file, items, *args, **kwargs):  # type: ignore[no-untyped-def]
-        items = list(items)
-        events.append(("read", *(name for name, _, _ in items)))
-        return real_fill(file, items, *args, **kwargs)
-
-    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
-        events.append(("convert", kwargs["full_layer_name"]))
-        return real_convert(self, input_dict, **kwargs)
-
-    monkeypatch.setattr(reading, "fill", fill)
-    monkeypatch.setattr(operation, "convert", convert)
-    fastload.from_pretrained(quantized)
-    data = (quantized / "model.safetensors").read_bytes()
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    offsets = {n: v["data_offsets"][0] for n, v in header.items() if n != "__metadata__"}
-    reads = [e[1:] for e in events if e[0] == "read"]
-    converts = [e[1] for e in events if e[0] == "convert"]
-    assert len(converts) == 14  # 7 projections of 2 layers
-    assert [kind for kind, *_ in events] == ["read", "convert"] * 14
-    for names, target in zip(reads, converts, strict=True):
+    done = operation_order(quantized, operation, monkeypatch)
+    assert len(done) == 14  # 7 projections of 2 layers
+    for names, target in done:
         module = target.removesuffix(".weight")
         assert target in names and all(n.startswith(module + ".") for n in names)
         assert len(names) >= 2  # the weight and its quant state
-    firsts = [min(offsets[n] for n in names) for names in reads]
-    assert firsts == sorted(firsts)
 
 
 def test_under_the_patch_a_bitsandbytes_checkpoint_is_read_by_fastload(

@@ -26,6 +26,7 @@ from quantized_checkpoints import (  # noqa: E402
     assert_same_model,
     assert_saves_alike,
     compressed_tensors_checkpoint,
+    operation_order,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -87,35 +88,11 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 ) -> None:
     from transformers.integrations.compressed_tensors import CompressedTensorsDequantize
 
-    from fastload.core import reading
-
-    events: list[tuple[str, ...]] = []
-    real_fill, real_convert = reading.fill, CompressedTensorsDequantize.convert
-
-    def fill(file, items, *args, **kwargs):  # type: ignore[no-untyped-def]
-        items = list(items)
-        events.append(("read", *(name for name, _, _ in items)))
-        return real_fill(file, items, *args, **kwargs)
-
-    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
-        events.append(("convert", kwargs["full_layer_name"]))
-        return real_convert(self, input_dict, **kwargs)
-
-    monkeypatch.setattr(reading, "fill", fill)
-    monkeypatch.setattr(CompressedTensorsDequantize, "convert", convert)
-    fastload.from_pretrained(dequantized)
-    data = (dequantized / "model.safetensors").read_bytes()
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    offsets = {n: v["data_offsets"][0] for n, v in header.items() if n != "__metadata__"}
-    reads = [e[1:] for e in events if e[0] == "read"]
-    converts = [e[1] for e in events if e[0] == "convert"]
-    assert len(converts) == 14  # 7 projections of 2 layers
-    assert [kind for kind, *_ in events] == ["read", "convert"] * 14
-    for names, target in zip(reads, converts, strict=True):
+    done = operation_order(dequantized, CompressedTensorsDequantize, monkeypatch)
+    assert len(done) == 14  # 7 projections of 2 layers
+    for names, target in done:
         module = target.removesuffix(".weight")
         assert all(n.startswith(module + ".weight") for n in names) and len(names) >= 2
-    firsts = [min(offsets[n] for n in names) for names in reads]
-    assert firsts == sorted(firsts)
 
 
 def test_under_the_patch_a_checkpoint_to_dequantize_is_read_by_fastload(

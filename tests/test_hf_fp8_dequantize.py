@@ -20,7 +20,7 @@ pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it
 import fastload  # noqa: E402
 import quantized_checkpoints  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_same_model, assert_saves_alike  # noqa: E402
+from quantized_checkpoints import assert_same_model, assert_saves_alike, operation_order  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
@@ -66,35 +66,10 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 ) -> None:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from fastload.core import reading
-
-    events: list[tuple[str, ...]] = []
-    real_fill, real_convert = reading.fill, Fp8Dequantize.convert
-
-    def fill(file, items, *args, **kwargs):  # type: ignore[no-untyped-def]
-        items = list(items)
-        events.append(("read", *(name for name, _, _ in items)))
-        return real_fill(file, items, *args, **kwargs)
-
-    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
-        events.append(("convert", kwargs["full_layer_name"]))
-        return real_convert(self, input_dict, **kwargs)
-
-    monkeypatch.setattr(reading, "fill", fill)
-    monkeypatch.setattr(Fp8Dequantize, "convert", convert)
-    fastload.from_pretrained(fp8_checkpoint)
-    data = (fp8_checkpoint / "model.safetensors").read_bytes()
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    offsets = {n: v["data_offsets"][0] for n, v in header.items() if n != "__metadata__"}
-    reads = [e[1:] for e in events if e[0] == "read"]
-    converts = [e[1] for e in events if e[0] == "convert"]
-    assert len(converts) == 14  # 7 projections of 2 layers
-    # each operation's weight and scale read, then converted, before the next is read
-    assert [kind for kind, *_ in events] == ["read", "convert"] * 14
-    for names, target in zip(reads, converts, strict=True):
+    done = operation_order(fp8_checkpoint, Fp8Dequantize, monkeypatch)
+    assert len(done) == 14  # 7 projections of 2 layers
+    for names, target in done:
         assert sorted(names) == sorted([target, target + "_scale_inv"])
-    firsts = [min(offsets[n] for n in names) for names in reads]
-    assert firsts == sorted(firsts)
 
 
 def test_under_the_patch_an_fp8_checkpoint_is_read_by_fastload(
