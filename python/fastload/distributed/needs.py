@@ -14,6 +14,7 @@ itself, so both cut a chunk the same way.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -113,20 +114,37 @@ class Routes:
         tensors: dict[int, list[tuple[str, int, int]]],
     ) -> None:
         self.everyone = everyone
-        self.tensors = tensors
+        #: each file's tensors in file order, and where each ends (to find a chunk's by bisection:
+        #: a read has thousands of chunks, a file hundreds of tensors)
+        self.tensors = {f: sorted(ts, key=lambda t: t[1]) for f, ts in tensors.items()}
+        self._ends = {f: [t[2] for t in ts] for f, ts in self.tensors.items()}
+        #: the tensors some rank keeps only a part of (or none of), decided once
+        self.partial = {
+            name
+            for ts in self.tensors.values()
+            for name, _, _ in ts
+            if any(needs.get(name) != [ALL] for needs in everyone)
+        }
+
+    def _within(self, file: int, start: int, stop: int) -> list[tuple[str, int, int]]:
+        """The tensors of ``file`` that bytes ``[start, stop)`` overlap."""
+        ts = self.tensors.get(file, [])
+        first = bisect.bisect_right(self._ends.get(file, []), start)
+        out = []
+        for t in ts[first:]:
+            if t[1] >= stop:
+                break
+            out.append(t)
+        return out
 
     def broadcast(self, file: int, start: int, stop: int) -> bool:
         """Whether every rank keeps every byte of the chunk (then it is broadcast): decided
         from the descriptions alone, alike on every rank."""
-        for name, t_start, t_stop in self.tensors.get(file, ()):
-            if t_start < stop and start < t_stop:
-                if any(needs.get(name) != [ALL] for needs in self.everyone):
-                    return False
-        return True
+        return not any(name in self.partial for name, _, _ in self._within(file, start, stop))
 
     def of(self, rank: int, file: int, start: int, stop: int) -> list[tuple[int, int]]:
         """The byte ranges of the chunk (offsets in it) that ``rank`` keeps."""
-        return ranges_in(self.everyone[rank], self.tensors.get(file, ()), start, stop)
+        return ranges_in(self.everyone[rank], self._within(file, start, stop), start, stop)
 
 
 def pack(buffer: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
