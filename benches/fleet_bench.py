@@ -27,7 +27,9 @@ robin, ``--repeats`` times:
 
 Each rank's time runs from a barrier to a barrier after the load (the slowest rank's time);
 after the clock each rank's state dict is hashed and compared with a local single-process load
-(``bitwise``). Writes ``<out>.json`` (raw figures, the command) and ``<out>.md`` (the table).
+(``bitwise``), and its peak resident memory (``VmHWM``) is taken, above what it held when the
+load started (``/proc/self/statm``): the kernel's counts. Writes ``<out>.json`` (raw figures,
+the command) and ``<out>.md`` (the table).
 """
 
 from __future__ import annotations
@@ -143,6 +145,30 @@ def _digest(tensors: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def _rss() -> int:
+    """Bytes of this process resident now (the kernel's count)."""
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak() -> int:
+    """Bytes of this process resident at its peak so far (the kernel's ``VmHWM``, which starts
+    anew at the process's exec; ``getrusage``'s peak would carry over the parent's from before
+    the exec of a spawned child)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def _result(seconds: float, digest: str | None, before: int) -> str:
+    """A rank's figures: its time, its tensors' digest, and its peak resident memory, whole and
+    above what it held when the load started."""
+    peak = _peak()
+    return json.dumps(
+        {"seconds": seconds, "digest": digest, "peak_rss": peak, "peak_over_start": peak - before}
+    )
+
+
 def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -159,12 +185,12 @@ def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: 
     cls = transformers.LlamaForCausalLM
     extra = {"process_group": dist.group.WORLD} if kind == "collective" else {}
     dist.barrier()
-    start = time.perf_counter()
+    before, start = _rss(), time.perf_counter()
     model = fastload.from_pretrained(cls, url, progress=False, **extra)
     dist.barrier()  # the load ends when the slowest rank is done
     seconds = time.perf_counter() - start
-    digest = _digest(dict(model.state_dict()))
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "digest": digest}))
+    result = _result(seconds, _digest(dict(model.state_dict())), before)
+    Path(out, f"rank{rank}.json").write_text(result)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -180,12 +206,11 @@ def _peer(rank: int, world: int, port: int, out: str, url: str, env: dict) -> No
     torch.set_num_threads(1)
     group = join(Rendezvous("127.0.0.1", port, world, 600.0), f"bench:{url}")
     group.gather(None)  # every peer ready
-    start = time.perf_counter()
+    before, start = _rss(), time.perf_counter()
     tensors = dict(RemoteWeights(url, group=group))
     group.gather(None)  # the load ends when the slowest peer is done
     seconds = time.perf_counter() - start
-    digest = _digest(tensors)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "digest": digest}))
+    Path(out, f"rank{rank}.json").write_text(_result(seconds, _digest(tensors), before))
     group.gather(None)
     os._exit(0)  # no teardown of the peers' group
 
@@ -202,6 +227,7 @@ def _floor(rank: int, out: str, url: str, env: dict) -> None:
     store = object_store.open_store(url)
     key = store.key.rstrip("/") + "/model.safetensors"
     size = store.head(key)[0]
+    before = _rss()
     buffer = torch.empty(size, dtype=torch.uint8)
     ranges = [(o, min(size, o + RANGE)) for o in range(0, size, RANGE)]
     start = time.perf_counter()
@@ -209,7 +235,7 @@ def _floor(rank: int, out: str, url: str, env: dict) -> None:
         list(pool.map(lambda r: object_store.read_into(store, key, r[0], buffer[r[0] : r[1]]),
                       ranges))  # fmt: skip
     seconds = time.perf_counter() - start
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"seconds": seconds, "digest": None}))
+    Path(out, f"rank{rank}.json").write_text(_result(seconds, None, before))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +316,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     p.close()
                 row = {
                     "seconds": max(r["seconds"] for r in ranks),
+                    "peak_over_start": max(r["peak_over_start"] for r in ranks),
+                    "peak_rss": max(r["peak_rss"] for r in ranks),
                     "store_bytes_per_rank": [p.sent for p in proxies],
                     "bitwise": None
                     if kind == "floor"
@@ -328,6 +356,8 @@ def summarize(result: dict[str, Any], args: argparse.Namespace, command: str) ->
             "median_s": statistics.median(r["seconds"] for r in runs),
             "all_s": [r["seconds"] for r in runs],
             "store_bytes_per_rank": per_rank,
+            "peak_over_start": statistics.median(r["peak_over_start"] for r in runs),
+            "peak_rss": statistics.median(r["peak_rss"] for r in runs),
             "store_bytes_total": sum(per_rank),
             "bitwise": None if runs[0]["bitwise"] is None else all(r["bitwise"] for r in runs),
         }
@@ -362,15 +392,18 @@ def markdown(summary: dict[str, Any]) -> str:
         f"gloo over loopback, median of {summary['repeats']} (round robin)",
         "",
         "| run | seconds (slowest rank) | x floor | from the store per rank (MiB) | "
-        "largest share | total (x checkpoint) | bitwise |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "largest share | total (x checkpoint) | peak RSS above the start, largest rank (x "
+        "checkpoint) | bitwise |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, row in summary["rows"].items():
         per_rank = ", ".join(f"{b / (1 << 20):.1f}" for b in row["store_bytes_per_rank"])
         bitwise = {None: "", True: "equal", False: "DIFFERS"}[row["bitwise"]]
         lines.append(
             f"| {label} | {row['median_s']:.2f} | {row['x_floor']:.2f}x | {per_rank} | "
-            f"{row['max_share_per_rank']:.3f} | {row['x_checkpoint_total']:.3f}x | {bitwise} |"
+            f"{row['max_share_per_rank']:.3f} | {row['x_checkpoint_total']:.3f}x | "
+            f"{row['peak_over_start'] / (1 << 20):.0f} MiB "
+            f"({row['peak_over_start'] / summary['object_bytes']:.2f}x) | {bitwise} |"
         )
     lines += ["", f"Command: `{summary['command']}`", ""]
     return "\n".join(lines) + "\n"
