@@ -28,7 +28,7 @@ gloo moves CPU buffers; with NCCL the buffers live on the rank's CUDA device.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -71,6 +71,15 @@ def check_same_checkpoint(group: RankGroup, ckpt: OpenCheckpoint | Checkpoint) -
             f"collective load: the ranks opened different checkpoints (tensors, dtypes, shapes or "
             f"offsets differ from rank 0's): {listed}"
         )
+
+
+def open_same(group: RankGroup, opener: Callable[[], OpenCheckpoint], what: str) -> OpenCheckpoint:
+    """``opener()`` on every rank of ``group``: a rank that fails to open stops every rank
+    (:func:`~fastload.distributed.group.together`, ``what`` naming the step), and the ranks must
+    have opened the same checkpoint (:func:`check_same_checkpoint`)."""
+    ckpt = together(group, opener, what)
+    check_same_checkpoint(group, ckpt)
+    return ckpt
 
 
 def spans(needed: Sequence[tuple[StoredTensor, int]]) -> list[tuple[int, int, int]]:

@@ -15,9 +15,10 @@ from fastload.distributed.collective import (
     Exchange,
     RankGroup,
     check_same_checkpoint,
+    open_same,
     read_collectively,
 )
-from fastload.distributed.group import abandon, together
+from fastload.distributed.group import abandon
 from fastload.distributed.tensor_parallel import TPLayout, layout_for, parallelize
 
 
@@ -28,9 +29,7 @@ class DistributedSteps:
         self, process_group: Any, where: str, opener: Callable[[], OpenCheckpoint]
     ) -> tuple[RankGroup, OpenCheckpoint]:
         group = RankGroup(process_group, where=where)
-        ckpt = together(group, opener, "opening the checkpoint")
-        check_same_checkpoint(group, ckpt)
-        return group, ckpt
+        return group, open_same(group, opener, "opening the checkpoint")
 
     def abandon(self, group: Any, failure: Exception) -> None:
         abandon(cast(RankGroup, group), failure)

@@ -33,8 +33,8 @@ from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
 from fastload.core.dtypes import torch_shape
 from fastload.core.progress import byte_progress
 from fastload.core.reading import fill_many
-from fastload.distributed.collective import check_same_checkpoint, read_collectively
-from fastload.distributed.group import RankGroup, together
+from fastload.distributed.collective import open_same, read_collectively
+from fastload.distributed.group import RankGroup
 
 from .remote_fetches import Fetches, FetchProgress, this_rank
 from .remote_slices import unread_tensor
@@ -122,12 +122,11 @@ class RemoteWeights:
         if group is None:
             self.checkpoint: OpenCheckpoint = object_store.open_checkpoint(url, storage_options)
         else:  # a store error on one member stops every member, naming it
-            self.checkpoint = together(
+            self.checkpoint = open_same(
                 group,
                 lambda: object_store.open_checkpoint(url, storage_options),
                 "opening the checkpoint (share_fetch)",
             )
-            check_same_checkpoint(group, self.checkpoint)
         for t in self.checkpoint.tensors.values():
             where = f"{self.checkpoint.file_path(t)}: tensor {t.name!r}"
             with refusing_unreadable("vLLM's runai_streamer (an s3:// model)"):
