@@ -356,3 +356,33 @@ def operation_order(
     firsts = [min(offsets[n] for n in names) for names in reads]
     assert firsts == sorted(firsts)
     return list(zip(reads, converts, strict=True))
+
+
+def rewritten(source: Path, tmp_path: Path, change: Any) -> Path:
+    """A copy of checkpoint directory ``source`` under ``tmp_path`` whose ``model.safetensors``
+    holds the tensors ``change`` (called with the name -> tensor dict) left or made."""
+    import safetensors.torch as st
+
+    directory = tmp_path / "changed"
+    directory.mkdir()
+    for f in source.iterdir():
+        if f.name != "model.safetensors":
+            (directory / f.name).write_bytes(f.read_bytes())
+    tensors = st.load_file(str(source / "model.safetensors"))
+    change(tensors)
+    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def conversions(operation: Any, monkeypatch: Any) -> list[str]:
+    """The layers transformers' load ``operation`` is run for from now on, recorded as it runs
+    (none, where a plan refuses before any)."""
+    ran: list[str] = []
+    real = operation.convert
+
+    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
+        ran.append(kwargs["full_layer_name"])
+        return real(self, input_dict, **kwargs)
+
+    monkeypatch.setattr(operation, "convert", convert)
+    return ran

@@ -25,7 +25,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 import fastload  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_saves_alike, bnb_checkpoint, operation_order  # noqa: E402
+from quantized_checkpoints import assert_saves_alike, bnb_checkpoint, operation_order, rewritten  # noqa: E402
 from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -195,20 +195,6 @@ def checkpoint_of(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return of
 
 
-def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
-    import safetensors.torch as st
-
-    directory = tmp_path / "changed"
-    directory.mkdir()
-    for f in source.iterdir():
-        if f.name != "model.safetensors":
-            (directory / f.name).write_bytes(f.read_bytes())
-    tensors = st.load_file(str(source / "model.safetensors"))
-    change(tensors)
-    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
 def _set(name: str, make):  # type: ignore[no-untyped-def]
     def change(tensors: dict[str, torch.Tensor]) -> None:
         tensors[name] = make(tensors[name]).contiguous()
@@ -317,7 +303,7 @@ def test_a_bad_quant_state_is_refused_naming_it_before_reading(
     one. A wrong dtype transformers casts silently; fastload refuses it by name."""
     from transformers.integrations import bitsandbytes as integration
 
-    directory = _rewritten(checkpoint_of(form), tmp_path, change)
+    directory = rewritten(checkpoint_of(form), tmp_path, change)
     ran: list[str] = []
     for operation in (integration.Bnb4bitDeserialize, integration.Bnb8bitDeserialize):
         monkeypatch.setattr(operation, "convert", lambda self, d, **k: ran.append("ran"))

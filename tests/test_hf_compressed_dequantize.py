@@ -26,7 +26,9 @@ from quantized_checkpoints import (  # noqa: E402
     assert_same_model,
     assert_saves_alike,
     compressed_tensors_checkpoint,
+    conversions,
     operation_order,
+    rewritten,
 )
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -118,33 +120,11 @@ def test_save_pretrained_writes_what_it_writes_of_transformers_model(
     assert "quantization_config" not in json.loads((tmp_path / "fastload/config.json").read_text())
 
 
-def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
-    import safetensors.torch as st
-
-    directory = tmp_path / "changed"
-    directory.mkdir()
-    for f in source.iterdir():
-        if f.name != "model.safetensors":
-            (directory / f.name).write_bytes(f.read_bytes())
-    tensors = st.load_file(str(source / "model.safetensors"))
-    change(tensors)
-    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
 @pytest.fixture
 def no_operation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from transformers.integrations.compressed_tensors import CompressedTensorsDequantize
 
-    ran: list[str] = []
-    real = CompressedTensorsDequantize.convert
-
-    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
-        ran.append(kwargs["full_layer_name"])
-        return real(self, input_dict, **kwargs)
-
-    monkeypatch.setattr(CompressedTensorsDequantize, "convert", convert)
-    return ran
+    return conversions(CompressedTensorsDequantize, monkeypatch)
 
 
 def _quantized_name(tensors: dict[str, torch.Tensor]) -> str:
@@ -154,7 +134,7 @@ def _quantized_name(tensors: dict[str, torch.Tensor]) -> str:
 def test_a_missing_scale_is_refused_naming_it_before_reading(
     dequantized: Path, tmp_path: Path, no_operation: list[str]
 ) -> None:
-    directory = _rewritten(dequantized, tmp_path, lambda t: t.pop(f"{PROJ}.weight_scale"))
+    directory = rewritten(dequantized, tmp_path, lambda t: t.pop(f"{PROJ}.weight_scale"))
     with pytest.raises(
         fastload.CheckpointError, match=rf"but its scale '{PROJ}\.weight_scale' is missing"
     ):
@@ -170,7 +150,7 @@ def test_a_scale_of_the_wrong_shape_is_refused_naming_it_before_reading(
     def narrow(tensors: dict[str, torch.Tensor]) -> None:
         tensors[name] = tensors[name][:7].contiguous()
 
-    directory = _rewritten(dequantized, tmp_path, narrow)
+    directory = rewritten(dequantized, tmp_path, narrow)
     with pytest.raises(
         fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[7, \d+\]; the \w+ scale"
     ):
@@ -189,7 +169,7 @@ def test_a_quantized_weight_of_the_wrong_size_is_refused_naming_it_before_readin
         named.append(_quantized_name(tensors))
         tensors[named[0]] = tensors[named[0]][:, :3].contiguous()
 
-    directory = _rewritten(dequantized, tmp_path, narrow)
+    directory = rewritten(dequantized, tmp_path, narrow)
     with pytest.raises(
         fastload.ModelMismatchError, match=rf"tensor '{named[0]}' has shape \[64, 3\]"
     ):
@@ -205,7 +185,7 @@ def test_a_packed_weight_without_its_shape_is_refused_naming_it(
     source = _dequantized(
         compressed_tensors_checkpoint(tmp_path_factory.mktemp(name), scheme, form)
     )
-    directory = _rewritten(source, tmp_path, lambda t: t.pop(f"{PROJ}.weight_shape"))
+    directory = rewritten(source, tmp_path, lambda t: t.pop(f"{PROJ}.weight_shape"))
     with pytest.raises(
         fastload.CheckpointError,
         match=rf"'{PROJ}\.weight_packed' is packed but its '{PROJ}\.weight_shape'",
@@ -218,7 +198,7 @@ def test_an_asymmetric_scheme_without_its_zero_point_is_refused_naming_it(
     dequantized: Path, tmp_path: Path, no_operation: list[str]
 ) -> None:
     """The config group says asymmetric (a zero point per scale) and the checkpoint has none."""
-    directory = _rewritten(dequantized, tmp_path, lambda t: None)
+    directory = rewritten(dequantized, tmp_path, lambda t: None)
     config = json.loads((directory / "config.json").read_text())
     for group in config["quantization_config"]["config_groups"].values():
         group["weights"]["symmetric"] = False

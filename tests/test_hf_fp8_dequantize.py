@@ -20,7 +20,13 @@ pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it
 import fastload  # noqa: E402
 import quantized_checkpoints  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_same_model, assert_saves_alike, operation_order  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    assert_same_model,
+    assert_saves_alike,
+    conversions,
+    operation_order,
+    rewritten,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
@@ -135,24 +141,10 @@ def test_scales_stored_under_transformers_legacy_name_load_as_transformers_loads
         for name in [n for n in tensors if n.endswith(".weight_scale_inv")]:
             tensors[name.removesuffix(".weight_scale_inv") + ".scale"] = tensors.pop(name)
 
-    directory = _rewritten(fp8_checkpoint, tmp_path, rename)
+    directory = rewritten(fp8_checkpoint, tmp_path, rename)
     got, report = fastload.from_pretrained(directory, output_loading_info=True)
     assert not report.missing and not report.unexpected and not report.authorized_unexpected
     assert_same_model(got, _transformers(directory))
-
-
-def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
-    import safetensors.torch as st
-
-    directory = tmp_path / "changed"
-    directory.mkdir()
-    for f in source.iterdir():
-        if f.name != "model.safetensors":
-            (directory / f.name).write_bytes(f.read_bytes())
-    tensors = st.load_file(str(source / "model.safetensors"))
-    change(tensors)
-    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
 
 
 @pytest.fixture
@@ -160,22 +152,14 @@ def no_operation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The targets transformers' dequantize ran for (none, where the plan refuses)."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    ran: list[str] = []
-    real = Fp8Dequantize.convert
-
-    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
-        ran.append(kwargs["full_layer_name"])
-        return real(self, input_dict, **kwargs)
-
-    monkeypatch.setattr(Fp8Dequantize, "convert", convert)
-    return ran
+    return conversions(Fp8Dequantize, monkeypatch)
 
 
 def test_a_missing_scale_is_refused_naming_it_before_reading(
     fp8_checkpoint: Path, tmp_path: Path, no_operation: list[str]
 ) -> None:
     name = "model.layers.1.mlp.down_proj.weight"
-    directory = _rewritten(fp8_checkpoint, tmp_path, lambda t: t.pop(name + "_scale_inv"))
+    directory = rewritten(fp8_checkpoint, tmp_path, lambda t: t.pop(name + "_scale_inv"))
     with pytest.raises(fastload.CheckpointError, match=rf"'{name}'.*scale '{name}_scale_inv'"):
         fastload.from_pretrained(directory)
     assert no_operation == []
@@ -189,7 +173,7 @@ def test_a_scale_of_the_wrong_shape_is_refused_naming_it_before_reading(
     def narrow(tensors: dict[str, torch.Tensor]) -> None:
         tensors[name] = tensors[name][:, :1].contiguous()  # [2, 1]: the weight is [256, 384]
 
-    directory = _rewritten(fp8_checkpoint, tmp_path, narrow)
+    directory = rewritten(fp8_checkpoint, tmp_path, narrow)
     with pytest.raises(
         fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[2, 1\].*shape \[2, 3\]"
     ):
@@ -205,7 +189,7 @@ def test_a_weight_of_the_wrong_shape_is_refused_naming_it_before_reading(
     def narrow(tensors: dict[str, torch.Tensor]) -> None:
         tensors[name] = tensors[name][:128].contiguous()
 
-    directory = _rewritten(fp8_checkpoint, tmp_path, narrow)
+    directory = rewritten(fp8_checkpoint, tmp_path, narrow)
     with pytest.raises(fastload.ModelMismatchError, match=rf"tensor '{name}' has shape \[128,"):
         fastload.from_pretrained(directory)
     assert no_operation == []
@@ -216,7 +200,7 @@ def test_fp8_kept_in_fp8_is_still_refused(fp8_checkpoint: Path, tmp_path: Path) 
     not read yet: refused by name, as before."""
     from transformers.quantizers import quantizer_finegrained_fp8 as fp8
 
-    directory = _rewritten(fp8_checkpoint, tmp_path, lambda t: None)
+    directory = rewritten(fp8_checkpoint, tmp_path, lambda t: None)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
         with pytest.raises(fastload.UnsupportedError, match="quant_method='fp8'.*deserialize"):

@@ -19,7 +19,13 @@ pytest.importorskip("transformers.models.gpt_oss")
 import fastload  # noqa: E402
 import quantized_checkpoints  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_same_model, assert_saves_alike, operation_order  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    assert_same_model,
+    assert_saves_alike,
+    conversions,
+    operation_order,
+    rewritten,
+)
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
@@ -96,34 +102,12 @@ def test_save_pretrained_writes_what_it_writes_of_transformers_model(
     assert "quantization_config" not in saved
 
 
-def _rewritten(source: Path, tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
-    import safetensors.torch as st
-
-    directory = tmp_path / "changed"
-    directory.mkdir()
-    for f in source.iterdir():
-        if f.name != "model.safetensors":
-            (directory / f.name).write_bytes(f.read_bytes())
-    tensors = st.load_file(str(source / "model.safetensors"))
-    change(tensors)
-    st.save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
 @pytest.fixture
 def no_operation(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The targets transformers' dequantize ran for (none, where the plan refuses)."""
     from transformers.integrations.mxfp4 import Mxfp4Dequantize
 
-    ran: list[str] = []
-    real = Mxfp4Dequantize.convert
-
-    def convert(self, input_dict, **kwargs):  # type: ignore[no-untyped-def]
-        ran.append(kwargs["full_layer_name"])
-        return real(self, input_dict, **kwargs)
-
-    monkeypatch.setattr(Mxfp4Dequantize, "convert", convert)
-    return ran
+    return conversions(Mxfp4Dequantize, monkeypatch)
 
 
 def _shape(name: str, slices: tuple[slice, ...]):  # type: ignore[no-untyped-def]
@@ -193,7 +177,7 @@ def test_bad_blocks_or_scales_are_refused_naming_them_before_reading(
     error: type[Exception],
     message: str,
 ) -> None:
-    directory = _rewritten(mxfp4_checkpoint, tmp_path, change)
+    directory = rewritten(mxfp4_checkpoint, tmp_path, change)
     with pytest.raises(error, match=message):
         fastload.from_pretrained(directory)
     assert no_operation == []
@@ -205,7 +189,7 @@ def test_a_wrong_shape_is_the_error_class_transformers_raises(
     """transformers raises ``RuntimeError`` for blocks or scales of the wrong shape;
     ``ModelMismatchError`` is one."""
     change = _shape(f"{EXPERTS}.down_proj_scales", (slice(None), slice(None), slice(0, 1)))
-    directory = _rewritten(mxfp4_checkpoint, tmp_path, change)
+    directory = rewritten(mxfp4_checkpoint, tmp_path, change)
     with pytest.raises(RuntimeError) as theirs:
         _transformers(directory)
     with pytest.raises(type(theirs.value)):
@@ -233,7 +217,7 @@ def test_dequantize_true_in_the_config_is_served_where_the_kernels_would_run(
     environment check, made a no-op here as where the kernels run, is not what decides)."""
     from transformers.quantizers import quantizer_mxfp4
 
-    directory = _rewritten(mxfp4_checkpoint, tmp_path, lambda t: None)
+    directory = rewritten(mxfp4_checkpoint, tmp_path, lambda t: None)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"]["dequantize"] = True
     (directory / "config.json").write_text(json.dumps(config))
