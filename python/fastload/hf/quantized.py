@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch import nn
 
 from fastload.core.errors import UnsupportedError
 from fastload.hf.context import quantization_method
+from fastload.hf.meta_compression import compress_once_per_kind
 
 #: the ``quant_method`` values fastload reads itself (stored as they run, without a load
 #: operation, checked against transformers by tests/test_hf_quantized.py)
@@ -80,9 +82,11 @@ class Quantization:
 
     def preprocess(self, model: nn.Module, dtype: torch.dtype | None) -> None:
         """``preprocess_model`` on the skeleton (the module swaps), on the meta device as
-        transformers runs it."""
+        transformers runs it; compressed-tensors' compressors run once per kind of layer
+        (:mod:`fastload.hf.meta_compression`)."""
         start = time.perf_counter()
-        with torch.device("meta"):
+        once = compress_once_per_kind() if self.method == "compressed-tensors" else nullcontext()
+        with once, torch.device("meta"):
             self.quantizer.preprocess_model(
                 model=model, dtype=dtype, device_map=None, checkpoint_files=self.files or None
             )

@@ -1,0 +1,100 @@
+"""compressed-tensors' compression of the meta skeleton runs once per kind of layer
+(:mod:`fastload.hf.meta_compression`): the compressor's own ``compress`` is counted from
+outside the wrapping (the count is installed before the load wraps it), the model stays
+transformers' own (tests/test_hf_quantized.py compares every format), and tensors with data
+pass through untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+import fastload  # noqa: E402
+from fastload.hf.meta_compression import compress_once_per_kind  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    COMPRESSED_TENSORS_FORMATS,
+    compressed_tensors_checkpoint,
+)
+
+pytestmark = pytest.mark.usefixtures("unpatched")
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[bool]:
+    """Each call of ``cls``' own ``compress``: whether its weight was on meta."""
+    calls: list[bool] = []
+    function = cls.__dict__["compress"].__func__
+
+    def compress(klass: type, state_dict: dict[str, Any], scheme: Any) -> Any:
+        calls.append(state_dict["weight"].device.type == "meta")
+        return function(klass, state_dict, scheme)
+
+    monkeypatch.setattr(cls, "compress", classmethod(compress))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [f for f in COMPRESSED_TENSORS_FORMATS if f[0] in ("int8", "fp8", "nvfp4")],
+    ids=lambda f: f[0],
+)
+def test_the_compressor_runs_once_per_kind_of_layer(
+    fmt: tuple[str, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    name, scheme, form = fmt
+    directory = compressed_tensors_checkpoint(tmp_path, scheme, form)
+    cls = NVFP4PackedCompressor if name == "nvfp4" else NaiveQuantizationCompressor
+    calls = _counted(monkeypatch, cls)
+    model = fastload.from_pretrained(directory)
+    # 2 layers x 7 projections; q and o, k and v, gate and up have one shape each: 4 kinds
+    layers = [m for m in model.modules() if hasattr(m, "quantization_scheme")]
+    kinds = {
+        tuple((n, p.dtype, tuple(p.shape)) for n, p in m.named_parameters(recurse=False))
+        for m in layers
+    }
+    assert (len(layers), len(kinds)) == (14, 4)
+    assert calls == [True] * len(kinds)
+    assert isinstance(cls.__dict__["compress"], classmethod)
+
+
+def test_tensors_with_data_are_compressed_every_time_as_without_the_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from compressed_tensors.compressors import (
+        IntQuantizationCompressor,
+        NaiveQuantizationCompressor,
+    )
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    calls = _counted(monkeypatch, NaiveQuantizationCompressor)
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    torch.manual_seed(0)
+    state = {"weight": torch.randn(8, 16), "weight_scale": torch.rand(8, 1) + 0.01}
+    want = IntQuantizationCompressor.compress(dict(state), scheme)
+    with compress_once_per_kind() as memo:
+        first = IntQuantizationCompressor.compress(dict(state), scheme)
+        second = IntQuantizationCompressor.compress(dict(state), scheme)
+    assert memo is not None and (memo.calls, memo.runs) == (2, 2)
+    assert calls == [False, False, False]
+    for got in (first, second):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_compressors_are_restored_after_an_error() -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    before = NaiveQuantizationCompressor.__dict__["compress"]
+    with pytest.raises(RuntimeError, match="inside"), compress_once_per_kind():
+        assert NaiveQuantizationCompressor.__dict__["compress"] is not before
+        raise RuntimeError("inside")
+    assert NaiveQuantizationCompressor.__dict__["compress"] is before
