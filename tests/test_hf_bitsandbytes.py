@@ -124,6 +124,19 @@ def test_a_bitsandbytes_checkpoint_loads_as_transformers_loads_it(
     assert_same_bnb_model(got, want)
 
 
+def test_device_map_auto_on_a_machine_without_a_gpu_loads_as_transformers_loads_it(
+    quantized: Path,
+) -> None:
+    """What bitsandbytes users pass: ``device_map="auto"``. Without a GPU every planner puts the
+    whole model on the CPU, so fastload loads it there, as transformers does."""
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, 'auto' may spread the model over several devices")
+    want = _transformers(quantized, device_map="auto")
+    got, report = fastload.from_pretrained(quantized, device_map="auto", output_loading_info=True)
+    assert report.quant_method == "bitsandbytes" and report.device == "cpu"
+    assert_same_bnb_model(got, want)
+
+
 def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
     quantized: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,6 +162,8 @@ def test_under_the_patch_a_bitsandbytes_checkpoint_is_read_by_fastload(
     transformers_loads.clear()
     with fastload.patch_transformers():
         got = _transformers(quantized)
+        if not torch.cuda.is_available():  # "auto" is the CPU here (test above)
+            _transformers(quantized, device_map="auto")
     assert transformers_loads == []
     assert patch.last_fallback is None
     assert patch.last_report is not None and patch.last_report.quant_method == "bitsandbytes"

@@ -144,9 +144,36 @@ def test_a_scale_of_the_wrong_shape_is_refused_naming_the_tensor_before_reading(
         fastload.from_pretrained(directory)
 
 
-def test_a_quantized_load_with_a_device_map_is_refused(quantized: Path) -> None:
-    with pytest.raises(fastload.UnsupportedError, match="quant_method='compressed-tensors'"):
-        fastload.from_pretrained(quantized, device_map={"": "cpu"})
+@pytest.mark.parametrize("device_map", ["cpu", {"": "cpu"}, {"model": "cpu", "lm_head": "cpu"}])
+def test_a_device_map_placing_everything_on_the_cpu_loads_as_transformers_loads_it(
+    quantized: Path, device_map: object
+) -> None:
+    want = _transformers(quantized, device_map=device_map)
+    got, report = fastload.from_pretrained(
+        quantized, device_map=device_map, output_loading_info=True
+    )
+    assert report.quant_method == "compressed-tensors" and report.device == "cpu"
+    assert not hasattr(got, "hf_device_map") and not hasattr(want, "hf_device_map")
+    assert_same_quantized_model(got, want)
+
+
+@pytest.mark.parametrize(
+    ("options", "what"),
+    [
+        ({"device_map": {"model": "cpu", "lm_head": "disk"}, "offload_folder": "off"}, "disk"),
+        ({"device_map": "auto", "max_memory": {"cpu": "1GiB"}}, "device_map='auto'"),
+    ],
+)
+def test_a_quantized_load_over_several_places_is_refused_naming_the_map(
+    quantized: Path, tmp_path: Path, options: dict, what: str
+) -> None:
+    if "offload_folder" in options:
+        options = {**options, "offload_folder": str(tmp_path / "off")}
+    with pytest.raises(fastload.UnsupportedError) as caught:
+        fastload.from_pretrained(quantized, **options)
+    message = str(caught.value)
+    assert "quant_method='compressed-tensors'" in message and what in message, message
+    assert "onto one device" in message, message
 
 
 def test_a_sharded_checkpoint_loaded_as_float16_loads_as_transformers_loads_it(

@@ -324,6 +324,28 @@ def resolve_device_map(
     )
 
 
+def single_device(
+    device_map: DeviceMapArg,
+    *,
+    max_memory: Mapping[DeviceLike, int | str] | None = None,
+    disk: bool = False,
+) -> torch.device | None:
+    """The one device ``device_map`` places the whole model on, when that follows from the
+    argument alone, before the model exists: a device; a dict whose entries all name one device;
+    ``"auto"`` or an accelerate mode on a machine without a GPU, with no ``max_memory`` and no
+    disk to spill to (every planner then puts everything on the CPU). ``None`` otherwise."""
+    if isinstance(device_map, str) and device_map in ("auto", *ACCELERATE_MODES):
+        gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+        return None if gpu or max_memory is not None or disk else torch.device("cpu")
+    if max_memory is not None:
+        return None
+    places = list(device_map.values()) if isinstance(device_map, Mapping) else [device_map]
+    if not places or any(isinstance(p, str) and p.strip().lower() == "disk" for p in places):
+        return None
+    devices = {parse_device(p, where="device_map") for p in places}
+    return devices.pop() if len(devices) == 1 else None
+
+
 def _accelerate_plan(
     mode: str,
     model: nn.Module,

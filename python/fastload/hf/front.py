@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fastload.core.checkpoint import resolve as resolve_files
+from fastload.core.device_map import single_device
 from fastload.core.errors import (
     CheckpointError,
     FastloadError,
@@ -158,12 +159,8 @@ def load_hf(
                 path if path is not None else cls.__name__,
                 files=lambda: _local_files(resolved),
             )
-            if quant is not None and (options.device_map is not None or hooks.tp is not None):
-                raise UnsupportedError(
-                    f"{path}: quant_method={quant.method!r} with a device_map or tp_plan: "
-                    "fastload reads a quantized checkpoint onto one device; load it with "
-                    "transformers"
-                )
+            if quant is not None:
+                options = _one_device(options, hooks, quant, path)
             if quant is not None and quant.operation and options.device.type != "cpu":
                 raise UnsupportedError(
                     f"{path}: quant_method={quant.method!r} loads here through transformers' "
@@ -192,6 +189,33 @@ def load_hf(
     finally:
         if side_files is not None:
             side_files.cleanup()
+
+
+def _one_device(
+    options: LoadOptions, hooks: TransformersHooks, quant: Quantization, path: Any
+) -> LoadOptions:
+    """The options of a quantized load: onto one device. A ``device_map`` that places the
+    whole model on one device (``"cpu"``, ``{"": "cpu"}``, ``"auto"`` on a machine without a
+    GPU: :func:`~fastload.core.device_map.single_device`) becomes that device, as transformers
+    loads it there; a map over several devices, disk, or a ``tp_plan`` is refused."""
+    one = None
+    if options.device_map is not None:
+        one = single_device(
+            options.device_map,
+            max_memory=options.max_memory,
+            disk=options.offload_folder is not None,
+        )
+    if hooks.tp is not None or (options.device_map is not None and one is None):
+        what = "a tp_plan" if hooks.tp is not None else f"device_map={options.device_map!r}"
+        raise UnsupportedError(
+            f"{path}: quant_method={quant.method!r} with {what}: fastload reads a quantized "
+            "checkpoint onto one device (a device_map placing everything on one device, such "
+            "as 'cpu' or, on a machine without a GPU, 'auto', is that device); load it with "
+            "transformers"
+        )
+    if one is None:
+        return options
+    return dataclasses.replace(options, device=one, device_map=None, max_memory=None)
 
 
 def _name_the_url(error: FastloadError, side_files: str, weights: str) -> None:
