@@ -7,6 +7,8 @@ Made by the format's own quantizer where it runs on a CPU:
   compressed-tensors' own code and saved as llm-compressor saves one;
 * :func:`bnb_checkpoint`: a Llama quantized on load by transformers' bitsandbytes quantizer
   and saved by its ``save_pretrained``.
+* :func:`torchao_checkpoint`: a Llama quantized on load by transformers' torchao quantizer
+  (``TorchAoConfig``) and saved by its ``save_pretrained`` (torchao's safetensors layout).
 * :func:`gptq_awq_checkpoint`: a Llama in GPTQ's or AWQ's 4-bit layout, written by
   :func:`vllm_models.quantize` (random packed words: the layout is what a loader is tested on).
 
@@ -280,6 +282,31 @@ def bnb_checkpoint(directory: Path, arguments: dict[str, Any], *, tied: bool = F
     )
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
     settings = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
+    model.save_pretrained(directory / "quantized")
+    return directory / "quantized"
+
+
+def torchao_checkpoint(directory: Path, config_name: str) -> Path:
+    """A tiny bf16 Llama quantized on load by transformers' torchao quantizer with torchao's
+    ``config_name`` (``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``, ...; every Linear but
+    the head) and saved by its ``save_pretrained`` into ``directory / "quantized"``."""
+    import torchao.quantization as tq
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TorchAoConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
+    settings = TorchAoConfig(getattr(tq, config_name)())
     model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
     model.save_pretrained(directory / "quantized")
     return directory / "quantized"

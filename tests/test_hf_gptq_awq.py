@@ -100,9 +100,7 @@ def test_a_missing_scale_is_a_checkpoint_error_naming_it(quantized: Path, tmp_pa
         fastload.from_pretrained(rewritten(quantized, tmp_path, change))
 
 
-def test_scales_of_the_wrong_dtype_are_refused_naming_them(
-    quantized: Path, tmp_path: Path
-) -> None:
+def test_scales_of_the_wrong_dtype_are_refused_naming_them(quantized: Path, tmp_path: Path) -> None:
     def change(tensors: dict[str, torch.Tensor]) -> None:
         tensors[f"{PROJ}.qzeros"] = tensors[f"{PROJ}.qzeros"].to(torch.int64)
 

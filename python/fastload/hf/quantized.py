@@ -50,6 +50,7 @@ OPERATION_METHODS = {
     "mxfp4": "dequantize",
     "bitsandbytes": "deserialize",
     "compressed-tensors": "dequantize",
+    "torchao": "deserialize",
 }
 
 
@@ -142,9 +143,7 @@ def quantization_for(
     mode = "dequantize" if getattr(settings, "dequantize", False) else "deserialize"
     operation = quantizer.get_load_operations().get(mode)
     if operation is not None and OPERATION_METHODS.get(method) == mode:
-        return Quantization(
-            quantizer, method, files=files(), operation=True, device_map=device_map
-        )
+        return Quantization(quantizer, method, files=files(), operation=True, device_map=device_map)
     if operation is not None or quantizer.get_weight_conversions():
         name = getattr(operation, "__name__", "a load operation")
         raise UnsupportedError(
