@@ -7,6 +7,10 @@ Made by the format's own quantizer where it runs on a CPU:
   compressed-tensors' own code and saved as llm-compressor saves one;
 * :func:`bnb_checkpoint`: a Llama quantized on load by transformers' bitsandbytes quantizer
   and saved by its ``save_pretrained``.
+* :func:`torchao_checkpoint`: a Llama quantized on load by transformers' torchao quantizer
+  (``TorchAoConfig``) and saved by its ``save_pretrained`` (torchao's safetensors layout).
+* :func:`gptq_awq_checkpoint`: a Llama in GPTQ's or AWQ's 4-bit layout, written by
+  :func:`vllm_models.quantize` (random packed words: the layout is what a loader is tested on).
 
 Written as transformers' quantizers store them where those need a GPU, or the hub's kernels, to
 quantize (the formats transformers dequantizes on load on a machine without a GPU): the model
@@ -281,6 +285,56 @@ def bnb_checkpoint(directory: Path, arguments: dict[str, Any], *, tied: bool = F
     model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
     model.save_pretrained(directory / "quantized")
     return directory / "quantized"
+
+
+def torchao_checkpoint(directory: Path, config_name: str) -> Path:
+    """A tiny bf16 Llama quantized on load by transformers' torchao quantizer with torchao's
+    ``config_name`` (``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``, ...; every Linear but
+    the head) and saved by its ``save_pretrained`` into ``directory / "quantized"``."""
+    import torchao.quantization as tq
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TorchAoConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
+    settings = TorchAoConfig(getattr(tq, config_name)())
+    model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
+    model.save_pretrained(directory / "quantized")
+    return directory / "quantized"
+
+
+def gptq_awq_checkpoint(directory: Path, method: str) -> Path:
+    """A tiny bf16 Llama (inputs of 128 and 256: whole groups of 128) written by
+    :func:`vllm_models.quantize` as a ``method`` (``gptq`` or ``awq``) checkpoint into
+    ``directory / "quantized"``: every decoder projection packed as the method stores it
+    (``qweight``, ``qzeros`` int32, ``scales`` float16, GPTQ's ``g_idx``), float16 elsewhere,
+    with the method's quantization_config (4 bits, groups of 128)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vllm_models import quantize
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
+    return quantize(directory / "bf16", directory / "quantized", method)
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:

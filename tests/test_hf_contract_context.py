@@ -156,12 +156,13 @@ def test_under_the_patch_a_quantization_config_goes_to_transformers_loader(
     [
         # fp8, mxfp4 (dequantized) and bitsandbytes are served on the CPU now
         # (tests/test_hf_fp8_dequantize.py, test_hf_mxfp4_dequantize.py, test_hf_bitsandbytes.py);
-        # GPTQ and torchao are methods fastload does not read
-        {"quant_method": "gptq", "bits": 4},
-        {"quant_method": "torchao", "quant_type": "int4_weight_only"},
+        # and GPTQ, AWQ (tests/test_hf_gptq_awq.py); HQQ and EETQ are methods fastload does
+        # not read
+        {"quant_method": "hqq", "nbits": 4},
+        {"quant_method": "eetq", "weights": "int8"},
         {"quant_method": "unknown"},
     ],
-    ids=["gptq", "torchao", "unknown"],
+    ids=["hqq", "eetq", "unknown"],
 )
 def test_the_direct_api_refuses_a_checkpoint_with_a_quantization_config(tmp_path, quantization):
     directory = with_quantization_config(make_checkpoint(tmp_path, "BertModel"), quantization)

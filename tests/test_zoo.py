@@ -306,6 +306,14 @@ def _bnb(directory: Path, *, arguments: dict[str, Any]) -> Path:
     return bnb_checkpoint(directory, arguments)
 
 
+def _gptq_awq(directory: Path, *, method: str) -> Path:
+    from quantized_checkpoints import gptq_awq_checkpoint
+
+    if method == "gptq":  # transformers' GPTQ quantizer is optimum's
+        pytest.importorskip("optimum")
+    return gptq_awq_checkpoint(directory, method)
+
+
 #: the pre-quantized formats fastload serves, by cell id: (the package the format needs, the
 #: class its checkpoint loads into, the maker of its checkpoint in a directory)
 QUANTIZED: dict[str, tuple[str, str, Any]] = {
@@ -339,6 +347,10 @@ QUANTIZED: dict[str, tuple[str, str, Any]] = {
             ),
             ("int8", {"load_in_8bit": True}),
         )
+    },
+    **{
+        method: ("gptqmodel", "LlamaForCausalLM", functools.partial(_gptq_awq, method=method))
+        for method in ("gptq", "awq")
     },
 }
 

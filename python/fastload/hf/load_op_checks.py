@@ -16,6 +16,7 @@ what was expected.
   :mod:`fastload.hf.load_op_checks_bnb`.
 * ``CompressedTensorsDequantize`` (``quant_method: compressed-tensors``, ``dequantize: true``):
   :mod:`fastload.hf.load_op_checks_ct`.
+* ``TorchAoDeserialize`` (``quant_method: torchao``): :mod:`fastload.hf.load_op_checks_torchao`.
 """
 
 from __future__ import annotations
@@ -166,12 +167,21 @@ def _compressed_tensors(
     check_compressed(op, ckpt, weight, scale, want, quantizer)
 
 
+def _torchao(
+    op: Any, ckpt: Any, qdata: Any, scale: Any, want: tuple[int, ...], quantizer: Any
+) -> None:
+    from fastload.hf.load_op_checks_torchao import check_torchao
+
+    check_torchao(op, ckpt, qdata, scale, want, quantizer)
+
+
 CHECKERS: dict[str, Callable[..., None]] = {
     "Fp8Dequantize": _fp8,
     "Mxfp4Dequantize": _mxfp4,
     "Bnb4bitDeserialize": check_4bit,
     "Bnb8bitDeserialize": check_8bit,
     "CompressedTensorsDequantize": _compressed_tensors,
+    "TorchAoDeserialize": _torchao,
 }
 #: the source patterns of the quantized tensor, where a format stores another than the first
 _MAIN = {"CompressedTensorsDequantize": ("weight", "weight_packed")}
@@ -182,6 +192,7 @@ _SCALE: dict[str, Callable[[str], bool]] = {
     "Bnb4bitDeserialize": lambda p: p == "weight.absmax",
     "Bnb8bitDeserialize": lambda p: p == "SCB",
     "CompressedTensorsDequantize": lambda p: p == "weight_scale",
+    "TorchAoDeserialize": lambda p: p.endswith("_scale") and not p.endswith("per_tensor_scale"),
 }
 
 __all__ = ["CHECKERS", "MX_BLOCK", "SCALE_DTYPES", "check", "stem"]

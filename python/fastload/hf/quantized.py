@@ -41,7 +41,7 @@ from fastload.hf.meta_compression import compress_once_per_kind
 
 #: the ``quant_method`` values fastload reads itself (stored as they run, without a load
 #: operation, checked against transformers by tests/test_hf_quantized.py)
-SERVED_METHODS = frozenset({"compressed-tensors"})
+SERVED_METHODS = frozenset({"compressed-tensors", "gptq", "awq"})
 #: the ``quant_method`` values whose quantizer's load operation fastload runs on tensors it read
 #: (:mod:`fastload.hf.load_ops`), with the load mode it runs: FP8 blocks and gpt-oss' MXFP4
 #: experts dequantized (what transformers does on a machine without a GPU, or with
@@ -52,6 +52,7 @@ OPERATION_METHODS = {
     "mxfp4": "dequantize",
     "bitsandbytes": "deserialize",
     "compressed-tensors": "dequantize",
+    "torchao": "deserialize",
 }
 
 
@@ -67,6 +68,10 @@ class Quantization:
     files: list[str] = field(default_factory=list)
     #: whether the quantizer has a load operation fastload runs (fastload.hf.load_ops)
     operation: bool = False
+    #: the device map the quantizer made of none (``update_device_map``: GPTQ's and
+    #: bitsandbytes' ``{"": cpu}`` on a CPU), passed to ``preprocess_model`` as transformers
+    #: passes it (GPTQ's kernel choice reads it, and gptqmodel sets ``hf_device_map`` from it)
+    device_map: Any = None
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the quantizer builds the model in (``update_dtype``); a quantizer that
@@ -88,7 +93,10 @@ class Quantization:
         once = compress_once_per_kind() if self.method == "compressed-tensors" else nullcontext()
         with once, torch.device("meta"):
             self.quantizer.preprocess_model(
-                model=model, dtype=dtype, device_map=None, checkpoint_files=self.files or None
+                model=model,
+                dtype=dtype,
+                device_map=self.device_map,
+                checkpoint_files=self.files or None,
             )
         self.seconds += time.perf_counter() - start
 
@@ -129,7 +137,7 @@ def quantization_for(
         )
     from transformers.quantizers.auto import get_hf_quantizer
 
-    quantizer, _, _ = get_hf_quantizer(config, None, None, True, {})
+    quantizer, _, device_map = get_hf_quantizer(config, None, None, True, {})
     if quantizer is None:  # transformers does not know the method (it warned): it would skip it
         raise UnsupportedError(
             f"{source}: transformers has no quantizer for quant_method={method!r}; load it with "
@@ -139,7 +147,7 @@ def quantization_for(
     mode = "dequantize" if getattr(settings, "dequantize", False) else "deserialize"
     operation = quantizer.get_load_operations().get(mode)
     if operation is not None and OPERATION_METHODS.get(method) == mode:
-        return Quantization(quantizer, method, files=files(), operation=True)
+        return Quantization(quantizer, method, files=files(), operation=True, device_map=device_map)
     if operation is not None or quantizer.get_weight_conversions():
         name = getattr(operation, "__name__", "a load operation")
         raise UnsupportedError(
@@ -153,7 +161,7 @@ def quantization_for(
             f"{source}: quant_method={method!r} loads here without dequantizing ({mode}), "
             "which fastload does not read yet: load it with transformers"
         )
-    return Quantization(quantizer, method, files=files())
+    return Quantization(quantizer, method, files=files(), device_map=device_map)
 
 
 __all__ = ["OPERATION_METHODS", "SERVED_METHODS", "Quantization", "quantization_for"]
