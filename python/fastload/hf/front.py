@@ -158,6 +158,7 @@ def load_hf(
                 cfg,
                 path if path is not None else cls.__name__,
                 files=lambda: _local_files(resolved),
+                device_map=options.device_map,
             )
             if quant is not None:
                 options = _one_device(options, hooks, quant, path)

@@ -116,12 +116,18 @@ class Quantization:
 
 
 def quantization_for(
-    config: Any, source: Any, *, files: Callable[[], list[str]] = list
+    config: Any,
+    source: Any,
+    *,
+    files: Callable[[], list[str]] = list,
+    device_map: Any = None,
 ) -> Quantization | None:
     """transformers' quantizer for ``config`` when it carries a quantization config (``None``
     otherwise); ``UnsupportedError`` naming the method when fastload does not read it. ``files``
     gives the checkpoint's local files (for ``preprocess_model``), asked only for a quantized
-    checkpoint.
+    checkpoint; ``device_map`` is the user's, given to the quantizer as transformers gives it
+    (normalized by transformers' ``check_and_set_device_map``, then its ``validate_environment``
+    and ``update_device_map``).
 
     transformers' own errors (a missing package, an environment its quantizer refuses) are
     raised as transformers raises them."""
@@ -137,7 +143,11 @@ def quantization_for(
         )
     from transformers.quantizers.auto import get_hf_quantizer
 
-    quantizer, _, device_map = get_hf_quantizer(config, None, None, True, {})
+    if device_map is not None:
+        from transformers.integrations.accelerate import check_and_set_device_map
+
+        device_map = check_and_set_device_map(device_map)
+    quantizer, _, device_map = get_hf_quantizer(config, None, device_map, True, {})
     if quantizer is None:  # transformers does not know the method (it warned): it would skip it
         raise UnsupportedError(
             f"{source}: transformers has no quantizer for quant_method={method!r}; load it with "
