@@ -1,6 +1,7 @@
 """GPTQ and AWQ pre-quantized checkpoints (``quant_method: gptq`` / ``awq``, 4 bits, groups of
-128) on the CPU, which transformers 5 loads through gptqmodel's CPU kernels (``TorchAtenLinear``,
-``TorchAtenAwqLinear``; GPTQ also through optimum's ``GPTQQuantizer``). Both are stored as they
+128) on the CPU, which transformers 5 loads through gptqmodel's CPU kernels (``TorchAtenLinear`` or,
+where its AVX-512 extension builds, ``TorchCpuAvx512Linear``, and their AWQ twins; GPTQ also
+through optimum's ``GPTQQuantizer``). Both are stored as they
 run: the quantizer swaps the modules and has no load operation, so fastload reads each stored
 tensor (``qweight``, ``qzeros``, ``scales``, ``g_idx``) into the buffer the swapped module
 declares, and the quantizer's ``postprocess_model`` (gptqmodel's post-init: GPTQ's v1 zero
@@ -61,7 +62,7 @@ def test_a_gptq_or_awq_checkpoint_loads_as_transformers_loads_it(
     assert not report.missing and not report.unexpected and not report.mismatched
     stored = {k for f in report.files for k in fastload.safe_open(f).keys()}
     assert report.tensors_loaded == len(stored)  # every stored tensor read as it is stored
-    assert type(got.get_submodule(PROJ)).__name__.startswith("TorchAten")
+    assert type(got.get_submodule(PROJ)).__module__.startswith("gptqmodel.nn_modules.qlinear")
     assert getattr(got, "hf_device_map", None) == getattr(want, "hf_device_map", None)
     assert_same_quantized_model(got, want)
     assert torch.isfinite(got(torch.tensor([[1, 5, 9]])).logits).all()
