@@ -306,6 +306,12 @@ def _bnb(directory: Path, *, arguments: dict[str, Any]) -> Path:
     return bnb_checkpoint(directory, arguments)
 
 
+def _torchao(directory: Path, *, config_name: str) -> Path:
+    from quantized_checkpoints import torchao_checkpoint
+
+    return torchao_checkpoint(directory, config_name)
+
+
 def _gptq_awq(directory: Path, *, method: str) -> Path:
     from quantized_checkpoints import gptq_awq_checkpoint
 
@@ -351,6 +357,18 @@ QUANTIZED: dict[str, tuple[str, str, Any]] = {
     **{
         method: ("gptqmodel", "LlamaForCausalLM", functools.partial(_gptq_awq, method=method))
         for method in ("gptq", "awq")
+    },
+    **{
+        f"torchao-{name}": (
+            "torchao",
+            "LlamaForCausalLM",
+            functools.partial(_torchao, config_name=config_name),
+        )
+        for name, config_name in (
+            ("int8-weight-only", "Int8WeightOnlyConfig"),
+            ("int8-dynamic-activation", "Int8DynamicActivationInt8WeightConfig"),
+            ("float8-weight-only", "Float8WeightOnlyConfig"),
+        )
     },
 }
 

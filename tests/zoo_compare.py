@@ -49,6 +49,7 @@ from torch import nn
 
 import fastload
 from fastload.core.tying import find_tie_groups
+from tensor_samples import raw_bytes
 from tiny_models import model_tensors, outputs_of
 from zoo_models import example_inputs, model_class
 
@@ -209,6 +210,22 @@ def _kept_saved(
     return "keeps stored values transformers' init overwrites"
 
 
+def _same_subclass(name: str, got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """For a tensor subclass (torchao's ``Int8Tensor``, ``Float8Tensor``): the same class, the
+    same attributes and the same inner tensors bitwise; ``False`` for a plain tensor."""
+    flatten = getattr(expected, "__tensor_flatten__", None)
+    if flatten is None:
+        return False
+    assert type(got) is type(expected), f"{name}: {type(got).__name__}, not {type(expected)}"
+    inner, attributes = flatten()
+    assert got.__tensor_flatten__() == (inner, attributes), f"{name}: attributes differ"
+    for part in inner:
+        mine, theirs = getattr(got, part), getattr(expected, part)
+        assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape), f"{name}.{part}"
+        assert torch.equal(raw_bytes(mine), raw_bytes(theirs)), f"{name}.{part}"
+    return True
+
+
 def _compare_tensors(
     ours: nn.Module, theirs: nn.Module, missing: set[str], saved: Any = None
 ) -> list[str]:
@@ -229,6 +246,8 @@ def _compare_tensors(
     for name, expected in e.items():
         got = a[name]
         assert got.shape == expected.shape, f"{name}: shape {got.shape} != {expected.shape}"
+        if _same_subclass(name, got, expected):
+            continue
         if not got.is_floating_point() and expected.dtype == torch.float32:
             # transformers casts every tensor of a module kept in float32 (README: deliberate
             # differences), an integer counter included
