@@ -72,8 +72,17 @@ FORMATS: dict[str, tuple[str | tuple[str, int], str] | None] = {
     "nvfp4": ("NVFP4A16", "nvfp4-pack-quantized"),
     "mxfp4": ("MXFP4A16", "mxfp4-pack-quantized"),
 }
-#: the formats with a load operation (benches/quantized_formats.py: OP_FORMATS)
-OP_FORMATS = ["fp8-blocks", "int4-dequantized", "bnb-nf4", "bnb-int8"]
+#: the formats made of the bf16 (or int4) checkpoint (benches/quantized_formats.py: MADE): those
+#: with a load operation, then GPTQ and AWQ (stored as they run)
+OP_FORMATS = [
+    "fp8-blocks",
+    "int4-dequantized",
+    "bnb-nf4",
+    "bnb-int8",
+    "torchao-int8",
+    "torchao-float8",
+]
+MADE_FORMATS = [*OP_FORMATS, "gptq", "awq"]
 GIB = 1 << 30
 
 
@@ -130,9 +139,9 @@ def make_checkpoints(work: Path, gib: float, tiny: bool, formats: list[str]) -> 
     needed = {"int4"} if "int4-dequantized" in formats else set()
     for name in [*dict.fromkeys([*needed, *formats])]:
         directory = work / name
-        if name in OP_FORMATS and not (directory / "config.json").exists():
+        if name in MADE_FORMATS and not (directory / "config.json").exists():
             print(f"[quantized-bench] making {name} ...", flush=True)
-            source, _ = _formats().OP_FORMATS[name]
+            source, _ = _formats().MADE[name]
             _formats().make(name, work / source, directory)
         elif FORMATS.get(name) is not None and not (directory / "config.json").exists():
             print(f"[quantized-bench] quantizing {name} ...", flush=True)
@@ -183,7 +192,7 @@ def run_one(method: str, directory: Path) -> dict[str, Any]:
         import fastload.hf.front  # noqa: F401
         import fastload.hf.quantized  # noqa: F401
 
-        _formats().import_before_the_clock()
+        _formats().import_before_the_clock(directory)
 
     out: dict[str, Any] = {}
     before = set(sys.modules)
@@ -458,9 +467,9 @@ def main() -> None:
         resummarize(Path(args.summarize))
         return
     formats = args.formats.split(",")
-    unknown = set(formats) - set(FORMATS) - set(OP_FORMATS)
+    unknown = set(formats) - set(FORMATS) - set(MADE_FORMATS)
     if unknown:
-        known = ", ".join([*FORMATS, *OP_FORMATS])
+        known = ", ".join([*FORMATS, *MADE_FORMATS])
         raise SystemExit(f"unknown formats {sorted(unknown)}; known: {known}")
     work = Path(args.workdir) / ("tiny" if args.tiny else f"{args.gib:g}GiB")
     run(

@@ -16,7 +16,13 @@ checkpoint), as the tests make theirs (``tests/quantized_checkpoints.py``):
   link to the ``int4`` one;
 * ``bnb-nf4``, ``bnb-int8``: the model quantized on load by transformers' bitsandbytes quantizer
   on the CPU (4-bit nf4, 8-bit) and saved by its ``save_pretrained`` (``Bnb4bitDeserialize``,
-  ``Bnb8bitDeserialize``).
+  ``Bnb8bitDeserialize``);
+* ``torchao-int8``, ``torchao-float8``: the same by transformers' torchao quantizer
+  (``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``; ``TorchAoDeserialize`` on load).
+
+And two formats stored as they run, made as the tests make theirs (``tests/vllm_models.py``:
+4 bits, groups of 128, random packed words: a load's time does not depend on the values):
+``gptq`` and ``awq``, loaded by transformers through gptqmodel's CPU modules.
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ from pathlib import Path
 from typing import Any
 
 #: format -> (what it is made of: "bf16" or "int4", the package it needs)
-OP_FORMATS: dict[str, tuple[str, str]] = {
+MADE: dict[str, tuple[str, str]] = {
     "fp8-blocks": ("bf16", "accelerate"),
     "int4-dequantized": ("int4", "compressed_tensors"),
     "bnb-nf4": ("bf16", "bitsandbytes"),
     "bnb-int8": ("bf16", "bitsandbytes"),
+    "torchao-int8": ("bf16", "torchao"),
+    "torchao-float8": ("bf16", "torchao"),
+    "gptq": ("bf16", "gptqmodel"),
+    "awq": ("bf16", "gptqmodel"),
 }
 
 
@@ -165,17 +175,34 @@ def make(name: str, source: Path, directory: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(source, quantization_config=settings)
         shutil.rmtree(tmp)
         model.save_pretrained(tmp, max_shard_size="100GB")
+    elif name in ("torchao-int8", "torchao-float8"):
+        import torchao.quantization as tq
+        from transformers import AutoModelForCausalLM, TorchAoConfig
+
+        kind = tq.Int8WeightOnlyConfig if name == "torchao-int8" else tq.Float8WeightOnlyConfig
+        settings = TorchAoConfig(kind())
+        model = AutoModelForCausalLM.from_pretrained(source, quantization_config=settings)
+        shutil.rmtree(tmp)
+        model.save_pretrained(tmp, max_shard_size="100GB")
+    elif name in ("gptq", "awq"):
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from vllm_models import quantize
+
+        quantize(source, tmp, name)
     else:
         raise SystemExit(f"unknown format {name!r}")
     os.replace(tmp, directory)
 
 
-def import_before_the_clock() -> None:
+def import_before_the_clock(directory: Path) -> None:
     """transformers' quantizers and operations these formats load through, and their packages,
-    imported before a run's clock (where installed)."""
+    imported before a run's clock (where installed); gptqmodel (about 7 s to import, and it
+    patches transformers' GPTQ quantizer) only for a GPTQ or AWQ checkpoint (``directory``)."""
     import importlib
 
-    for module in (
+    modules = [
         "accelerate",
         "bitsandbytes",
         "transformers.integrations.bitsandbytes",
@@ -185,7 +212,23 @@ def import_before_the_clock() -> None:
         "transformers.quantizers.quantizer_bnb_8bit",
         "transformers.quantizers.quantizer_finegrained_fp8",
         "fastload.hf.load_ops",
-    ):
+    ]
+    config = json.loads((directory / "config.json").read_text())
+    method = config.get("quantization_config", {}).get("quant_method")
+    if method == "torchao":
+        modules += [
+            "torchao",
+            "torchao.sparsity",
+            "torchao.prototype.awq",
+            "torchao.prototype.parq",
+            "torchao.prototype.smoothquant",
+            "transformers.integrations.torchao",
+            "transformers.quantizers.quantizer_torchao",
+            "fastload.hf.load_op_checks_torchao",
+        ]
+    if method in ("gptq", "awq"):
+        modules += ["gptqmodel", "optimum", f"transformers.quantizers.quantizer_{method}"]
+    for module in modules:
         try:
             importlib.import_module(module)
         except ImportError:

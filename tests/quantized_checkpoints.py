@@ -101,6 +101,40 @@ def mxfp4_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), (exponent + 127).to(torch.uint8).contiguous()
 
 
+#: the tiny decoder every checkpoint here is made of (sizes given per maker)
+TINY = dict(
+    vocab_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    dtype="bfloat16",
+)
+
+
+def tiny_llama(hidden: int, intermediate: int, *, tied: bool = False) -> torch.nn.Module:
+    """A seeded tiny bf16 Llama (``tied``: its head tied to its embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **TINY, hidden_size=hidden, intermediate_size=intermediate, tie_word_embeddings=tied
+    )
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def _quantized_on_load(directory: Path, model: torch.nn.Module, settings: Any) -> Path:
+    """``model`` saved into ``directory / "bf16"``, quantized on load by transformers with the
+    quantization config ``settings`` and saved by its ``save_pretrained`` into
+    ``directory / "quantized"``."""
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(directory / "bf16")
+    made = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
+    made.save_pretrained(directory / "quantized")
+    return directory / "quantized"
+
+
 def _store(directory: Path, model: torch.nn.Module, quantize: Any, quantization: dict) -> Path:
     import safetensors.torch as st
 
@@ -118,20 +152,7 @@ def _store(directory: Path, model: torch.nn.Module, quantize: Any, quantization:
 def fp8_checkpoint(directory: Path) -> Path:
     """A tiny bf16 Llama whose projections are stored in FP8 blocks (the sizes multiples of
     128: transformers' dequantize needs whole blocks), with transformers' quantization_config."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model = tiny_llama(256, 384)
 
     def quantize(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor] | None:
         if not name.endswith("proj.weight"):
@@ -203,24 +224,15 @@ def compressed_tensors_checkpoint(
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(0)
-    sizes = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
     if moe:
+        torch.manual_seed(0)
+        sizes = dict(TINY, hidden_size=64, intermediate_size=128)
         config: Any = MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2)
         model = MixtralForCausalLM(config).to(torch.bfloat16)
     else:
-        model = LlamaForCausalLM(LlamaConfig(**sizes)).to(torch.bfloat16)
+        model = tiny_llama(64, 128)
     if isinstance(scheme, str):
         weights = preset_name_to_scheme(scheme, ["Linear"])
     else:
@@ -266,25 +278,10 @@ def bnb_checkpoint(directory: Path, arguments: dict[str, Any], *, tied: bool = F
     Linear but the head; ``arguments``: ``BitsAndBytesConfig``'s) and saved by its
     ``save_pretrained`` into ``directory / "quantized"`` (the bf16 model in ``"bf16"``);
     ``tied``: its head tied to its embeddings."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import BitsAndBytesConfig
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-        tie_word_embeddings=tied,
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
     settings = BitsAndBytesConfig(**arguments, bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
-    model.save_pretrained(directory / "quantized")
-    return directory / "quantized"
+    return _quantized_on_load(directory, tiny_llama(64, 128, tied=tied), settings)
 
 
 def torchao_checkpoint(directory: Path, config_name: str) -> Path:
@@ -292,24 +289,10 @@ def torchao_checkpoint(directory: Path, config_name: str) -> Path:
     ``config_name`` (``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``, ...; every Linear but
     the head) and saved by its ``save_pretrained`` into ``directory / "quantized"``."""
     import torchao.quantization as tq
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, TorchAoConfig
+    from transformers import TorchAoConfig
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
     settings = TorchAoConfig(getattr(tq, config_name)())
-    model = AutoModelForCausalLM.from_pretrained(directory / "bf16", quantization_config=settings)
-    model.save_pretrained(directory / "quantized")
-    return directory / "quantized"
+    return _quantized_on_load(directory, tiny_llama(64, 128), settings)
 
 
 def gptq_awq_checkpoint(directory: Path, method: str) -> Path:
@@ -318,22 +301,9 @@ def gptq_awq_checkpoint(directory: Path, method: str) -> Path:
     ``directory / "quantized"``: every decoder projection packed as the method stores it
     (``qweight``, ``qzeros`` int32, ``scales`` float16, GPTQ's ``g_idx``), float16 elsewhere,
     with the method's quantization_config (4 bits, groups of 128)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from vllm_models import quantize
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        dtype="bfloat16",
-    )
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory / "bf16")
+    tiny_llama(128, 256).save_pretrained(directory / "bf16")
     return quantize(directory / "bf16", directory / "quantized", method)
 
 
@@ -440,3 +410,25 @@ def conversions(operation: Any, monkeypatch: Any) -> list[str]:
 
     monkeypatch.setattr(operation, "convert", convert)
     return ran
+
+
+def patched_and_transformers(
+    directory: Path, method: str, transformers_loads: list[str], **kwargs: Any
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(transformers' ``from_pretrained`` of ``directory`` under fastload's patch, the same
+    unpatched); asserts the patched load was fastload's: transformers' loader not run, no
+    fallback, the report naming ``method``. ``transformers_loads``: the fixture counting
+    transformers' own loads."""
+    from transformers import AutoModelForCausalLM
+
+    import fastload
+    from fastload.hf import patch
+
+    want = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    transformers_loads.clear()
+    with fastload.patch_transformers():
+        got = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
+    assert transformers_loads == []
+    assert patch.last_fallback is None
+    assert patch.last_report is not None and patch.last_report.quant_method == method
+    return got, want

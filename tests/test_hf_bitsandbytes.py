@@ -25,7 +25,13 @@ bnb = pytest.importorskip("bitsandbytes")
 
 import fastload  # noqa: E402
 from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_saves_alike, bnb_checkpoint, operation_order, rewritten  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    assert_saves_alike,
+    bnb_checkpoint,
+    operation_order,
+    patched_and_transformers,
+    rewritten,
+)
 from tensor_samples import raw_bytes  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -158,16 +164,13 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 def test_under_the_patch_a_bitsandbytes_checkpoint_is_read_by_fastload(
     quantized: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(quantized)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(quantized)
-        if not torch.cuda.is_available():  # "auto" is the CPU here (test above)
-            _transformers(quantized, device_map="auto")
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None and patch.last_report.quant_method == "bitsandbytes"
+    got, want = patched_and_transformers(quantized, "bitsandbytes", transformers_loads)
     assert_same_bnb_model(got, want)
+    if not torch.cuda.is_available():  # "auto" is the CPU here (test above)
+        got, want = patched_and_transformers(
+            quantized, "bitsandbytes", transformers_loads, device_map="auto"
+        )
+        assert_same_bnb_model(got, want)
 
 
 def test_save_pretrained_writes_the_checkpoint_transformers_wrote(

@@ -20,7 +20,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 import fastload  # noqa: E402
-from fastload.hf import patch  # noqa: E402
 from quantized_checkpoints import (  # noqa: E402
     COMPRESSED_TENSORS_FORMATS,
     assert_same_model,
@@ -28,6 +27,7 @@ from quantized_checkpoints import (  # noqa: E402
     compressed_tensors_checkpoint,
     conversions,
     operation_order,
+    patched_and_transformers,
     rewritten,
 )
 
@@ -100,14 +100,7 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 def test_under_the_patch_a_checkpoint_to_dequantize_is_read_by_fastload(
     dequantized: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(dequantized)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(dequantized)
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None
-    assert patch.last_report.quant_method == "compressed-tensors"
+    got, want = patched_and_transformers(dequantized, "compressed-tensors", transformers_loads)
     assert_same_model(got, want)
 
 

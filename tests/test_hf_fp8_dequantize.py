@@ -25,6 +25,7 @@ from quantized_checkpoints import (  # noqa: E402
     assert_saves_alike,
     conversions,
     operation_order,
+    patched_and_transformers,
     rewritten,
 )
 
@@ -81,13 +82,7 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 def test_under_the_patch_an_fp8_checkpoint_is_read_by_fastload(
     fp8_checkpoint: Path, tmp_path: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(fp8_checkpoint)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(fp8_checkpoint)
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None and patch.last_report.quant_method == "fp8"
+    got, want = patched_and_transformers(fp8_checkpoint, "fp8", transformers_loads)
     assert_same_model(got, want)
 
 

@@ -23,8 +23,12 @@ pytest.importorskip("gptqmodel")
 
 import fastload  # noqa: E402
 from fastload.core.errors import CheckpointError, ModelMismatchError  # noqa: E402
-from fastload.hf import patch  # noqa: E402
-from quantized_checkpoints import assert_saves_alike, gptq_awq_checkpoint, rewritten  # noqa: E402
+from quantized_checkpoints import (  # noqa: E402
+    assert_saves_alike,
+    gptq_awq_checkpoint,
+    patched_and_transformers,
+    rewritten,
+)
 from test_hf_quantized import assert_same_quantized_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("unpatched")
@@ -71,14 +75,7 @@ def test_a_gptq_or_awq_checkpoint_loads_as_transformers_loads_it(
 def test_under_the_patch_a_gptq_or_awq_checkpoint_is_read_by_fastload(
     quantized: Path, tmp_path: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(quantized)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(quantized)
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None
-    assert patch.last_report.quant_method == _method(quantized)
+    got, want = patched_and_transformers(quantized, _method(quantized), transformers_loads)
     assert_same_quantized_model(got, want)
     assert_saves_alike(got, want, tmp_path)
 

@@ -18,12 +18,12 @@ pytest.importorskip("transformers.models.gpt_oss")
 
 import fastload  # noqa: E402
 import quantized_checkpoints  # noqa: E402
-from fastload.hf import patch  # noqa: E402
 from quantized_checkpoints import (  # noqa: E402
     assert_same_model,
     assert_saves_alike,
     conversions,
     operation_order,
+    patched_and_transformers,
     rewritten,
 )
 
@@ -82,13 +82,7 @@ def test_the_operations_run_in_the_order_of_the_file_one_at_a_time(
 def test_under_the_patch_an_mxfp4_checkpoint_is_read_by_fastload(
     mxfp4_checkpoint: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(mxfp4_checkpoint)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(mxfp4_checkpoint)
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None and patch.last_report.quant_method == "mxfp4"
+    got, want = patched_and_transformers(mxfp4_checkpoint, "mxfp4", transformers_loads)
     assert_same_model(got, want)
 
 

@@ -22,6 +22,7 @@ from fastload.hf import patch  # noqa: E402
 from quantized_checkpoints import (  # noqa: E402
     COMPRESSED_TENSORS_FORMATS,
     compressed_tensors_checkpoint,
+    patched_and_transformers,
 )
 from tensor_samples import raw_bytes  # noqa: E402
 
@@ -100,13 +101,7 @@ def test_a_compressed_tensors_checkpoint_loads_as_transformers_loads_it(
 def test_under_the_patch_a_compressed_tensors_checkpoint_is_read_by_fastload(
     quantized: Path, tmp_path: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(quantized)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(quantized)
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None and patch.last_report.quant_method == "compressed-tensors"
+    got, want = patched_and_transformers(quantized, "compressed-tensors", transformers_loads)
     want.save_pretrained(tmp_path / "transformers")
     got.save_pretrained(tmp_path / "fastload")
     names = sorted(p.name for p in (tmp_path / "transformers").iterdir())

@@ -23,10 +23,10 @@ torchao = pytest.importorskip("torchao")
 
 import fastload  # noqa: E402
 from fastload.core.errors import CheckpointError, ModelMismatchError  # noqa: E402
-from fastload.hf import patch  # noqa: E402
 from quantized_checkpoints import (  # noqa: E402
     assert_saves_alike,
     operation_order,
+    patched_and_transformers,
     rewritten,
     torchao_checkpoint,
 )
@@ -115,13 +115,7 @@ def test_a_torchao_checkpoint_loads_as_transformers_loads_it(
 def test_under_the_patch_a_torchao_checkpoint_is_read_by_fastload(
     quantized: Path, tmp_path: Path, transformers_loads: list[str]
 ) -> None:
-    want = _transformers(quantized)
-    transformers_loads.clear()
-    with fastload.patch_transformers():
-        got = _transformers(quantized)
-    assert transformers_loads == []
-    assert patch.last_fallback is None
-    assert patch.last_report is not None and patch.last_report.quant_method == "torchao"
+    got, want = patched_and_transformers(quantized, "torchao", transformers_loads)
     assert_same_torchao_model(got, want)
 
 

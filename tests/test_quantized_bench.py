@@ -105,3 +105,22 @@ def test_a_tiny_run_times_every_method_in_fresh_processes_and_writes_its_results
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((out / "quantized-tiny.json").read_text()) == results
     assert (out / "quantized-tiny.md").read_text() == table
+
+
+def test_a_tiny_run_of_a_torchao_checkpoint_touches_the_tensors_its_subclasses_hold(
+    tmp_path: Path,
+) -> None:
+    """torchao's weights are tensor subclasses (``Int8Tensor``) that cannot be flattened: the
+    timed touch reads the tensors they hold."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(BENCH), "--tiny", "--repeats", "1", "--formats", "torchao-int8"]
+    cmd += ["--methods", "fastload,transformers", "--workdir", str(tmp_path / "work")]
+    cmd += ["--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads((out / "quantized-tiny.json").read_text())["runs"]
+    loads = {r["method"]: r for r in runs}
+    assert loads["fastload"]["quant_method"] == "torchao"
+    assert loads["fastload"]["linear_class"] == loads["transformers"]["linear_class"]
+    assert loads["fastload"]["linear_tensors"] == loads["transformers"]["linear_tensors"]

@@ -76,6 +76,10 @@ def _touch(tensors: Any) -> float:
     """One read per 4 KiB page of each tensor: faults in whatever a loader mapped lazily."""
     total = 0.0
     for t in tensors:
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is not None:  # a tensor subclass (torchao's): the tensors it holds
+            total += _touch([getattr(t, name) for name in flatten()[0]])
+            continue
         flat = t.detach().reshape(-1)
         if flat.numel():
             total += float(flat[:: max(1, 4096 // flat.element_size())].float().sum())
