@@ -8,7 +8,6 @@ quantize): e4m3 weights, float32 inverse scales ``[ceil(out/128), ceil(in/128)]`
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ pytest.importorskip("accelerate")  # transformers' FP8 quantizer requires it
 
 import fastload  # noqa: E402
 import quantized_checkpoints  # noqa: E402
-from fastload.hf import patch  # noqa: E402
 from quantized_checkpoints import (  # noqa: E402
     assert_same_model,
     assert_saves_alike,
@@ -28,6 +26,7 @@ from quantized_checkpoints import (  # noqa: E402
     patched_and_transformers,
     rewritten,
 )
+from test_hf_quantized import assert_same_quantized_model  # noqa: E402
 
 pytestmark = [
     pytest.mark.usefixtures("unpatched"),
@@ -190,37 +189,42 @@ def test_a_weight_of_the_wrong_shape_is_refused_naming_it_before_reading(
     assert no_operation == []
 
 
-def test_fp8_kept_in_fp8_is_still_refused(fp8_checkpoint: Path, tmp_path: Path) -> None:
-    """A quantizer that does not dequantize (as on a GPU) keeps FP8 modules fastload does
-    not read yet: refused by name, as before."""
-    from transformers.quantizers import quantizer_finegrained_fp8 as fp8
-
-    directory = rewritten(fp8_checkpoint, tmp_path, lambda t: None)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
-        with pytest.raises(fastload.UnsupportedError, match="quant_method='fp8'.*deserialize"):
-            fastload.from_pretrained(directory)
-
-
-def test_under_the_patch_fp8_kept_in_fp8_goes_to_transformers_saying_so(
-    fp8_checkpoint: Path,
-    caplog: pytest.LogCaptureFixture,
-    transformers_loads: list[str],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A quantized load fastload does not serve is transformers' own, with one warning."""
+@pytest.fixture
+def kept_in_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' FP8 quantizer as on a GPU (compute capability 8.9 and up): it keeps the
+    checkpoint in FP8 (its ``FP8Linear`` modules) instead of dequantizing. On this CPU its
+    environment check would turn dequantizing on; without it the modules build here too (their
+    forward needs the hub's FP8 kernels: both loaders' models fail it alike)."""
     from transformers.quantizers import quantizer_finegrained_fp8 as fp8
 
     monkeypatch.setattr(fp8.FineGrainedFP8HfQuantizer, "validate_environment", lambda *a, **k: None)
-    caplog.set_level(logging.WARNING, logger="fastload")
-    with fastload.patch_transformers():
-        model = _transformers(fp8_checkpoint)
-    assert transformers_loads == ["LlamaForCausalLM"]
-    assert patch.last_report is None
-    assert patch.last_fallback is not None and "quant_method='fp8'" in patch.last_fallback
-    said = [r.getMessage() for r in caplog.records if "left to transformers" in r.getMessage()]
-    assert len(said) == 1 and "deserialize" in said[0]
-    assert type(model.model.layers[0].mlp.up_proj).__name__ == "FP8Linear"  # transformers' own
+
+
+@pytest.mark.usefixtures("kept_in_fp8")
+@pytest.mark.parametrize("read_mode", ["pread", "mmap"])
+def test_fp8_kept_in_fp8_is_read_into_transformers_fp8_modules(
+    fp8_checkpoint: Path, read_mode: str, no_operation: list[str]
+) -> None:
+    """Stored as it runs: each FP8 weight and its block scales go into the ``FP8Linear``
+    transformers' quantizer swapped in, as stored; no operation runs."""
+    want = _transformers(fp8_checkpoint)
+    got, report = fastload.from_pretrained(
+        fp8_checkpoint, read_mode=read_mode, output_loading_info=True
+    )
+    assert report.quant_method == "fp8" and no_operation == []
+    assert not report.missing and not report.unexpected and not report.mismatched
+    up = got.model.layers[0].mlp.up_proj
+    assert type(up).__name__ == "FP8Linear" and up.weight.dtype == torch.float8_e4m3fn
+    assert_same_quantized_model(got, want)
+
+
+@pytest.mark.usefixtures("kept_in_fp8")
+def test_under_the_patch_fp8_kept_in_fp8_is_read_by_fastload(
+    fp8_checkpoint: Path, transformers_loads: list[str]
+) -> None:
+    got, want = patched_and_transformers(fp8_checkpoint, "fp8", transformers_loads)
+    assert type(got.model.layers[0].mlp.up_proj).__name__ == "FP8Linear"
+    assert_same_quantized_model(got, want)
 
 
 def test_a_model_made_by_a_load_operation_is_not_reloaded(fp8_checkpoint: Path) -> None:
@@ -228,3 +232,19 @@ def test_a_model_made_by_a_load_operation_is_not_reloaded(fp8_checkpoint: Path) 
     model = fastload.from_pretrained(fp8_checkpoint)
     with pytest.raises(fastload.UnsupportedError, match="load operation"):
         fastload.reload(model, fp8_checkpoint)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="transformers keeps FP8 in FP8 on a GPU of compute capability 8.9 and up",
+)
+def test_on_a_gpu_fp8_kept_in_fp8_loads_as_transformers_loads_it(fp8_checkpoint: Path) -> None:
+    """Where transformers keeps FP8 by itself (no environment check bypassed): onto the GPU,
+    the same ``FP8Linear`` modules and tensors bitwise as transformers' ``device_map="cuda"``,
+    and the same logits (or the same error, where the hub's FP8 kernels cannot be fetched)."""
+    want = _transformers(fp8_checkpoint, device_map="cuda")
+    got, report = fastload.from_pretrained(fp8_checkpoint, device="cuda", output_loading_info=True)
+    assert report.quant_method == "fp8"
+    up = got.model.layers[0].mlp.up_proj
+    assert type(up).__name__ == "FP8Linear" and up.weight.device.type == "cuda"
+    assert_same_quantized_model(got.cpu(), want.cpu())

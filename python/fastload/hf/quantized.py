@@ -18,7 +18,7 @@ Served are the formats stored as they run: the quantizer's load mode has no oper
 parameter is the stored tensor itself (:data:`SERVED_METHODS`, tested against transformers);
 and the methods whose load operation fastload runs on tensors it read
 (:data:`OPERATION_METHODS`, :mod:`fastload.hf.load_ops`: FP8 blocks, MXFP4 experts and
-compressed-tensors dequantized, bitsandbytes deserialized). Any other method, and a method whose
+compressed-tensors dequantized, bitsandbytes and torchao deserialized). Any other method, and a method whose
 quantizer asks for another load operation here (MXFP4 kept packed, a mode not listed), is
 refused with ``UnsupportedError`` naming the method, and under the patch goes to transformers'
 own loader; fastload never reimplements a method.
@@ -40,8 +40,9 @@ from fastload.hf.context import quantization_method
 from fastload.hf.meta_compression import compress_once_per_kind
 
 #: the ``quant_method`` values fastload reads itself (stored as they run, without a load
-#: operation, checked against transformers by tests/test_hf_quantized.py)
-SERVED_METHODS = frozenset({"compressed-tensors", "gptq", "awq"})
+#: operation, checked against transformers by tests/test_hf_quantized.py, test_hf_gptq_awq.py
+#: and, for FP8 kept in FP8 as transformers keeps it on a GPU, test_hf_fp8_dequantize.py)
+SERVED_METHODS = frozenset({"compressed-tensors", "gptq", "awq", "fp8"})
 #: the ``quant_method`` values whose quantizer's load operation fastload runs on tensors it read
 #: (:mod:`fastload.hf.load_ops`), with the load mode it runs: FP8 blocks and gpt-oss' MXFP4
 #: experts dequantized (what transformers does on a machine without a GPU, or with
@@ -166,7 +167,7 @@ def quantization_for(
             f"and runs {', '.join(f'{m} ({o})' for m, o in OPERATION_METHODS.items())} only: "
             "load it with transformers"
         )
-    if method not in SERVED_METHODS:  # e.g. fp8 kept in FP8 (on a GPU): not tested yet
+    if method not in SERVED_METHODS:
         raise UnsupportedError(
             f"{source}: quant_method={method!r} loads here without dequantizing ({mode}), "
             "which fastload does not read yet: load it with transformers"
