@@ -212,10 +212,12 @@ def compressed_tensors_checkpoint(
     scheme: str | tuple[str, int] = ("int", 8),
     form: str = "int-quantized",
     moe: bool = False,
+    other: tuple[str, dict[str, Any]] | None = None,
 ) -> Path:
     """A tiny Llama (``moe``: Mixtral) whose Linear layers but the head compressed-tensors
-    quantized weight-only by ``scheme`` (symmetric), compressed in its format ``form`` and saved
-    as llm-compressor saves one."""
+    quantized weight-only by ``scheme`` (symmetric; ``other``: a module name pattern and the
+    changes to the scheme's arguments its layers are quantized with instead, in a group of their
+    own), compressed in its format ``form`` and saved as llm-compressor saves one."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -239,12 +241,15 @@ def compressed_tensors_checkpoint(
         kind, bits = scheme
         args = QuantizationArgs(num_bits=bits, type=kind, symmetric=True, strategy="channel")
         weights = QuantizationScheme(targets=["Linear"], weights=args)
-    apply_quantization_config(
-        model, QuantizationConfig(config_groups={"group_0": weights}, ignore=["lm_head"])
-    )
+    groups = {"group_0": weights}
+    if other is not None:
+        pattern, changes = other
+        args = weights.weights.model_copy(update=changes)
+        groups["group_1"] = QuantizationScheme(targets=[f"re:{pattern}"], weights=args)
+    apply_quantization_config(model, QuantizationConfig(config_groups=groups, ignore=["lm_head"]))
     for module in model.modules():
         if hasattr(module, "weight_scale"):
-            _calibrate(module, weights.weights)
+            _calibrate(module, module.quantization_scheme.weights)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=form)
     compressor.compress_model(model)
     model.save_pretrained(directory)

@@ -98,3 +98,81 @@ def test_the_compressors_are_restored_after_an_error() -> None:
         assert NaiveQuantizationCompressor.__dict__["compress"] is not before
         raise RuntimeError("inside")
     assert NaiveQuantizationCompressor.__dict__["compress"] is before
+
+
+@pytest.mark.parametrize(
+    ("form", "changes", "held"),
+    [
+        # the packed width follows the scheme's bits: 4 bits 8 to an int32, 8 bits 4
+        ("pack-quantized", {"num_bits": 8}, "weight_packed"),
+        # an asymmetric scheme keeps its zero points, a symmetric one drops them
+        ("int-quantized", {"symmetric": False}, "weight_zero_point"),
+    ],
+    ids=["bits", "symmetry"],
+)
+def test_layers_of_one_shape_under_two_schemes_each_get_their_own_layout(
+    tmp_path: Path, form: str, changes: dict[str, Any], held: str
+) -> None:
+    """q_proj and o_proj have one shape; o_proj's scheme differs: the scheme is part of a
+    kind, so each keeps the layout its own scheme gives it, as transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from test_hf_quantized import assert_same_quantized_model
+
+    bits = 4 if form == "pack-quantized" else 8
+    directory = compressed_tensors_checkpoint(
+        tmp_path, ("int", bits), form, other=(r".*o_proj", changes)
+    )
+    want = AutoModelForCausalLM.from_pretrained(directory)
+    got = fastload.from_pretrained(directory)
+    attention = got.model.layers[0].self_attn
+    assert attention.q_proj.weight_scale.shape == attention.o_proj.weight_scale.shape
+    mine, theirs = getattr(attention.o_proj, held, None), getattr(attention.q_proj, held, None)
+    assert mine is not None and (theirs is None or theirs.shape != mine.shape)
+    assert_same_quantized_model(got, want)
+
+
+def test_calls_from_another_thread_go_to_the_compressor_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from compressed_tensors.compressors import (
+        IntQuantizationCompressor,
+        NaiveQuantizationCompressor,
+    )
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    calls = _counted(monkeypatch, NaiveQuantizationCompressor)
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    state = {
+        "weight": torch.empty(8, 16, device="meta"),
+        "weight_scale": torch.empty(8, 1, device="meta"),
+    }
+
+    def twice() -> None:
+        for _ in range(2):
+            IntQuantizationCompressor.compress(dict(state), scheme)
+
+    with compress_once_per_kind() as memo:
+        worker = threading.Thread(target=twice)
+        worker.start()
+        worker.join()
+        assert memo is not None and memo.calls == 0
+        twice()  # the load's own thread: once
+    assert calls == [True, True, True]
+    assert (memo.calls, memo.runs) == (2, 1)
+
+
+def test_a_compress_replaced_meanwhile_is_left_as_it_was_replaced() -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    before = NaiveQuantizationCompressor.__dict__["compress"]
+    other = classmethod(lambda cls, state_dict, scheme: state_dict)
+    try:
+        with compress_once_per_kind():
+            NaiveQuantizationCompressor.compress = other
+        assert NaiveQuantizationCompressor.__dict__["compress"] is other
+    finally:
+        NaiveQuantizationCompressor.compress = before

@@ -73,27 +73,35 @@ def _made(how: Any, inputs: dict[str, Any]) -> Any:
 
 
 class _Memo:
-    """The outcomes of one ``preprocess_model``: (compressor, scheme, inputs) -> outcome."""
+    """The outcomes of one ``preprocess_model``: (compressor, scheme, inputs) -> outcome. Only
+    the thread that opened the block uses it; any other caller gets the compressor itself."""
 
     def __init__(self) -> None:
         self.outcomes: dict[tuple[Any, ...], _Outcome | None] = {}
         self.calls = 0
         self.runs = 0
+        self.owner = threading.get_ident()
 
-    def compress(self, function: Any, cls: type, state_dict: dict[str, Any], scheme: Any) -> Any:
+    def compress(self, function: Any, cls: type, args: tuple[Any, ...], kwargs: dict) -> Any:
+        if threading.get_ident() != self.owner or kwargs or len(args) != 2:
+            return function(cls, *args, **kwargs)  # not the load's call: as it is
+        state_dict, scheme = args
         self.calls += 1
-        signature = _signature(state_dict)
-        if signature is None:
-            self.runs += 1
-            return function(cls, state_dict, scheme)
-        key = (cls, scheme.model_dump_json(), signature)
-        if key in self.outcomes:
+        signature = _signature(state_dict) if isinstance(state_dict, dict) else None
+        key = None
+        if signature is not None:
+            try:
+                key = (cls, scheme.model_dump_json(), signature)
+            except Exception:  # noqa: BLE001 - a scheme not to be keyed: not memoized
+                key = None
+        if key is not None and self.outcomes.get(key) is not None:
             outcome = self.outcomes[key]
-            if outcome is not None:
-                return {name: _made(how, state_dict) for name, how in outcome.items()}
+            assert outcome is not None
+            return {name: _made(how, state_dict) for name, how in outcome.items()}
         self.runs += 1
         outputs = function(cls, state_dict, scheme)
-        self.outcomes[key] = _outcome(state_dict, outputs)
+        if key is not None:
+            self.outcomes[key] = _outcome(state_dict, outputs)
         return outputs
 
 
@@ -113,8 +121,10 @@ def _compressors() -> list[type]:
 @contextmanager
 def compress_once_per_kind() -> Iterator[_Memo | None]:
     """Within the block, compressed-tensors' compressors run once per kind of meta layer (the
-    module's docstring). Yields the memo (its ``calls`` and ``runs``), or ``None`` where this
-    compressed-tensors has no classmethod compressors to wrap (the block then runs unchanged)."""
+    module's docstring), for calls from this thread. Yields the memo (its ``calls`` and
+    ``runs``), or ``None`` where this compressed-tensors has no classmethod compressors to wrap
+    (the block then runs unchanged). On leaving, each class gets its own ``compress`` back,
+    unless something else replaced the wrapper meanwhile (then that stays)."""
     try:
         classes = _compressors()
     except (ImportError, AttributeError):
@@ -125,18 +135,20 @@ def compress_once_per_kind() -> Iterator[_Memo | None]:
     memo = _Memo()
     with _LOCK:
         originals = {cls: cls.__dict__["compress"] for cls in classes}
-        for cls, original in originals.items():
-            cls.compress = classmethod(_wrapped(memo, original.__func__))  # type: ignore[attr-defined]
+        wrappers = {cls: classmethod(_wrapped(memo, o.__func__)) for cls, o in originals.items()}
+        for cls, wrapper in wrappers.items():
+            cls.compress = wrapper  # type: ignore[attr-defined]
         try:
             yield memo
         finally:
             for cls, original in originals.items():
-                cls.compress = original  # type: ignore[attr-defined]
+                if cls.__dict__.get("compress") is wrappers[cls]:
+                    cls.compress = original  # type: ignore[attr-defined]
 
 
 def _wrapped(memo: _Memo, function: Any) -> Any:
-    def compress(cls: type, state_dict: dict[str, Any], scheme: Any) -> Any:
-        return memo.compress(function, cls, state_dict, scheme)
+    def compress(cls: type, *args: Any, **kwargs: Any) -> Any:
+        return memo.compress(function, cls, args, kwargs)
 
     compress.__wrapped__ = function  # type: ignore[attr-defined]
     return compress
