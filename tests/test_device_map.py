@@ -337,3 +337,33 @@ def test_a_model_split_between_gpu_and_cpu_loads_to_both_and_runs(
         expected = reference(**inputs).logits
         got = model(**inputs).logits
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("device_map", "options", "expected"),
+    [
+        ("cpu", {}, torch.device("cpu")),
+        (torch.device("cpu"), {}, torch.device("cpu")),
+        ({"": "cpu"}, {}, torch.device("cpu")),
+        ({"model": "cpu", "lm_head": "cpu:0"}, {}, torch.device("cpu")),  # one device
+        ({"model": "cpu", "lm_head": "disk"}, {"disk": True}, None),
+        ("disk", {"disk": True}, None),
+        ({"": "cpu"}, {"max_memory": {"cpu": "1GiB"}}, None),
+        ("auto", {"max_memory": {"cpu": "1GiB"}}, None),
+        ("auto", {"disk": True}, None),
+    ],
+)
+def test_single_device_is_the_one_device_a_map_names_before_the_model_exists(
+    device_map: object, options: dict, expected: torch.device | None
+) -> None:
+    from fastload.core.device_map import single_device
+
+    assert single_device(device_map, **options) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="'auto' fills an accelerator first")
+@pytest.mark.parametrize("mode", ["auto", "balanced", "sequential"])
+def test_a_planned_map_without_an_accelerator_is_the_cpu(mode: str) -> None:
+    from fastload.core.device_map import single_device
+
+    assert single_device(mode) == torch.device("cpu")

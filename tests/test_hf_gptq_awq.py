@@ -104,3 +104,14 @@ def test_scales_of_the_wrong_dtype_are_refused_naming_them(quantized: Path, tmp_
 
     with pytest.raises(CheckpointError, match=rf"{PROJ}\.qzeros"):
         fastload.from_pretrained(rewritten(quantized, tmp_path, change))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_onto_a_gpu_the_modules_are_the_ones_transformers_picks_for_it(quantized: Path) -> None:
+    """gptqmodel picks its module class by the device map the quantizer is given: ``device=
+    "cuda"`` reaches it as transformers' ``device_map="cuda"`` does (a GPU kernel, not the CPU's
+    modules with CUDA tensors)."""
+    want = _transformers(quantized, device_map="cuda")
+    got = fastload.from_pretrained(quantized, device="cuda")
+    assert type(got.get_submodule(PROJ)) is type(want.get_submodule(PROJ))
+    assert got.get_submodule(PROJ).qweight.device.type == "cuda"

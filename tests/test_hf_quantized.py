@@ -156,7 +156,9 @@ def test_a_device_map_placing_everything_on_the_cpu_loads_as_transformers_loads_
     ("options", "what"),
     [
         ({"device_map": {"model": "cpu", "lm_head": "disk"}, "offload_folder": "off"}, "disk"),
-        ({"device_map": "auto", "max_memory": {"cpu": "1GiB"}}, "device_map='auto'"),
+        ({"device_map": "auto", "max_memory": {"cpu": "1GiB"}}, "max_memory={'cpu': '1GiB'}"),
+        ({"device_map": "disk"}, "device_map='disk'"),
+        ({"tp_plan": {"model.layers.*.mlp.up_proj": "colwise"}}, "a tp_plan"),
     ],
 )
 def test_a_quantized_load_over_several_places_is_refused_naming_the_map(

@@ -332,18 +332,35 @@ def single_device(
 ) -> torch.device | None:
     """The one device ``device_map`` places the whole model on, when that follows from the
     argument alone, before the model exists: a device; a dict whose entries all name one device;
-    ``"auto"`` or an accelerate mode on a machine without a GPU, with no ``max_memory`` and no
-    disk to spill to (every planner then puts everything on the CPU). ``None`` otherwise."""
+    ``"auto"`` or an accelerate mode on a machine without an accelerator (``torch.accelerator``:
+    CUDA, XPU, MPS ...), with no ``max_memory`` and no disk to spill to (every planner then
+    puts everything on the CPU). ``None`` otherwise."""
     if isinstance(device_map, str) and device_map in ("auto", *ACCELERATE_MODES):
-        gpu = torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
-        return None if gpu or max_memory is not None or disk else torch.device("cpu")
+        return None if _accelerator() or max_memory is not None or disk else torch.device("cpu")
     if max_memory is not None:
         return None
     places = list(device_map.values()) if isinstance(device_map, Mapping) else [device_map]
     if not places or any(isinstance(p, str) and p.strip().lower() == "disk" for p in places):
         return None
-    devices = {parse_device(p, where="device_map") for p in places}
+    devices = {_indexed(parse_device(p, where="device_map")) for p in places}
     return devices.pop() if len(devices) == 1 else None
+
+
+def _accelerator() -> bool:
+    """Whether this machine has a device the planners would fill before the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return torch.cuda.is_available()
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """One spelling per device: ``cpu:0`` is ``cpu``, ``cuda`` the current CUDA device."""
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _accelerate_plan(

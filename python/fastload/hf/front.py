@@ -47,7 +47,7 @@ from fastload.hf.auto import is_auto_class, resolve_class
 from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
-from fastload.hf.quantized import Quantization, quantization_for
+from fastload.hf.quantized import Quantization, quantization_for, read_method
 from fastload.training.gradient_checkpointing import (
     drop_legacy_config_key,
     gradient_checkpointing_enable,
@@ -154,14 +154,18 @@ def load_hf(
             )
             # a quantized checkpoint is read into the modules transformers' quantizer makes, or
             # refused; never loaded as an unquantized model (fastload.hf.quantized)
-            quant = quantization_for(
-                cfg,
-                path if path is not None else cls.__name__,
-                files=lambda: _local_files(resolved),
-                device_map=options.device_map,
-            )
-            if quant is not None:
-                options = _one_device(options, hooks, quant, path)
+            source_name = path if path is not None else cls.__name__
+            quant = None
+            method = read_method(cfg, source_name)
+            if method is not None:
+                asked = options.device_map
+                options = _one_device(options, hooks, method, source_name)
+                quant = quantization_for(
+                    cfg,
+                    source_name,
+                    files=lambda: _local_files(resolved),
+                    device_map=_quantizer_map(asked, options.device),
+                )
             if quant is not None and quant.operation and options.device.type != "cpu":
                 raise UnsupportedError(
                     f"{path}: quant_method={quant.method!r} loads here through transformers' "
@@ -193,12 +197,13 @@ def load_hf(
 
 
 def _one_device(
-    options: LoadOptions, hooks: TransformersHooks, quant: Quantization, path: Any
+    options: LoadOptions, hooks: TransformersHooks, method: str, source: Any
 ) -> LoadOptions:
     """The options of a quantized load: onto one device. A ``device_map`` that places the
-    whole model on one device (``"cpu"``, ``{"": "cpu"}``, ``"auto"`` on a machine without a
-    GPU: :func:`~fastload.core.device_map.single_device`) becomes that device, as transformers
-    loads it there; a map over several devices, disk, or a ``tp_plan`` is refused."""
+    whole model on one device (``"cpu"``, ``{"": "cpu"}``, ``"auto"`` on a machine without an
+    accelerator: :func:`~fastload.core.device_map.single_device`) becomes that device, as
+    transformers loads it there; a map over several devices or disk, ``max_memory``, or a
+    ``tp_plan`` is refused naming what was asked."""
     one = None
     if options.device_map is not None:
         one = single_device(
@@ -206,10 +211,13 @@ def _one_device(
             max_memory=options.max_memory,
             disk=options.offload_folder is not None,
         )
-    if hooks.tp is not None or (options.device_map is not None and one is None):
-        what = "a tp_plan" if hooks.tp is not None else f"device_map={options.device_map!r}"
+    tp = hooks.tp is not None or options.tp_plan is not None
+    if tp or (options.device_map is not None and one is None):
+        what = "a tp_plan" if tp else f"device_map={options.device_map!r}"
+        if not tp and options.max_memory is not None:
+            what += f" and max_memory={options.max_memory!r}"
         raise UnsupportedError(
-            f"{path}: quant_method={quant.method!r} with {what}: fastload reads a quantized "
+            f"{source}: quant_method={method!r} with {what}: fastload reads a quantized "
             "checkpoint onto one device (a device_map placing everything on one device, such "
             "as 'cpu' or, on a machine without a GPU, 'auto', is that device); load it with "
             "transformers"
@@ -217,6 +225,15 @@ def _one_device(
     if one is None:
         return options
     return dataclasses.replace(options, device=one, device_map=None, max_memory=None)
+
+
+def _quantizer_map(asked: Any, device: torch.device) -> Any:
+    """The device map transformers' quantizer is given: the user's, as transformers gives it;
+    without one, the device the load goes to (as transformers makes ``{"": device}`` of an
+    ambient device), but for the CPU, where transformers gives none."""
+    if asked is not None:
+        return asked
+    return None if device.type == "cpu" else {"": device}
 
 
 def _name_the_url(error: FastloadError, side_files: str, weights: str) -> None:

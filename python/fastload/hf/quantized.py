@@ -18,10 +18,10 @@ Served are the formats stored as they run: the quantizer's load mode has no oper
 parameter is the stored tensor itself (:data:`SERVED_METHODS`, tested against transformers);
 and the methods whose load operation fastload runs on tensors it read
 (:data:`OPERATION_METHODS`, :mod:`fastload.hf.load_ops`: FP8 blocks, MXFP4 experts and
-compressed-tensors dequantized, bitsandbytes and torchao deserialized). Any other method, and a method whose
-quantizer asks for another load operation here (MXFP4 kept packed, a mode not listed), is
-refused with ``UnsupportedError`` naming the method, and under the patch goes to transformers'
-own loader; fastload never reimplements a method.
+compressed-tensors dequantized, bitsandbytes and torchao deserialized). Any other method, and a
+method whose quantizer asks for another load operation here (MXFP4 kept packed, a mode not
+listed), is refused with ``UnsupportedError`` naming the method, and under the patch goes to
+transformers' own loader; fastload never reimplements a method.
 """
 
 from __future__ import annotations
@@ -116,6 +116,21 @@ class Quantization:
         self.seconds += time.perf_counter() - start
 
 
+def read_method(config: Any, source: Any) -> str | None:
+    """The ``quant_method`` of ``config`` (``None``: not quantized) when it is one fastload may
+    read; ``UnsupportedError`` naming it otherwise (whether its load mode here is one fastload
+    runs is :func:`quantization_for`'s to tell)."""
+    method = quantization_method(config)
+    known = SERVED_METHODS | set(OPERATION_METHODS)
+    if method is not None and method not in known:
+        raise UnsupportedError(
+            f"{source}: the config has a quantization_config (quant_method={method!r}); fastload "
+            f"reads pre-quantized checkpoints of {', '.join(sorted(known))} only and "
+            "never loads a quantized checkpoint as another model: load it with transformers"
+        )
+    return method
+
+
 def quantization_for(
     config: Any,
     source: Any,
@@ -132,16 +147,9 @@ def quantization_for(
 
     transformers' own errors (a missing package, an environment its quantizer refuses) are
     raised as transformers raises them."""
-    method = quantization_method(config)
+    method = read_method(config, source)
     if method is None:
         return None
-    known = SERVED_METHODS | set(OPERATION_METHODS)
-    if method not in known:
-        raise UnsupportedError(
-            f"{source}: the config has a quantization_config (quant_method={method!r}); fastload "
-            f"reads pre-quantized checkpoints of {', '.join(sorted(known))} only and "
-            "never loads a quantized checkpoint as another model: load it with transformers"
-        )
     from transformers.quantizers.auto import get_hf_quantizer
 
     if device_map is not None:
@@ -175,4 +183,10 @@ def quantization_for(
     return Quantization(quantizer, method, files=files(), device_map=device_map)
 
 
-__all__ = ["OPERATION_METHODS", "SERVED_METHODS", "Quantization", "quantization_for"]
+__all__ = [
+    "OPERATION_METHODS",
+    "SERVED_METHODS",
+    "Quantization",
+    "quantization_for",
+    "read_method",
+]
