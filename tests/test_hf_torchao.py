@@ -223,3 +223,17 @@ def test_a_subclass_not_loaded_on_a_cpu_is_refused_naming_it(
     st.save_file(tensors, str(directory / "model.safetensors"), metadata=metadata)
     with pytest.raises(fastload.UnsupportedError, match=rf"{PROJ}\.weight.*Int4Tensor"):
         fastload.from_pretrained(directory)
+
+
+def test_a_file_without_its_torchao_metadata_is_a_checkpoint_error_naming_the_file(
+    quantized: Path, tmp_path: Path
+) -> None:
+    """transformers' torchao quantizer reads each file's metadata to build the model; without it
+    transformers raises ``ValueError``: fastload's error is one too, a ``CheckpointError``
+    naming the file (not the config)."""
+    directory = rewritten(quantized, tmp_path, lambda tensors: None)  # metadata dropped
+    with pytest.raises(CheckpointError, match="torchao safetensors metadata") as caught:
+        fastload.from_pretrained(directory)
+    assert isinstance(caught.value, ValueError)
+    assert str(directory / "model.safetensors") in str(caught.value)
+    assert "cannot be built from this config" not in str(caught.value)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.errors import UnsupportedError
+from fastload.core.errors import CheckpointError, FastloadError, UnsupportedError, also_as
 from fastload.hf.context import quantization_method
 from fastload.hf.meta_compression import compress_once_per_kind
 
@@ -92,13 +92,22 @@ class Quantization:
         (:mod:`fastload.hf.meta_compression`)."""
         start = time.perf_counter()
         once = compress_once_per_kind() if self.method == "compressed-tensors" else nullcontext()
-        with once, torch.device("meta"):
-            self.quantizer.preprocess_model(
-                model=model,
-                dtype=dtype,
-                device_map=self.device_map,
-                checkpoint_files=self.files or None,
-            )
+        try:
+            with once, torch.device("meta"):
+                self.quantizer.preprocess_model(
+                    model=model,
+                    dtype=dtype,
+                    device_map=self.device_map,
+                    checkpoint_files=self.files or None,
+                )
+        except ValueError as e:  # what the quantizer read of the files (torchao's metadata)
+            if isinstance(e, FastloadError) or not self.files:
+                raise
+            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise also_as(CheckpointError, e)(
+                f"{', '.join(self.files)}: transformers' {self.method} quantizer cannot prepare "
+                f"the model from this checkpoint ({type(e).__name__}: {text})"
+            ) from e
         self.seconds += time.perf_counter() - start
 
     def postprocess(self, model: nn.Module, not_loaded: set[str]) -> None:
