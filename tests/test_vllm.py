@@ -38,6 +38,10 @@ pytestmark = pytest.mark.skipif(
 #: seconds any one step may take (a vLLM start, a request) before a test fails: generous, so a
 #: busy machine slows the tests down but does not fail them; a hang still ends
 TIMEOUT = 900.0
+#: the object store client's time limits in these tests: far above what a request to the local
+#: store takes on a busy machine, so no request is retried for being slow (a retried range is
+#: counted twice at the proxy, and the counts are asserted)
+PATIENT = {"timeout": "600s", "connect_timeout": "60s"}
 PROMPTS = ["The quick brown fox", "Once upon a time"]
 MAX_TOKENS = 12
 #: what every vLLM process here runs with: a small KV cache (GiB), nothing compiled
@@ -308,7 +312,7 @@ def test_weights_read_from_s3_give_the_tokens_of_safetensors(
         assert fetch.returncode == 0, fetch.stderr
         assert list(local.glob("*.safetensors")) == [] and (local / "config.json").is_file()
         # more retries than the default, as a margin: the server shares the cores with vLLM
-        extra = {"weights": url, "storage_options": {"max_retries": 8}}
+        extra = {"weights": url, "storage_options": {"max_retries": 8, **PATIENT}}
         (tokens,), output = _tokens(
             [local], env, load_format="fastload", model_loader_extra_config=extra
         )
@@ -501,7 +505,7 @@ def test_two_tensor_parallel_ranks_fetch_only_their_slices_from_object_storage(
     try:
         url = s3.place(llama, "models", "llama")
         env = _env(**s3.env(proxy.endpoint), VLLM_CPU_OMP_THREADS_BIND="0|1")
-        extra = {"weights": url, "storage_options": {"max_retries": 8}}
+        extra = {"weights": url, "storage_options": {"max_retries": 8, **PATIENT}}
         local = _config_only(llama, tmp_path / "config-only")
         (tokens,), output = _tokens(
             [local], env, load_format="fastload", model_loader_extra_config=extra, **TP2
@@ -574,7 +578,7 @@ def test_a_shard_that_changes_during_a_tensor_parallel_load_from_s3_stops_every_
 
         proxy.on_get = fault_once
         env = _env(**s3.env(proxy.endpoint), VLLM_CPU_OMP_THREADS_BIND="0|1")
-        extra = {"weights": url, "storage_options": {"max_retries": 2}}
+        extra = {"weights": url, "storage_options": {"max_retries": 2, **PATIENT}}
         local = _config_only(llama, tmp_path / "config-only")
         # every wait of the run is bounded (TIMEOUT): a rank left waiting fails the test
         (result,), output = _tokens(
