@@ -65,24 +65,29 @@ def test_the_compressor_runs_once_per_kind_of_layer(
     assert isinstance(cls.__dict__["compress"], classmethod)
 
 
+def _int8_channel() -> tuple[Any, Any]:
+    """compressed-tensors' int8 compressor and a symmetric int8 scheme per output channel."""
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    return IntQuantizationCompressor, scheme
+
+
 def test_tensors_with_data_are_compressed_every_time_as_without_the_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from compressed_tensors.compressors import (
-        IntQuantizationCompressor,
-        NaiveQuantizationCompressor,
-    )
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
 
     calls = _counted(monkeypatch, NaiveQuantizationCompressor)
-    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    compressor, scheme = _int8_channel()
     torch.manual_seed(0)
     state = {"weight": torch.randn(8, 16), "weight_scale": torch.rand(8, 1) + 0.01}
-    want = IntQuantizationCompressor.compress(dict(state), scheme)
+    want = compressor.compress(dict(state), scheme)
     with compress_once_per_kind() as memo:
-        first = IntQuantizationCompressor.compress(dict(state), scheme)
-        second = IntQuantizationCompressor.compress(dict(state), scheme)
+        first = compressor.compress(dict(state), scheme)
+        second = compressor.compress(dict(state), scheme)
     assert memo is not None and (memo.calls, memo.runs) == (2, 2)
     assert calls == [False, False, False]
     for got in (first, second):
@@ -137,15 +142,10 @@ def test_calls_from_another_thread_go_to_the_compressor_itself(
 ) -> None:
     import threading
 
-    from compressed_tensors.compressors import (
-        IntQuantizationCompressor,
-        NaiveQuantizationCompressor,
-    )
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
 
     calls = _counted(monkeypatch, NaiveQuantizationCompressor)
-    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    compressor, scheme = _int8_channel()
     state = {
         "weight": torch.empty(8, 16, device="meta"),
         "weight_scale": torch.empty(8, 1, device="meta"),
@@ -153,7 +153,7 @@ def test_calls_from_another_thread_go_to_the_compressor_itself(
 
     def twice() -> None:
         for _ in range(2):
-            IntQuantizationCompressor.compress(dict(state), scheme)
+            compressor.compress(dict(state), scheme)
 
     with compress_once_per_kind() as memo:
         worker = threading.Thread(target=twice)
