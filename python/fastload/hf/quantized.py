@@ -69,9 +69,9 @@ class Quantization:
     files: list[str] = field(default_factory=list)
     #: whether the quantizer has a load operation fastload runs (fastload.hf.load_ops)
     operation: bool = False
-    #: the device map the quantizer made of none (``update_device_map``: GPTQ's and
-    #: bitsandbytes' ``{"": cpu}`` on a CPU), passed to ``preprocess_model`` as transformers
-    #: passes it (GPTQ's kernel choice reads it, and gptqmodel sets ``hf_device_map`` from it)
+    #: the device map the quantizer made of the one it was given (``update_device_map``: of
+    #: none, GPTQ's and bitsandbytes' ``{"": cpu}`` on a CPU), passed to ``preprocess_model`` as
+    #: transformers passes it (GPTQ's kernel choice reads it, gptqmodel sets ``hf_device_map``)
     device_map: Any = None
 
     def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
