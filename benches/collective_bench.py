@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fastload.core.page_cache import evict
+from fastload.core.memory.page_cache import evict
 
 LOADERS = (
     "fastload(process_group)",

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fastload.core.page_cache import evict, warm
+from fastload.core.memory.page_cache import evict, warm
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
@@ -401,7 +401,7 @@ def environment(device: str) -> dict[str, Any]:
 
     import torch
 
-    from fastload.core.staging import DEFAULT_STAGING_BYTES
+    from fastload.core.memory.staging import DEFAULT_STAGING_BYTES
 
     env: dict[str, Any] = {
         "staging_bytes": DEFAULT_STAGING_BYTES,

@@ -6,14 +6,14 @@ node's floor at the bucket's bandwidth, measured in the same run.
         [--shared] [--workdir /tmp/fastload-fleet-bench] [--out benches/results/fleet-256MiB]
 
 The benchmark Llama of ``fastload.tools.bench.run`` (bf16, one ``model.safetensors``) is served
-by the tests' S3-compatible server (s3s-fs on 127.0.0.1, tests/s3_server.py). Each rank (a gloo
-process on this machine, loopback) reaches it through its own proxy, which counts the bytes of
+by the tests' S3-compatible server (s3s-fs on 127.0.0.1, tests/support/s3_server.py). Each rank (a
+gloo process on this machine, loopback) reaches it through its own proxy, which counts the bytes of
 the answers it forwards to that rank (outside fastload), and every proxy draws on one shared
 token bucket of ``--cap-mbps`` MB/s: the bucket's bandwidth, which all ranks share. Runs, round
 robin, ``--repeats`` times:
 
 * ``floor``: one process fetching every byte of the object with 8 MiB ranged GETs, 16 at a
-  time, into one buffer (``fastload.core.object_store.read_into``: no engine): one node's time
+  time, into one buffer (``fastload.core.store.object_store.read_into``: no engine): one node's time
   at the capped bandwidth;
 * ``fastload, 1 rank``: ``from_pretrained(LlamaForCausalLM, "s3://...")`` alone;
 * ``fastload(process_group), N ranks``: the same call with ``process_group=WORLD`` on N ranks;
@@ -221,7 +221,7 @@ def _floor(rank: int, out: str, url: str, env: dict) -> None:
 
     import torch
 
-    from fastload.core import object_store
+    from fastload.core.store import object_store
 
     os.environ.update(env[rank])
     store = object_store.open_store(url)
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import fastload
     from fastload.tools.bench.run import make_checkpoint
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from s3_server import S3Server
 
     work = args.workdir

@@ -1,7 +1,7 @@
 """Concurrent loads versus loads in a row: a figure, not a pass/fail test.
 
 The suite checks that copies release the GIL by what that guarantees (another thread watches a
-copy's progress and cancels it mid-way, ``tests/test_concurrency.py``). How much faster two
+copy's progress and cancels it mid-way, ``tests/core/test_concurrency.py``). How much faster two
 threads load than one is a property of the machine and its load, so it is measured here:
 
     python benches/gil_release.py [--mib 256] [--rounds 5]

@@ -6,15 +6,15 @@ download-then-load, with the network floor measured in the same run.
 
 The benchmark Llama of ``fastload.tools.bench.run`` (bf16, one ``model.safetensors``) is uploaded
 with boto3 to a local S3-compatible server (s3s-fs on 127.0.0.1, the server of the tests:
-tests/s3_server.py; ``scripts/s3-server.sh`` installs it), which serves it from its page cache
-(one untimed read first, so that every loader finds it warm). Then every loader runs in a fresh
-interpreter, ``--repeats`` times round robin, with the AWS variables pointing at the server; each
-child imports what it needs before the clock, runs one load, touches one byte per page of every
+tests/support/s3_server.py; ``scripts/s3-server.sh`` installs it), which serves it from its page
+cache (one untimed read first, so that every loader finds it warm). Then every loader runs in a
+fresh interpreter, ``--repeats`` times round robin, with the AWS variables pointing at the server;
+each child imports what it needs before the clock, runs one load, touches one byte per page of every
 tensor, and reports the wall time and its peak resident memory (VmHWM) above what was resident
 before the load. Loaders:
 
 * ``floor(ranged GETs)``: every byte of the object into one preallocated buffer with 8 MiB
-  ranged GETs, 16 at a time (``fastload.core.object_store.read_into``: the same HTTP client as
+  ranged GETs, 16 at a time (``fastload.core.store.object_store.read_into``: the same HTTP client as
   fastload's, without the engine);
 * ``floor(curl)``: the same ranges with ``curl --parallel --parallel-max 16`` (libcurl, signed
   with ``--aws-sigv4``) into ``/dev/null``: an independent client that writes nothing to memory;
@@ -115,7 +115,7 @@ def child(loader: str, prefix: str) -> dict[str, Any]:
     import fastload
     import fastload.api  # noqa: F401 - fastload's entry and its transformers layer, imported
     import fastload.hf.front  # noqa: F401   before the clock as the peers' code is
-    from fastload.core import object_store
+    from fastload.core.store import object_store
 
     url = f"s3://{BUCKET}/{prefix}/"
     key = f"{prefix}/model.safetensors"
@@ -200,7 +200,7 @@ def child(loader: str, prefix: str) -> dict[str, Any]:
 
 
 def _server(root: Path) -> tuple[Any, dict[str, str]]:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
     from s3_server import S3Server
 
     server = S3Server(root)

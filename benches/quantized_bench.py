@@ -5,7 +5,7 @@ read floors of the same bytes measured in the same run.
 
 One Llama (hidden 1024, intermediate 2816, vocabulary 32000; as many layers as make ``--gib`` of
 bf16 weights) is written once under --workdir in bf16 with random values, then quantized by
-compressed-tensors' own code, as the tests make theirs (``tests/test_hf_quantized.py``): every
+compressed-tensors' own code, as the tests make theirs (``tests/hf/test_hf_quantized.py``): every
 Linear layer but the head, weight-only, symmetric, its scales calibrated from the weights, then
 compressed in the format and saved as llm-compressor saves one. Formats (``--formats``):
 
@@ -156,7 +156,7 @@ def files_of(directory: Path) -> list[Path]:
 
 def data_bytes(directory: Path) -> int:
     """Bytes of tensor data in the checkpoint's safetensors files (headers not counted)."""
-    from fastload.core.reading import open_file
+    from fastload.core.reads.reading import open_file
 
     total = 0
     for path in files_of(directory):
@@ -175,7 +175,7 @@ def run_one(method: str, directory: Path) -> dict[str, Any]:
     import only what they use: their start is not timed, only shorter)."""
     import torch  # noqa: F401 - imported before the clock on purpose
 
-    import fastload.core.reading  # noqa: F401 - the floors' header parse (fastload's engine)
+    import fastload.core.reads.reading  # noqa: F401 - the floors' header parse (fastload's engine)
     from fastload.tools.bench.loaders import _map_and_touch, _touch, parallel_read
 
     if not method.startswith("floor"):
@@ -230,7 +230,7 @@ def run_one(method: str, directory: Path) -> dict[str, Any]:
 
 
 def prepare(directory: Path, mode: str) -> None:
-    from fastload.core.page_cache import evict, warm
+    from fastload.core.memory.page_cache import evict, warm
 
     for path in files_of(directory):
         (warm if mode == "warm" else evict)(path)

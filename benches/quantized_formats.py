@@ -6,7 +6,7 @@ weights) and saved as llm-compressor saves one.
 
 :func:`make`: the formats that load through a quantizer's load operation (docs/quantized.md,
 "Formats with a load operation"), each made of the bench's bf16 Llama (or its int4
-checkpoint), as the tests make theirs (``tests/quantized_checkpoints.py``):
+checkpoint), as the tests make theirs (``tests/support/quantized_checkpoints.py``):
 
 * ``fp8-blocks``: the Linear layers but the head in FP8 e4m3 per 128x128 block with float32
   inverse scales (``quant_method: fp8``), as transformers' FP8 quantizer stores them (it needs a
@@ -20,7 +20,7 @@ checkpoint), as the tests make theirs (``tests/quantized_checkpoints.py``):
 * ``torchao-int8``, ``torchao-float8``: the same by transformers' torchao quantizer
   (``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``; ``TorchAoDeserialize`` on load).
 
-And two formats stored as they run, made as the tests make theirs (``tests/vllm_models.py``:
+And two formats stored as they run, made as the tests make theirs (``tests/support/vllm_models.py``:
 4 bits, groups of 128, random packed words: a load's time does not depend on the values):
 ``gptq`` and ``awq``, loaded by transformers through gptqmodel's CPU modules.
 """
@@ -187,7 +187,7 @@ def make(name: str, source: Path, directory: Path) -> None:
     elif name in ("gptq", "awq"):
         import sys
 
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
         from vllm_models import quantize
 
         quantize(source, tmp, name)

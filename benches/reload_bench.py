@@ -218,7 +218,7 @@ def _pread_into(model: Any, path: Path) -> float:
 
 
 def prepare(work: Path, method: str, mode: str) -> None:
-    from fastload.core.page_cache import evict, warm
+    from fastload.core.memory.page_cache import evict, warm
 
     warm(work / "a" / "model.safetensors")
     path = work / ("c" if method == "reload 10% changed" else "b") / "model.safetensors"

@@ -15,14 +15,15 @@ touched before the clock. Runs go round robin (every method and cache state once
   buffers): the storage's floor for the staged path, which reads cold ranges that way.
 * ``floor: memcpy``: one parallel copy (torch's ``copy_``, every core) of the same bytes from memory
   into the destinations: what the slots' copy costs when the bytes are already in memory.
-* ``staged``: ``fastload.core.streaming.stream_into`` into the CPU destinations, the default pool:
+* ``staged``: ``fastload.core.reads.streaming.stream_into`` into the CPU destinations, the default
+pool:
   what a GPU load runs, with the host-to-device copy a CPU copy here.
 * ``staged: slots only``: the same ring with a consumer that takes and releases each slot without
   copying out of it: how fast the slots fill, the part a GPU's copy engine overlaps.
 * ``staged (baseline)``: with ``--baseline DIR``, another checkout's staged path (its
   ``python/`` folder with its extension built in it), for a before/after in the same run.
 * ``engine copy``: the engine's direct copy into the CPU destinations
-  (``fastload.core.reading.fill``), the CPU path of a load, for reference.
+  (``fastload.core.reads.reading.fill``), the CPU path of a load, for reference.
 
 Also per run: the fraction of the file left in the page cache afterwards (``mincore``), and the
 bytes the ring read past the page cache. Writes ``staged-cpu.json`` and ``staged-cpu.md`` to --out.
@@ -73,12 +74,12 @@ def run_one(method: str, path: Path, threads: int) -> dict[str, Any]:
     """One measurement, in this (fresh) process."""
     import torch
 
-    from fastload.core.page_cache import resident_fraction
-    from fastload.core.reading import allocate_all, fill, open_file
-    from fastload.core.streaming import stream_into
+    from fastload.core.memory.page_cache import resident_fraction
+    from fastload.core.reads.reading import allocate_all, fill, open_file
+    from fastload.core.reads.streaming import stream_into
 
     if method != "staged (baseline)":
-        from fastload.core.staging import StagingPool
+        from fastload.core.memory.staging import StagingPool
 
     file = open_file(path)
     size = path.stat().st_size
@@ -135,7 +136,7 @@ def run_one(method: str, path: Path, threads: int) -> dict[str, Any]:
         out["direct_bytes"], out["cached_bytes"] = pool.direct_bytes, pool.cached_bytes
     elif method == "staged (baseline)":
         # another checkout's staged path (--baseline), its buffers made before the clock too
-        from fastload.core.streaming import StagingPool as BaselinePool  # type: ignore[attr-defined]
+        from fastload.core.reads.streaming import StagingPool as BaselinePool  # type: ignore[attr-defined]
 
         pool = BaselinePool()
         for _ in range(pool.num_buffers):
@@ -168,7 +169,7 @@ def run_one(method: str, path: Path, threads: int) -> dict[str, Any]:
 
 
 def prepare(path: Path, mode: str) -> None:
-    from fastload.core.page_cache import evict, warm
+    from fastload.core.memory.page_cache import evict, warm
 
     (evict if mode == "cold" else warm)(path)
 

@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _checkout import use_this_checkout  # noqa: E402
@@ -201,7 +201,7 @@ def _shards(model: Path) -> list[Path]:
 
 
 def _set_cache(model: Path, mode: str) -> None:
-    from fastload.core.page_cache import evict, warm
+    from fastload.core.memory.page_cache import evict, warm
 
     for f in _shards(model):
         (evict if mode == "cold" else warm)(f)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 
 from vllm_bench import (  # noqa: E402
     SERVED,
@@ -68,7 +68,7 @@ def floor_ranged_gets(url: str, files: list[Path], touched: bool = True) -> floa
     pays too; measured here: 0.2-0.45 s per GiB of page faults)."""
     import torch
 
-    from fastload.core.object_store import open_store, read_into
+    from fastload.core.store.object_store import open_store, read_into
 
     store = open_store(url)
     prefix = store.key.rstrip("/")
@@ -88,7 +88,7 @@ def floor_ranged_gets(url: str, files: list[Path], touched: bool = True) -> floa
 
 
 def _server_cache(root: Path, mode: str) -> None:
-    from fastload.core.page_cache import evict, warm
+    from fastload.core.memory.page_cache import evict, warm
 
     for f in (root / BUCKET).rglob("*.safetensors"):
         (evict if mode == "cold" else warm)(f)
@@ -169,8 +169,9 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from fastload.core.object_store import download_files
     from s3_server import S3Server
+
+    from fastload.core.store.object_store import download_files
 
     work = Path(args.workdir)
     model = make_model(work, args.layers)

@@ -35,7 +35,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _checkout import use_this_checkout  # noqa: E402
@@ -89,7 +89,7 @@ def _loaders(pid: int, tp: int) -> list[int]:
 
 
 def run(model: Path, load_format: str, tp: int) -> dict[str, Any]:
-    from fastload.core.page_cache import evict
+    from fastload.core.memory.page_cache import evict
 
     for f in sorted(model.glob("*.safetensors")):
         evict(f)
@@ -192,7 +192,6 @@ def main() -> None:
     parser.add_argument("--out", default="benches/results")
     args = parser.parse_args()
     import vllm
-
     from vllm_models import make_llama, pages_needed
 
     shape = MODELS[args.model]

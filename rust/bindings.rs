@@ -1,5 +1,5 @@
 //! The `fastload._core` Python extension: thin wrappers over the core that release the GIL for
-//! all I/O and copying, and turn core errors into the `fastload.core.errors` hierarchy.
+//! all I/O and copying, and turn core errors into the `fastload.core.basics.errors` hierarchy.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -259,7 +259,7 @@ impl PySafetensorsFile {
     /// Fills destinations given as `(name, ptr, nbytes, dtype, selection)`; returns bytes written.
     ///
     /// Private (`_copy_into`): it writes to raw addresses, so Python reaches it only through
-    /// `fastload.core.engine.copy_into`, which derives each address and length from a tensor.
+    /// `fastload.core.basics.engine.copy_into`, which derives each address and length from a tensor.
     ///
     /// Every job is validated before any byte is written. The GIL is released while copying;
     /// a long copy (or one given `progress`) is watched from the calling thread, which re-takes
@@ -379,7 +379,7 @@ fn run_copy(
 /// Fills the destinations of several files in one copy (`[(file, jobs)]`, jobs as
 /// `SafetensorsFile._copy_into` takes them): the tasks of every file run on one pool, so the
 /// shards of a checkpoint are read in parallel with each other. Private, as `_copy_into`:
-/// Python reaches it through `fastload.core.engine.copy_files`.
+/// Python reaches it through `fastload.core.basics.engine.copy_files`.
 #[pyfunction]
 #[pyo3(name = "_copy_files", signature = (items, threads = None, progress = None))]
 fn copy_files(
@@ -450,7 +450,7 @@ fn default_threads() -> usize {
 }
 
 /// `text` with the query and the user-info of every URL in it hidden: the one redaction of the
-/// package (`fastload.core.redaction`).
+/// package (`fastload.core.basics.redaction`).
 #[pyfunction]
 fn redact_urls(text: &str) -> String {
     crate::redact::urls(text)

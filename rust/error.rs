@@ -268,7 +268,7 @@ impl Error {
 }
 
 /// Who is at fault in an [`Error`], which decides how it is reported: the Python bindings raise
-/// one `fastload.core.errors` class per kind.
+/// one `fastload.core.basics.errors` class per kind.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
     /// The file's content breaks a rule of the format, is not safetensors at all, or changed on

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The aarch64 wheel, installed into an aarch64 CPython run under qemu-user on this x86_64 host, with
-# an aarch64 torch and safetensors from PyPI: tests/platform_smoke.py (load_file, save_file,
+# an aarch64 torch and safetensors from PyPI: tests/support/platform_smoke.py (load_file, save_file,
 # safe_open with slices and conversions, from_pretrained of a small nn.Module), each result
 # bitwise equal to safetensors'. Heavy and slow (emulated), so not part of .ci/run: run it when the
 # packaging or the engine's arithmetic changes.
@@ -86,7 +86,7 @@ trap 'rm -rf "$scratch"' EXIT
 python3 -m pip install -q --no-deps --target "$scratch/site" "${target[@]}" "$wheel"
 echo "== $(basename "$wheel") under qemu-aarch64 ($(qemu-aarch64-static --version | head -1))"
 start=$SECONDS
-# sys.path[0] is tests/ (the script's folder): tensor_samples comes from the clone, fastload from
+# sys.path[0] is tests/support/ (the script's folder): tensor_samples comes from the clone, fastload from
 # the wheel; the working directory is a scratch folder, away from the clone's python/
-(cd "$scratch" && PYTHONPATH="$scratch/site:$deps" run_arm "$ROOT/tests/platform_smoke.py")
+(cd "$scratch" && PYTHONPATH="$scratch/site:$deps" run_arm "$ROOT/tests/support/platform_smoke.py")
 echo "== aarch64 smoke test: ok in $((SECONDS - start)) s"

@@ -2,7 +2,7 @@
 # Installs the S3-compatible server the object storage tests and benchmark run against: s3s-fs
 # (the file-system backend of the s3s crate, from crates.io), once, at a fixed path outside the
 # clone (like the venv of scripts/_env.sh): ~/.cache/fastload/s3s-fs/bin/s3s-fs. Prints its path.
-# Why this server, not moto's: tests/s3_server.py. Building it takes a few minutes, once.
+# Why this server, not moto's: tests/support/s3_server.py. Building it takes a few minutes, once.
 # Usage: bash scripts/s3-server.sh   (FASTLOAD_S3_ROOT overrides the install root)
 set -euo pipefail
 ROOT="${FASTLOAD_S3_ROOT:-$HOME/.cache/fastload/s3s-fs}"

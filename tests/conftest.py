@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-# fixtures of the patch's tests (tests/patching.py): ``unpatched``, ``transformers_loads``; of
-# the object storage tests (tests/s3_fixtures.py): ``server``, ``env`` (a module may define its own)
+# fixtures of the patch's tests (tests/support/patching.py): ``unpatched``, ``transformers_loads``;
+# of the object storage tests (tests/support/s3_fixtures.py): ``server``, ``env`` (a module may
+# define its own)
 pytest_plugins = ["patching", "s3_fixtures"]
 
 _GPU_WORDS = re.compile(r"cuda|gpu", re.IGNORECASE)

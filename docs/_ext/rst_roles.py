@@ -1,5 +1,5 @@
 """A griffe extension for the API reference: fastload's docstrings cross-reference with Sphinx
-roles (``:func:`fastload.patch_transformers```, ``:class:`~fastload.core.report.LoadReport```),
+roles (``:func:`fastload.patch_transformers```, ``:class:`~fastload.core.plan.report.LoadReport```),
 which Markdown would print verbatim. Each role becomes inline code of the name it shows (the last
 component after ``~``, as Sphinx shows it)."""
 

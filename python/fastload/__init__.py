@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from fastload.core.errors import (
+from fastload.core.basics.errors import (
     CheckpointError,
     FastloadError,
     FastloadFileNotFoundError,
@@ -38,9 +38,9 @@ _EXPORTS: dict[str, str] = {
     "safe_open": "fastload.safetensors.files",
     "SafeOpen": "fastload.safetensors.files",
     "from_pretrained": "fastload.api",
-    "reload": "fastload.reloading",
-    "ReloadReport": "fastload.core.reload",
-    "LoadReport": "fastload.core.report",
+    "reload": "fastload.reloading.entry",
+    "ReloadReport": "fastload.reloading.report",
+    "LoadReport": "fastload.core.plan.report",
     "gradient_checkpointing_enable": "fastload.training.gradient_checkpointing",
     "gradient_checkpointing_disable": "fastload.training.gradient_checkpointing",
     "is_gradient_checkpointing": "fastload.training.gradient_checkpointing",
@@ -94,11 +94,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
     from fastload.api import from_pretrained as from_pretrained
-    from fastload.core.reload import ReloadReport as ReloadReport
-    from fastload.core.report import LoadReport as LoadReport
+    from fastload.core.plan.report import LoadReport as LoadReport
     from fastload.hf.patch import patch_transformers as patch_transformers
     from fastload.hf.patch import unpatch_transformers as unpatch_transformers
-    from fastload.reloading import reload as reload
+    from fastload.reloading.entry import reload as reload
+    from fastload.reloading.report import ReloadReport as ReloadReport
     from fastload.safetensors.files import SafeOpen as SafeOpen
     from fastload.safetensors.files import load_file as load_file
     from fastload.safetensors.files import safe_open as safe_open

@@ -90,8 +90,8 @@ class SafetensorsFile:
     ) -> int:
         """Validate every job, then fill the destinations in parallel with the GIL released.
 
-        Private: the jobs name raw addresses. Call ``fastload.core.engine.copy_into``, which takes
-        tensors and derives each address and length from one.
+        Private: the jobs name raw addresses. Call ``fastload.core.basics.engine.copy_into``, which
+        takes tensors and derives each address and length from one.
 
         ``threads``: 1..MAX_THREADS (``RequestError`` otherwise). A long copy, or one given
         ``progress``, runs signal handlers (Ctrl-C: ``KeyboardInterrupt``) and ``progress``'s
@@ -152,7 +152,7 @@ class ObjectStore:
     def _read_into(self, key: str, offset: int, address: int, length: int) -> int:
         """Fill ``length`` bytes at ``address`` with those of ``key`` at ``offset`` (one ranged
         GET, GIL released: the raw transport). Private: call
-        ``fastload.core.object_store.read_into``, which takes the address from a tensor."""
+        ``fastload.core.store.object_store.read_into``, which takes the address from a tensor."""
     # builtins.list: inside the class body, after this method, ``list`` names the method
     def list(self, prefix: str) -> builtins.list[tuple[str, int]]:
         """``(key, size)`` of the objects directly under ``prefix``."""
@@ -163,10 +163,10 @@ class ObjectStore:
         one's header is read (8 bytes, then the header) and validated before anything else."""
 
 class StagedRead:
-    """A staged read of one file (``fastload.core.streaming``): the tensors' bytes laid out in
+    """A staged read of one file (``fastload.core.reads.streaming``): the tensors' bytes laid out in
     fills of ``slot_bytes``, read ahead by the engine's own threads into the slots at the raw
     addresses ``slots`` (kept alive by the caller until ``close()`` or ``finish()`` returns), cold
-    ranges past the page cache when ``direct``. Private to ``fastload.core.streaming``."""
+    ranges past the page cache when ``direct``. Private to ``fastload.core.reads.streaming``."""
 
     def __init__(
         self,
@@ -201,7 +201,7 @@ def _copy_files(
     progress: Progress | None = None,
 ) -> int:
     """``SafetensorsFile._copy_into`` for several files in one copy (their tasks on one pool).
-    Private: call ``fastload.core.engine.copy_files``."""
+    Private: call ``fastload.core.basics.engine.copy_files``."""
 
 def write_file(
     path: str | PathLike[str],

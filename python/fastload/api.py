@@ -4,7 +4,7 @@ It accepts the call shapes users bring (a model id or path alone, a class or Aut
 path, a built module, ``None`` with ``config`` and ``state_dict``) and sends each to the layer that
 serves it: Hugging Face names, classes and options to :mod:`fastload.hf` (imported only then),
 anything else straight to the core loader (:func:`fastload.core.loading.load`). Either way the
-entry tells the core what it serves: the model family's hooks (:mod:`fastload.core.hooks`) and
+entry tells the core what it serves: the model family's hooks (:mod:`fastload.core.plan.hooks`) and
 the steps that :mod:`fastload.distributed` and :mod:`fastload.training` add
 (:data:`LOAD_STEPS`); the core itself names none of them.
 """
@@ -20,19 +20,22 @@ from typing import Any, Literal, TypeVar, overload
 import torch
 from torch import nn
 
-from fastload.core.arguments import check_bool
-from fastload.core.device_map import DeviceMapArg
-from fastload.core.hooks import ModelHooks
-from fastload.core.keys import KeyMap
-from fastload.core.load_options import DEFAULTS, LoadOptions, split_load_options
-from fastload.core.loading import load, plain_target
-from fastload.core.object_store import is_url
-from fastload.core.report import LoadReport
-from fastload.core.steps import LoadSteps
+from fastload.core.basics.arguments import check_bool
+from fastload.core.devices.device_map import DeviceMapArg
+from fastload.core.loading import load
+from fastload.core.model.keys import KeyMap
+from fastload.core.plan.hooks import ModelHooks
+from fastload.core.plan.load_options import DEFAULTS, LoadOptions, split_load_options
+from fastload.core.plan.report import LoadReport
+from fastload.core.plan.steps import LoadSteps
+from fastload.core.plan.target import plain_target
+from fastload.core.store.object_store import is_url
 from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
 from fastload.hf.auto import is_auto_class
+from fastload.hf.hub import reload_source
 from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
+from fastload.reloading.record import Remember
 from fastload.training.gradient_checkpointing import gradient_checkpointing_enable
 
 M = TypeVar("M", bound=nn.Module)
@@ -45,8 +48,9 @@ DeviceMapMode = Literal["auto", "balanced", "balanced_low_0", "sequential"]
 
 __all__ = ["from_pretrained"]
 
-#: what fastload.distributed and fastload.training add to a load (the core imports neither)
-LOAD_STEPS = LoadSteps(ranks=RANK_STEPS, gradient_checkpointing=gradient_checkpointing_enable)
+#: what fastload.distributed, fastload.training and fastload.reloading add to a load (the core
+#: imports none of them): collective reads, checkpointing, the record (model ids resolved as here)
+LOAD_STEPS = LoadSteps(RANK_STEPS, gradient_checkpointing_enable, Remember(reload_source))
 
 
 @overload
@@ -215,14 +219,14 @@ def from_pretrained(
             :mod:`fastload.hf.hub`); with ``allow_pickle``, also a pickle checkpoint. Or the
             same in object storage: ``"s3://bucket/prefix/"`` (``gs://``, ``az://``,
             ``http(s)://``), read with parallel ranged GETs straight into the model's tensors
-            (:mod:`fastload.core.object_store`; a transformers model's ``config.json`` is
+            (:mod:`fastload.core.store.object_store`; a transformers model's ``config.json`` is
             fetched from the same prefix).
         device: where every tensor is allocated.
         dtype: ``"auto"``: for a transformers model fastload builds, transformers' rule (the
             config's dtype, else the checkpoint's; ``_keep_in_fp32_modules`` honoured; see
             :mod:`fastload.hf.dtype_rules`), otherwise each tensor's stored dtype.
             ``"stored"``: each tensor's stored dtype. A floating dtype converts floating tensors
-            during the copy (see :class:`fastload.core.placement.Placement`).
+            during the copy (see :class:`fastload.core.plan.placement.Placement`).
         strict: makes both ``missing`` and ``unexpected`` ``"error"``.
         missing: model tensors absent from the checkpoint: ``"error"``, ``"warn"`` (default:
             log a warning listing them, then initialize) or ``"init"`` (initialize silently).
@@ -235,7 +239,7 @@ def from_pretrained(
         ignore_mismatched_sizes: re-initialize tensors whose stored shape differs, instead of
             raising ``CheckpointError``.
         key_map: renames checkpoint names first: a callable, or ``{regex: replacement}``.
-        output_loading_info: also return the :class:`~fastload.core.report.LoadReport`.
+        output_loading_info: also return the :class:`~fastload.core.plan.report.LoadReport`.
         progress: show a progress bar over bytes for large loads or on a terminal.
         gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
             train mode (otherwise it is in eval mode).
@@ -247,8 +251,8 @@ def from_pretrained(
             private copy. ``"shared"``: views on any filesystem (safetensors files only: otherwise
             a ``RequestError``). ``"copy"``: every tensor is a private copy. Tensors that are
             converted, go to an accelerator or are sharded are always copies. The report's
-            ``sharing`` says which way each file went; see :mod:`fastload.core.sharing` for the rule
-            and the SIGBUS hazard of files changed in place.
+            ``sharing`` says which way each file went; see :mod:`fastload.core.memory.sharing` for
+            the rule and the SIGBUS hazard of files changed in place.
         threads: copy threads (default: the CPU count, or 8 when a file is mostly not in the
             page cache, as the disk serves parallel requests better).
         config: a transformers config (or a path to one) to build the model from.
@@ -258,7 +262,7 @@ def from_pretrained(
             tensor is allocated on its device and read there directly; tied parameters share one
             tensor, on the device of the name the checkpoint stores. When several devices are
             used, each mapped module moves its inputs to its weights' device before it runs. See
-            :mod:`fastload.core.device_map`.
+            :mod:`fastload.core.devices.device_map`.
         max_memory: ``{device: bytes or "10GiB"}`` budgets for a planned ``device_map`` (alone,
             it implies ``device_map="auto"``).
         no_split_module_classes: module class names kept whole on one device by the planner
@@ -292,19 +296,19 @@ def from_pretrained(
             pinned slots (default 256 MiB, 16 slots; an int or ``"1GiB"``), allocated on
             first use and shared by every shard and device of the load, so host memory during a
             GPU load stays bounded by it; at most the machine's physical memory, at least 256
-            bytes, rounded down to whole slots (:meth:`fastload.core.staging.StagingPool.sized`).
-            Unused for CPU destinations.
+            bytes, rounded down to whole slots
+            (:meth:`fastload.core.memory.staging.StagingPool.sized`). Unused for CPU destinations.
         read_ahead: ``False`` starts no read-ahead thread beside the skeleton build (with
             ``threads=1`` the whole load then runs on the calling thread); default ``True``.
         offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to
             disk): those parameters stay in the safetensors file, on ``meta`` in the model, and
             accelerate's hooks read them onto the execution device (the map's first GPU, else
-            the CPU) when their module runs (:mod:`fastload.core.offload`). Needs accelerate.
+            the CPU) when their module runs (:mod:`fastload.core.reads.offload`). Needs accelerate.
         storage_options: the object store's configuration for a URL ``path``: endpoint,
             region, credentials, timeouts and the retry policy (``max_retries``,
             ``retry_timeout`` ...), as ``{"aws_endpoint": "http://127.0.0.1:9000"}``; the
             environment (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``) and the AWS profile files fill in
-            the rest (:mod:`fastload.core.store_config`).
+            the rest (:mod:`fastload.core.store.store_config`).
         state_dict: tensors to load instead of files (with ``config``).
         **model_kwargs: transformers' ``from_pretrained`` options (``revision``, ``torch_dtype``,
             ``subfolder``...: each honoured with transformers' meaning or refused with
@@ -321,8 +325,9 @@ def from_pretrained(
             ``no_split_module_classes`` a list, tuple or set of str; ``offload_folder`` a str or
             ``os.PathLike``.
         RequestError: an option value that cannot be used, naming it (a device that does not
-            exist, a size past :data:`fastload.core.units.MAX_BYTES` or a ``staging_bytes`` past the
-            machine's memory, an ``offload_folder`` that is empty or an existing file, ...).
+            exist, a size past :data:`fastload.core.basics.units.MAX_BYTES` or a ``staging_bytes``
+            past the machine's memory, an ``offload_folder`` that is empty or an existing file,
+            ...).
     """
     where = "from_pretrained"
     check_bool(output_loading_info, "output_loading_info", where=where)
@@ -346,8 +351,8 @@ def from_pretrained(
 
 def _public_signature() -> inspect.Signature:
     """``from_pretrained``'s parameters as ``help()``, ``inspect`` and editors show them, with
-    their defaults (:data:`fastload.core.load_options.DEFAULTS`). The implementation takes the load
-    options as ``**kwargs`` so that it knows which ones the caller gave."""
+    their defaults (:data:`fastload.core.plan.load_options.DEFAULTS`). The implementation takes the
+    load options as ``**kwargs`` so that it knows which ones the caller gave."""
     p = inspect.Parameter
     params = [
         p("model", p.POSITIONAL_OR_KEYWORD, default=None),

@@ -1,7 +1,7 @@
 """Which model family a model belongs to: the one question the layers above the core ask by name.
 
 The core (:mod:`fastload.core`) never asks it: the entry of a load chooses a family's hooks
-(:mod:`fastload.core.hooks`) and passes them in. The layers that serve a family by its own
+(:mod:`fastload.core.plan.hooks`) and passes them in. The layers that serve a family by its own
 conventions ask it here: the entry (:mod:`fastload.api`), the Hugging Face layer
 (:mod:`fastload.hf`), saving (:mod:`fastload.safetensors.saving`) and the training toggles
 (:mod:`fastload.training`). Importing this module imports no framework.

@@ -1,4 +1,4 @@
-//! Core errors raised as the `fastload.core.errors` hierarchy.
+//! Core errors raised as the `fastload.core.basics.errors` hierarchy.
 //!
 //! The class comes from an exhaustive `match` on [`ErrorKind`] (itself exhaustive over the
 //! [`Error`] variants, see [`Error::kind`]): a new variant or kind does not compile until it is
@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 
 use crate::error::{Error, ErrorKind};
 
-/// Raises `err` as the matching `fastload.core.errors` class, prefixed with the file name.
+/// Raises `err` as the matching `fastload.core.basics.errors` class, prefixed with the file name.
 ///
 /// | kind | raised as |
 /// |---|---|
@@ -20,8 +20,8 @@ use crate::error::{Error, ErrorKind};
 /// | `Request` | `RequestError` |
 /// | `Cancelled` | `LoadCancelledError` |
 /// | `Io` | `FastloadIOError` |
-/// | `Store { errno }` | `fastload.core.errors.store_error(url, errno, message)`: `FileNotFoundError` (`ENOENT`: no such object or bucket), `PermissionError` (`EACCES`: denied) or `FastloadIOError` (no errno: the store failed), the message kept |
-/// | `Os { errno }` | `fastload.core.errors.os_error(path, errno, message)`: the `FastloadIOError` subclass of the errno (`FileNotFoundError` for `ENOENT` ...) with `errno`, `strerror` and `filename` set |
+/// | `Store { errno }` | `fastload.core.basics.errors.store_error(url, errno, message)`: `FileNotFoundError` (`ENOENT`: no such object or bucket), `PermissionError` (`EACCES`: denied) or `FastloadIOError` (no errno: the store failed), the message kept |
+/// | `Os { errno }` | `fastload.core.basics.errors.os_error(path, errno, message)`: the `FastloadIOError` subclass of the errno (`FileNotFoundError` for `ENOENT` ...) with `errno`, `strerror` and `filename` set |
 pub(super) fn to_py(py: Python<'_>, path: &Path, err: Error) -> PyErr {
     let class = match err.kind() {
         ErrorKind::File => "CheckpointError",
@@ -35,21 +35,21 @@ pub(super) fn to_py(py: Python<'_>, path: &Path, err: Error) -> PyErr {
     };
     let msg = format!("{}: {err}", path.display());
     let made = py
-        .import("fastload.core.errors")
+        .import("fastload.core.basics.errors")
         .and_then(|m| m.getattr(class))
         .and_then(|cls| cls.call1((msg,)))
         .map(PyErr::from_value);
     made.unwrap_or_else(|e| e)
 }
 
-/// The `OSError` subclass of `errno` (`FileNotFoundError` ...), built by `fastload.core.errors` from
+/// The `OSError` subclass of `errno` (`FileNotFoundError` ...), built by `fastload.core.basics.errors` from
 /// the message of the operating-system error behind `err`.
 fn os_error(py: Python<'_>, path: &Path, errno: i32, err: &Error) -> PyErr {
     let detail = std::error::Error::source(err)
         .map(ToString::to_string)
         .unwrap_or_default();
     let made = py
-        .import("fastload.core.errors")
+        .import("fastload.core.basics.errors")
         .and_then(|m| m.getattr("os_error"))
         .and_then(|f| f.call1((path.display().to_string(), errno, detail)))
         .map(PyErr::from_value);
@@ -61,7 +61,7 @@ fn os_error(py: Python<'_>, path: &Path, errno: i32, err: &Error) -> PyErr {
 fn store_error(py: Python<'_>, path: &Path, errno: Option<i32>, err: &Error) -> PyErr {
     let url = path.display().to_string();
     let made = py
-        .import("fastload.core.errors")
+        .import("fastload.core.basics.errors")
         .and_then(|m| m.getattr("store_error"))
         .and_then(|f| f.call1((url.clone(), errno, format!("{url}: {err}"))))
         .map(PyErr::from_value);
@@ -86,7 +86,7 @@ pub(super) fn to_py_reading(
             .map(ToString::to_string)
             .unwrap_or_default();
         let made = py
-            .import("fastload.core.errors")
+            .import("fastload.core.basics.errors")
             .and_then(|m| m.getattr("os_error"))
             .and_then(|f| {
                 f.call1((

@@ -1,5 +1,5 @@
 //! The staged read pipeline (`crate::staged`) as `fastload._core.StagedRead`: Python's
-//! `fastload.core.streaming` lays out a file's tensors in slots of its staging memory, starts
+//! `fastload.core.reads.streaming` lays out a file's tensors in slots of its staging memory, starts
 //! the ring and consumes the fills in order (the copy to the device), releasing each slot when
 //! the copy out of it is done.
 
@@ -86,7 +86,7 @@ fn span_of(file: &SafetensorsFile, name: &str, range: Option<(u64, u64)>) -> Res
 #[pymethods]
 impl PyStagedRead {
     /// Lays out `spans` (`(tensor name, byte range or None)`) in slots of `slot_bytes` at the
-    /// addresses `slots`, and starts reading. Private to `fastload.core.streaming`, which takes
+    /// addresses `slots`, and starts reading. Private to `fastload.core.reads.streaming`, which takes
     /// the addresses from tensors it keeps alive until `close()` or `finish()` returns.
     #[new]
     #[pyo3(signature = (file, spans, slots, slot_bytes, *, threads = None, direct = true, chunk = None, progress = None))]

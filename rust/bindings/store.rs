@@ -97,7 +97,7 @@ impl PyObjectStore {
     /// Fills the `length` bytes at `address` with the bytes of `key` at `offset`: one ranged
     /// GET, GIL released; the raw transport, what loads are measured against. Private: it
     /// writes to a raw address; Python reaches it through
-    /// `fastload.core.object_store.read_into`, which takes the address from a tensor it holds.
+    /// `fastload.core.store.object_store.read_into`, which takes the address from a tensor it holds.
     #[pyo3(name = "_read_into")]
     fn read_into(
         &self,
@@ -112,7 +112,7 @@ impl PyObjectStore {
         }
         let store = &*self.inner;
         interruptible(py, |_| {
-            // SAFETY: the caller (fastload.core.object_store.read_into) holds the tensor whose
+            // SAFETY: the caller (fastload.core.store.object_store.read_into) holds the tensor whose
             // `length` bytes start at `address` for the duration of the call.
             let dst = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, length) };
             store.read_into(key, offset, dst)

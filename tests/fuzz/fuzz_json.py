@@ -8,9 +8,9 @@ Run one (``pip install -e '.[fuzz]'``)::
     python tests/fuzz/fuzz_json.py index tests/fuzz/corpus/index -max_total_time=300
     python tests/fuzz/fuzz_json.py tied tests/fuzz/corpus/tied -max_total_time=300
 
-libFuzzer adds the inputs that reach new code to the corpus folder; ``tests/test_fuzz_corpus.py``
-replays every corpus file through the same targets on each test run, as ``cargo test`` does for
-the Rust targets in ``rust/fuzz``.
+libFuzzer adds the inputs that reach new code to the corpus folder;
+``tests/core/test_fuzz_corpus.py`` replays every corpus file through the same targets on each test
+run, as ``cargo test`` does for the Rust targets in ``rust/fuzz``.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ if __name__ == "__main__":
 
     # coverage feedback from fastload's own code (instrumenting torch too is slow and useless)
     with atheris.instrument_imports(include=["fastload"]):
-        import fastload.core.checkpoint  # noqa: F401 - imported here to be instrumented
-        import fastload.core.keys  # noqa: F401
+        import fastload.core.checkpoint.files  # noqa: F401 - imported here to be instrumented
+        import fastload.core.model.keys  # noqa: F401
         import fastload.safetensors.saving  # noqa: F401
 
 import torch  # noqa: E402
 
-from fastload.core.checkpoint import INDEX_FILE, open_checkpoint, resolve  # noqa: E402
-from fastload.core.errors import FastloadError  # noqa: E402
-from fastload.core.keys import recorded_aliases  # noqa: E402
+from fastload.core.basics.errors import FastloadError  # noqa: E402
+from fastload.core.checkpoint.files import INDEX_FILE, resolve
+from fastload.core.checkpoint.opened import open_checkpoint  # noqa: E402
+from fastload.core.model.keys import recorded_aliases  # noqa: E402
 from fastload.safetensors.saving import save_file  # noqa: E402
 
 _SHARDS: Path | None = None

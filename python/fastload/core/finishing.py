@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core import keys as keymod
-from fastload.core.actions import Action
-from fastload.core.errors import FastloadError
-from fastload.core.planning import Group
-from fastload.core.report import LoadReport
-from fastload.core.skeleton import FamilyInit, initialize
-from fastload.core.tying import Slot, group_slots, same_values, tensor_slots
+from fastload.core.basics.errors import FastloadError
+from fastload.core.model import keys as keymod
+from fastload.core.model.skeleton import FamilyInit, initialize
+from fastload.core.model.tying import Slot, group_slots, same_values, tensor_slots
+from fastload.core.plan.actions import Action
+from fastload.core.plan.load_plan import Group
+from fastload.core.plan.report import LoadReport
 
 logger = logging.getLogger("fastload")
 
@@ -86,7 +86,7 @@ def swap_in(
     """Swaps the new tensors in (all together), initializes (the model family's way first,
     ``family``), and checks nothing is on meta; on any failure the model's original tensors are
     put back. A loaded parameter takes over the attributes of the skeleton's, except those named
-    in ``dropped`` (:meth:`fastload.core.hooks.ModelHooks.dropped_attributes`)."""
+    in ``dropped`` (:meth:`fastload.core.plan.hooks.ModelHooks.dropped_attributes`)."""
     swap = _Swap()
     try:
         targets: dict[str, torch.Tensor] = {}

@@ -1,39 +1,41 @@
 """The core load pipeline: a checkpoint into any ``nn.Module``, read top to bottom in :func:`load`.
 
-The spine of a load: :class:`~fastload.core.load_options.LoadOptions` (every option, validated once
-by the entry) -> :class:`~fastload.core.planning.LoadPlan` (made once: each tensor's source,
-destination and mode) -> allocate -> read -> finish -> :class:`~fastload.core.report.LoadReport`.
-The phases, each timed in the report:
+The spine of a load: :class:`~fastload.core.plan.load_options.LoadOptions` (every option, validated
+once by the entry) -> :class:`~fastload.core.plan.load_plan.LoadPlan` (made once: each tensor's
+source, destination and mode) -> allocate -> read -> finish ->
+:class:`~fastload.core.plan.report.LoadReport`. The phases, each timed in the report:
 
 1. **resolve** the checkpoint (one file, a directory, a sharded index, or an in-memory state
-   dict) and read every header (:mod:`fastload.core.checkpoint`);
-2. build the **skeleton**: parameters on ``meta``, buffers real (:mod:`fastload.core.skeleton`);
+   dict) and read every header (:mod:`fastload.core.checkpoint.files`);
+2. build the **skeleton**: parameters on ``meta``, buffers real
+   (:mod:`fastload.core.model.skeleton`);
 3. **plan**: map checkpoint names onto model names and apply the key policies, give each tensor
-   its destination (:mod:`fastload.core.placement`) and its mode: view, copy, convert, slice, merge,
-   offload; or initialize or keep it (:mod:`fastload.core.planning`). The report's matching and byte
-   counts come from the plan;
+   its destination (:mod:`fastload.core.plan.placement`) and its mode: view, copy, convert, slice,
+   merge, offload; or initialize or keep it (:mod:`fastload.core.plan.planning`). The report's
+   matching and byte counts come from the plan;
 4. **allocate** every destination once, on its final device and dtype, as the plan says;
-5. **read**: one Rust copy per file (:func:`fastload.core.engine.copy_into`) fills all of that
-   file's destinations in parallel;
+5. **read**: one Rust copy per file (:func:`fastload.core.basics.engine.copy_into`) fills all of
+   that file's destinations in parallel;
 6. **finish**: swap the new tensors into the model and initialize what the checkpoint lacks
    (:mod:`fastload.core.finishing`), then dispatch, tensor-parallel wrapping, the model family's own
-   finishing (:mod:`fastload.core.hooks`), and the train/eval mode.
+   finishing (:mod:`fastload.core.plan.hooks`), and the train/eval mode.
 
 Nothing in the model changes before every copy has succeeded, and a failure while swapping or
 initializing puts the original tensors back, so a module passed in is never left half-loaded by a
 bad checkpoint. The steps after that are not rolled back if they fail.
 
 This module knows torch modules only and none of its callers: the model family's behaviour comes
-through the hooks the entry chose (:class:`Target`, :mod:`fastload.core.hooks`), and the steps
-across ranks and gradient checkpointing through the steps it supplies
-(:class:`~fastload.core.steps.LoadSteps`). Each phase is one named function below :func:`load`.
+through the hooks the entry chose (:class:`~fastload.core.plan.target.Target`,
+:mod:`fastload.core.plan.hooks`), and the steps across ranks, gradient checkpointing and the record
+a reload needs through the steps it supplies (:class:`~fastload.core.plan.steps.LoadSteps`). Each
+phase is one named function below :func:`load`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,84 +44,34 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core import reading as reader
-from fastload.core.allocation import Fill, allocate
-from fastload.core.checkpoint import OpenCheckpoint
-from fastload.core.device_map import DeviceMap, resolve_device_map
-from fastload.core.dispatch import dispatch
-from fastload.core.dtypes import CONVERTIBLE, parse_dtype
-from fastload.core.errors import RequestError, from_os_error
+from fastload.core.checkpoint.opened import OpenCheckpoint, main_dtype
+from fastload.core.checkpoint.pickle_file import StateDictFile
+from fastload.core.devices.device_map import DeviceMap
+from fastload.core.devices.dispatch import dispatch
+from fastload.core.devices.resolution import resolve_for_load
 from fastload.core.finishing import resolve_duplicates, swap_in
-from fastload.core.hooks import FamilyShards, ModelHooks
-from fastload.core.load_options import LoadOptions
-from fastload.core.memory import MemoryBudget, check_owned_memory, memory_budget
-from fastload.core.object_store import is_remote
-from fastload.core.offload import dispatch_offloaded, offloaded_names, require_accelerate
+from fastload.core.memory.budget import MemoryBudget, memory_budget
+from fastload.core.memory.sharing import WarmUp
+from fastload.core.model.skeleton import forget_constructor_values
+from fastload.core.model.tying import tensor_slots
 from fastload.core.phases import Clock, device_explicit, without_gc_pauses
-from fastload.core.pickle_file import StateDictFile
-from fastload.core.placement import Destination, Placement, selected_shape
-from fastload.core.planning import LoadPlan, plan
-from fastload.core.progress import byte_progress
-from fastload.core.reload_record import remember
-from fastload.core.report import LoadReport
-from fastload.core.sharing import WarmUp
-from fastload.core.skeleton import build_skeleton, forget_constructor_values
-from fastload.core.source import open_source
-from fastload.core.staging import StagingPool
-from fastload.core.steps import NO_STEPS, LoadSteps, RankGroup, TensorParallelLayout
-from fastload.core.tying import tensor_slots
+from fastload.core.plan.hooks import FamilyShards, ModelHooks
+from fastload.core.plan.load_options import LoadOptions
+from fastload.core.plan.load_plan import LoadPlan
+from fastload.core.plan.owned_memory import check_owned_memory
+from fastload.core.plan.placement import Placement
+from fastload.core.plan.planning import plan
+from fastload.core.plan.report import LoadReport
+from fastload.core.plan.steps import NO_STEPS, LoadSteps, RankGroup, TensorParallelLayout
+from fastload.core.plan.target import Target
+from fastload.core.reads.allocation import Fill, allocate
+from fastload.core.reads.offload import dispatch_offloaded, offloaded_names
+from fastload.core.reads.reading import fill_checkpoint
+from fastload.core.store.source import open_source
 
 logger = logging.getLogger("fastload")
 
-__all__ = ["Destination", "Placement", "Target", "load", "plain_target", "selected_shape"]
-
-
-@dataclass
-class Target:
-    """What a load fills: an already-built ``module`` (loaded in place, its train/eval mode kept)
-    or a ``build`` function that makes the skeleton under a dtype (the model is then fastload's
-    and ends in eval mode).
-
-    The model family's hooks are chosen by the entry of the load: ``hooks`` when it knows the
-    family up front, else ``choose_hooks`` is asked once the module exists (a factory's model);
-    a plain ``nn.Module``'s by default."""
-
-    module: nn.Module | None = None
-    build: Callable[[torch.dtype | None], nn.Module] | None = None
-    hooks: ModelHooks | None = None
-    choose_hooks: Callable[[nn.Module], ModelHooks] = lambda module: ModelHooks()
-
-
-def plain_target(
-    model: Any,
-    config: Any,
-    model_kwargs: dict[str, Any],
-    choose_hooks: Callable[[nn.Module], ModelHooks] | None = None,
-) -> Target:
-    """The target for an ``nn.Module`` passed in, or any module class or factory (called with
-    ``**model_kwargs``, or ``(config, **model_kwargs)`` when ``config`` is given)."""
-    if isinstance(model, nn.Module):
-        if config is not None or model_kwargs:
-            raise RequestError(
-                "config and model keyword arguments only apply when fastload builds the model; "
-                f"got an already-built {type(model).__name__} (and {sorted(model_kwargs)})"
-            )
-        target = Target(module=model)
-    elif not callable(model):
-        raise RequestError(
-            "model must be an nn.Module class, a factory, a built module, a model id or "
-            f"directory, or None; got {model!r}"
-        )
-    else:
-        args = () if config is None else (config,)
-
-        def build(dtype: torch.dtype | None) -> nn.Module:
-            return build_skeleton(lambda: model(*args, **model_kwargs), dtype=dtype)
-
-        target = Target(build=build)
-    if choose_hooks is not None:
-        target.choose_hooks = choose_hooks
-    return target
+__all__ = ["load"]
 
 
 @dataclass
@@ -173,8 +125,8 @@ def load(
     seconds: dict[str, float] | None = None,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads ``checkpoint`` (a local path, or a state dict) into ``target`` with ``options``
-    (:class:`~fastload.core.load_options.LoadOptions`, validated by the entry). ``steps`` are
-    those the entry supplies (:class:`~fastload.core.steps.LoadSteps`: a collective read,
+    (:class:`~fastload.core.plan.load_options.LoadOptions`, validated by the entry). ``steps`` are
+    those the entry supplies (:class:`~fastload.core.plan.steps.LoadSteps`: a collective read,
     tensor parallelism, gradient checkpointing); ``seconds`` are phases already spent by the
     caller (resolving a model id), put first in the report."""
     steps.check(options)
@@ -207,7 +159,8 @@ def load(
         # a model fastload built is ready for inference; a module passed in keeps its mode
         module.train(options.gradient_checkpointing or (was_training and not family.built_here))
         _join_read_ahead(opened, report)
-        remember(module, planned.load_plan, opened.ckpt, options, opened.source)  # for reload
+        if steps.record is not None:  # what a reload needs
+            steps.record(module, planned.load_plan, opened.ckpt, options, opened.source)
     report.seconds = dict(clock.seconds)
     _describe(report, module, opened, planned, options)
     logger.info("%s", report.summary())
@@ -217,7 +170,8 @@ def load(
 @contextmanager
 def _every_rank_hears(opened: _Opened, steps: LoadSteps) -> Iterator[None]:
     """In a collective load, a failure between opening and reading on this rank is told to the
-    other ranks, which wait for it in the read (:meth:`~fastload.core.steps.RankSteps.abandon`)."""
+    other ranks, which wait for it in the read
+    (:meth:`~fastload.core.plan.steps.RankSteps.abandon`)."""
     try:
         yield
     except Exception as e:
@@ -253,12 +207,12 @@ def _open(
         hooks_first = target.hooks if target.module is None else None
         want = hooks_first.auto_dtype(ckpt) if hooks_first is not None else None
     assert not isinstance(want, str)
-    stored = _main_dtype(ckpt)
+    stored = main_dtype(ckpt)
     # the disk starts on the files now, and their pages are mapped, while the skeleton is
     # built and the load planned; only where the tensors will be views of the mappings
     views = options.views_possible and want in (None, stored) and options.read_ahead
     # what this process may still make resident (its cgroup's limit): read-ahead stays within
-    # it, and a load that must own more is refused before it allocates (fastload.core.memory)
+    # it, and a load that must own more is refused before it allocates (fastload.core.memory.budget)
     budget = memory_budget()
     warm_up = WarmUp(ckpt.files, options.mmap, views=views, budget=budget)
     return _Opened(ckpt, group, want, stored, budget, warm_up)
@@ -288,8 +242,14 @@ def _plan(
     module: nn.Module, opened: _Opened, family: _Family, options: LoadOptions, steps: LoadSteps
 ) -> _Planned:
     """The device map, the tensor-parallel layout and the placement they make, then the plan
-    (:func:`fastload.core.planning.plan`), checked against the memory budget."""
-    dmap = _device_map(module, options)
+    (:func:`fastload.core.plan.planning.plan`), checked against the memory budget."""
+    dmap = resolve_for_load(
+        module,
+        options.device_map,
+        offload_folder=options.offload_folder,
+        max_memory=options.max_memory,
+        no_split=options.no_split_module_classes,
+    )
     tp = None
     if options.tp_plan is not None and family.shards is None:
         tp = steps.across_ranks.layout(options.tp_plan, module, options.process_group)
@@ -332,7 +292,7 @@ def _read_phase(
         report.bytes_received = exchange.received_bytes
         report.rank, report.world_size = group.rank, group.world_size
     else:
-        report.bytes_written = _read(
+        report.bytes_written = fill_checkpoint(
             opened.ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
         )
     report.staging_bytes = pool.peak_bytes
@@ -418,30 +378,6 @@ def _describe(
     report.model_class = type(module).__name__
 
 
-def _device_map(module: nn.Module, options: LoadOptions) -> DeviceMap | None:
-    """The load's device map resolved against ``module`` (``None`` without one)."""
-    if options.device_map is None:
-        return None
-    disk = options.offload_folder is not None
-    if disk:
-        require_accelerate()
-        try:
-            os.makedirs(options.offload_folder, exist_ok=True)  # type: ignore[arg-type]
-        except OSError as e:  # the same built-in class, naming the argument
-            raise from_os_error(
-                e,
-                options.offload_folder,  # type: ignore[arg-type]
-                "offload_folder: cannot create the directory",
-            ) from e
-    return resolve_device_map(
-        options.device_map,
-        module,
-        max_memory=options.max_memory,
-        no_split=options.no_split_module_classes,
-        disk=disk,
-    )
-
-
 def _finish_tensor_parallel(
     module: nn.Module,
     tp: TensorParallelLayout,
@@ -454,39 +390,3 @@ def _finish_tensor_parallel(
     if unused:
         logger.warning("tp_plan: patterns %s match no parameter of the model", unused)
     report.rank, report.world_size = tp.rank, tp.world_size
-
-
-def _main_dtype(ckpt: OpenCheckpoint) -> torch.dtype | None:
-    """The checkpoint's floating dtype holding the most bytes (``None``: none is floating), which
-    the skeleton is built under unless a dtype is asked for."""
-    totals: dict[str, int] = {}
-    for t in ckpt.tensors.values():
-        if t.st_dtype in CONVERTIBLE:
-            totals[t.st_dtype] = totals.get(t.st_dtype, 0) + t.nbytes
-    if not totals:
-        return None
-    return parse_dtype(max(totals, key=lambda k: totals[k]))
-
-
-def _read(
-    ckpt: OpenCheckpoint,
-    by_file: dict[int, list[Fill]],
-    *,
-    threads: int | None,
-    progress: bool,
-    pool: StagingPool,
-) -> int:
-    """One copy call per file (all its tensors at once, so the engine parallelises across them),
-    or one for every file of a checkpoint in object storage (the shards read in parallel with
-    each other); the progress bar advances per copied piece (:mod:`fastload.core.progress`);
-    accelerator destinations of every file share ``pool``, released at the end."""
-    total = sum(f.tensor.numel() * f.tensor.element_size() for fs in by_file.values() for f in fs)
-    work = [(ckpt.files[index], by_file[index]) for index in sorted(by_file)]
-    with byte_progress(total, progress) as counter:
-        try:
-            if any(is_remote(file) for file, _ in work):
-                # one copy for every file: the shards' requests in parallel with each other
-                return reader.fill_many(work, threads, pool, counter)
-            return sum(reader.fill(file, fills, threads, pool, counter) for file, fills in work)
-        finally:
-            pool.release()

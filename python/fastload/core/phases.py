@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from fastload.core.devices import cpu_by_default
+from fastload.core.devices.checks import cpu_by_default
 
 __all__ = ["Clock", "device_explicit", "without_gc_pauses"]
 

@@ -5,5 +5,5 @@ in :mod:`fastload.hf.dtensor_tp`.
 
 May import: :mod:`fastload.core` (its leaves: checkpoint, dtypes, errors, the steps' interface).
 The core never imports this package: the entry of a load passes ``steps.RANK_STEPS`` in, and the
-core's pipeline runs them where a load needs them (:mod:`fastload.core.steps`).
+core's pipeline runs them where a load needs them (:mod:`fastload.core.plan.steps`).
 """

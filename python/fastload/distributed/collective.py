@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
-from fastload.core.dtypes import to_st, to_torch
-from fastload.core.errors import CheckpointError, RequestError, UnsupportedError
+from fastload.core.basics.dtypes import to_st, to_torch
+from fastload.core.basics.errors import CheckpointError, RequestError, UnsupportedError
+from fastload.core.checkpoint.opened import OpenCheckpoint, StoredTensor
 from fastload.distributed.file_reads import PAGE, Chunk, FileReader
 from fastload.distributed.group import RankGroup, agree_on_plan, together
 from fastload.distributed.needs import Routes, need_of, pack, size, unpack

@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from fastload.core.checkpoint import OpenCheckpoint
-from fastload.core.errors import CheckpointError, FastloadIOError
+from fastload.core.basics.errors import CheckpointError, FastloadIOError
+from fastload.core.checkpoint.opened import OpenCheckpoint
 from fastload.distributed.read_ahead import ReadAhead
 
 #: chunks a rank may read ahead of the exchange

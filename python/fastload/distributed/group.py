@@ -7,7 +7,8 @@ replaced mid-load) runs through :func:`together` or sends its status before its 
 (:mod:`fastload.distributed.collective`): the ranks learn of a failure in the next collective
 call they make anyway, and every rank raises the same error, which names the rank and the cause.
 A rank that dies (or is killed) breaks the group's connections: the exchange then fails on the
-others at once, as a :class:`~fastload.core.errors.FastloadIOError` saying so, rather than wait.
+others at once, as a :class:`~fastload.core.basics.errors.FastloadIOError` saying so, rather than
+wait.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from fastload.core import errors
-from fastload.core.errors import FastloadError, FastloadIOError, RequestError
+from fastload.core.basics import errors
+from fastload.core.basics.errors import FastloadError, FastloadIOError, RequestError
 
 T = TypeVar("T")
 
@@ -142,7 +143,7 @@ def abandon(group: RankGroup, failure: Exception) -> None:
 
 
 def on_every_rank(options: Any, step: Callable[[], T]) -> T:
-    """``step()``; in a collective load (``options``: its :class:`~fastload.core.load_options.
+    """``step()``; in a collective load (``options``: its :class:`~fastload.core.plan.load_options.
     LoadOptions`) whose group is up, through :func:`together`: fetching what comes before the
     checkpoint's headers (a model's config files from object storage) fails every rank alike."""
     import torch.distributed as dist

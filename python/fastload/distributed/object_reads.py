@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.engine import copy_into
-from fastload.core.errors import LoadCancelledError
+from fastload.core.basics.engine import copy_into
+from fastload.core.basics.errors import LoadCancelledError
 from fastload.distributed.read_ahead import ReadAhead
 
 #: bytes of one chunk from object storage (smaller when the checkpoint is small)

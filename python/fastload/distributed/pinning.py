@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fastload.core.errors import CheckpointError
+from fastload.core.basics.errors import CheckpointError
 from fastload.distributed.group import RankGroup
 
 #: (URL or path, (size, ETag, Last-Modified) or None for a local file) of each file of a rank

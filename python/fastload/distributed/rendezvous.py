@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from fastload.core.errors import FastloadIOError, RequestError
+from fastload.core.basics.errors import FastloadIOError, RequestError
 from fastload.distributed.group import RankGroup
 from fastload.distributed.tiers import Tiers, gloo_group
 

@@ -1,4 +1,4 @@
-"""This package as steps of the core's pipeline (:class:`fastload.core.steps.RankSteps`): the
+"""This package as steps of the core's pipeline (:class:`fastload.core.plan.steps.RankSteps`): the
 entry of a load passes :data:`RANK_STEPS` in, so the core runs a collective read and
 tensor-parallel slicing without importing this package."""
 
@@ -9,8 +9,8 @@ from typing import Any, cast
 
 from torch import nn
 
-from fastload.core.checkpoint import OpenCheckpoint
-from fastload.core.steps import Fill
+from fastload.core.checkpoint.opened import OpenCheckpoint
+from fastload.core.plan.steps import Fill
 from fastload.distributed.collective import (
     Exchange,
     RankGroup,
@@ -52,5 +52,5 @@ class DistributedSteps:
         check_same_checkpoint(cast(RankGroup, group), ckpt)
 
 
-#: the steps every entry of a load passes to the core (:class:`fastload.core.steps.LoadSteps`)
+#: the steps every entry of a load passes to the core (:class:`fastload.core.plan.steps.LoadSteps`)
 RANK_STEPS = DistributedSteps()

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.errors import RequestError, UnsupportedError
+from fastload.core.basics.errors import RequestError, UnsupportedError
 
 logger = logging.getLogger("fastload")
 

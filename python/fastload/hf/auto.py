@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fastload.core import json_text
-from fastload.core.errors import CheckpointError, UnsupportedError
+from fastload.core.basics import json_text
+from fastload.core.basics.errors import CheckpointError, UnsupportedError
 from fastload.families import is_transformers_model
 
 logger = logging.getLogger("fastload")

@@ -16,7 +16,7 @@ arguments:
 
 fastload's direct API (``fastload.from_pretrained``) takes its device from ``device=`` /
 ``device_map=`` only; the ambient device never leaks into a load
-(:func:`fastload.core.devices.cpu_by_default`).
+(:func:`fastload.core.devices.checks.cpu_by_default`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fastload.core.devices import ambient_device
+from fastload.core.devices.checks import ambient_device
 
 #: transformers' words (``check_and_set_device_map``) for a load under an ambient meta device
 META_CONTEXT_MESSAGE = (

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from fastload.core.report import LoadReport
+from fastload.core.plan.report import LoadReport
 
 
 def transformers_logger() -> logging.Logger:

@@ -25,9 +25,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from fastload.core import keys as keymod
-from fastload.core.errors import ModelMismatchError, UnsupportedError
-from fastload.core.hooks import Merge, Narrow, Piece, Select, View
+from fastload.core.basics.errors import ModelMismatchError, UnsupportedError
+from fastload.core.model import keys as keymod
+from fastload.core.plan.hooks import Merge, Narrow, Piece, Select, View
 from fastload.hf.renames import transformers_renames
 
 

@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fastload.core.checkpoint import OpenCheckpoint
-from fastload.core.dtypes import CONVERTIBLE, parse_dtype, to_st
+from fastload.core.basics.dtypes import CONVERTIBLE, parse_dtype, to_st
+from fastload.core.checkpoint.opened import OpenCheckpoint
 
 if TYPE_CHECKING:
-    from fastload.core.report import LoadReport
+    from fastload.core.plan.report import LoadReport
 
 
 def _floating(value: Any) -> torch.dtype | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from fastload.core.device_map import DeviceMap
+from fastload.core.devices.device_map import DeviceMap
 from fastload.hf.initialize import mark_initialized
 
 logger = logging.getLogger("fastload")

@@ -23,9 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.checkpoint import resolve as resolve_files
-from fastload.core.device_map import single_device
-from fastload.core.errors import (
+from fastload.core.basics.errors import (
     CheckpointError,
     FastloadError,
     FastloadFileNotFoundError,
@@ -33,12 +31,15 @@ from fastload.core.errors import (
     UnsupportedError,
     also_as,
 )
-from fastload.core.load_options import LoadOptions
-from fastload.core.loading import Target, load, plain_target
-from fastload.core.object_store import is_url
-from fastload.core.report import LoadReport
-from fastload.core.skeleton import build_skeleton
-from fastload.core.steps import LoadSteps
+from fastload.core.checkpoint.files import resolve as resolve_files
+from fastload.core.devices.resolution import single_device
+from fastload.core.loading import load
+from fastload.core.model.skeleton import build_skeleton
+from fastload.core.plan.load_options import LoadOptions
+from fastload.core.plan.report import LoadReport
+from fastload.core.plan.steps import LoadSteps
+from fastload.core.plan.target import Target, plain_target
+from fastload.core.store.object_store import is_url
 from fastload.distributed.group import on_every_rank
 from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
@@ -48,6 +49,7 @@ from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
 from fastload.hf.quantized import Quantization, quantization_for, read_method
+from fastload.reloading.record import Remember
 from fastload.training.gradient_checkpointing import (
     drop_legacy_config_key,
     gradient_checkpointing_enable,
@@ -55,8 +57,9 @@ from fastload.training.gradient_checkpointing import (
 
 logger = logging.getLogger("fastload")
 
-#: what fastload.distributed and fastload.training add to a load (the core imports neither)
-LOAD_STEPS = LoadSteps(ranks=RANK_STEPS, gradient_checkpointing=gradient_checkpointing_enable)
+#: what fastload.distributed, fastload.training and fastload.reloading add to a load (the core
+#: imports none of them): collective reads, checkpointing, the record (model ids resolved as here)
+LOAD_STEPS = LoadSteps(RANK_STEPS, gradient_checkpointing_enable, Remember(hubmod.reload_source))
 
 
 def load_hf(
@@ -70,9 +73,9 @@ def load_hf(
     contract: bool = False,
 ) -> tuple[nn.Module, LoadReport]:
     """Loads a model named the Hugging Face way; ``given`` are the core loader's options the
-    caller passed (:class:`~fastload.core.load_options.LoadOptions`), and ``kwargs`` transformers'
-    options and config / ``__init__`` arguments. ``contract``: under the patch, what loads at all
-    is transformers' rule (:class:`TransformersHooks`)."""
+    caller passed (:class:`~fastload.core.plan.load_options.LoadOptions`), and ``kwargs``
+    transformers' options and config / ``__init__`` arguments. ``contract``: under the patch, what
+    loads at all is transformers' rule (:class:`TransformersHooks`)."""
     start = time.perf_counter()
     kwargs = dict(kwargs)
     opts = split_options(kwargs)
@@ -201,7 +204,7 @@ def _one_device(
 ) -> LoadOptions:
     """The options of a quantized load: onto one device. A ``device_map`` that places the
     whole model on one device (``"cpu"``, ``{"": "cpu"}``, ``"auto"`` on a machine without an
-    accelerator: :func:`~fastload.core.device_map.single_device`) becomes that device, as
+    accelerator: :func:`~fastload.core.devices.resolution.single_device`) becomes that device, as
     transformers loads it there; a map over several devices or disk, ``max_memory``, or a
     ``tp_plan`` is refused naming what was asked."""
     one = None

@@ -1,5 +1,5 @@
 """The answers of a transformers model to the core pipeline's questions
-(:mod:`fastload.core.hooks`)."""
+(:mod:`fastload.core.plan.hooks`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from fastload.core.hooks import FamilyShards, ModelHooks, Operation
+from fastload.core.plan.hooks import FamilyShards, ModelHooks, Operation
 from fastload.families import is_transformers_model
 from fastload.hf.conversions import transformers_merges
 from fastload.hf.dtype_rules import auto_dtype, cast_kept_integers, keep_fp32_pattern
@@ -21,12 +21,12 @@ from fastload.hf.initialize import HF_FLAG, initialize_missing, prepare, recompu
 from fastload.hf.renames import transformers_prefix_rule, transformers_renames
 
 if TYPE_CHECKING:
-    from fastload.core.checkpoint import OpenCheckpoint
-    from fastload.core.device_map import DeviceMap
-    from fastload.core.hooks import Merge
-    from fastload.core.keys import KeyRules
-    from fastload.core.report import LoadReport
-    from fastload.core.tying import Slot
+    from fastload.core.checkpoint.opened import OpenCheckpoint
+    from fastload.core.devices.device_map import DeviceMap
+    from fastload.core.model.keys import KeyRules
+    from fastload.core.model.tying import Slot
+    from fastload.core.plan.hooks import Merge
+    from fastload.core.plan.report import LoadReport
     from fastload.hf.quantized import Quantization
 
 

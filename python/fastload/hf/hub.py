@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 from urllib.parse import unquote
 
-from fastload.core.checkpoint import INDEX_FILE, SINGLE_FILE
-from fastload.core.errors import (
+from fastload.core.basics.errors import (
     CheckpointError,
     FastloadIOError,
     UnsupportedError,
     from_os_error,
 )
+from fastload.core.checkpoint.files import INDEX_FILE, SINGLE_FILE
 
 _PICKLE_SINGLE = "pytorch_model.bin"
 _PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -226,10 +226,10 @@ def resolve_remote(
 ) -> Resolved:
     """A checkpoint in object storage (``s3://bucket/prefix/`` ...): its ``config.json`` and
     ``generation_config.json`` (those that exist) fetched into ``destination``, and the URL the
-    core loader reads the weights from (:mod:`fastload.core.object_store`). ``subfolder`` and
+    core loader reads the weights from (:mod:`fastload.core.store.object_store`). ``subfolder`` and
     ``variant`` are names under the prefix, checked as for a model id; ``revision`` and pickle
     weights (``use_safetensors=False``) are refused."""
-    from fastload.core.object_store import SCHEMES, fetch_files, open_store
+    from fastload.core.store.object_store import SCHEMES, fetch_files, open_store
 
     # a URL's path is percent-decoded and its dot segments resolved: "%2e%2e" is ".."
     _check_subfolder(unquote(subfolder), url)
@@ -271,7 +271,7 @@ def _check_inside(base: str, url: str, subfolder: str, storage_options: Any) -> 
     """``FastloadIOError`` unless the key ``base`` addresses, as the store's URL parser reads it
     (percent-decoded, dot segments resolved), lies under the key of ``url``: the check of what
     is read, whatever the spelling of ``subfolder``."""
-    from fastload.core.object_store import open_store
+    from fastload.core.store.object_store import open_store
 
     inside = open_store(url, storage_options).key.strip("/")
     key = open_store(base, storage_options).key.strip("/")
@@ -306,3 +306,23 @@ def _weights(directory: Path, variant: str | None, use_safetensors: bool | None)
             return f
     wanted = " or ".join(_variant(c, variant) for c in candidates)
     raise CheckpointError(f"{directory}: no {wanted} in the directory")
+
+
+def reload_source(
+    source: str | os.PathLike[str],
+    hub: Mapping[str, Any],
+    subfolder: str,
+    variant: str | None,
+) -> str | os.PathLike[str]:
+    """The checkpoint a reload of a model loaded through ``from_pretrained`` reads for
+    ``source``: a local path as it is, unless ``hub`` options (``revision``, ``cache_dir``,
+    ``token``, ``local_files_only``), ``subfolder`` or ``variant`` ask for a resolution; a model id
+    resolved as :func:`resolve_checkpoint` resolves it (the cache first, then the hub). Recorded
+    with every load of :mod:`fastload.api` and :mod:`fastload.hf.front` for
+    :func:`fastload.reload`."""
+    if not hub and not subfolder and variant is None and is_local(source):
+        return source
+    weights: str | os.PathLike[str] = resolve_checkpoint(
+        source, hub=dict(hub), subfolder=subfolder, variant=variant
+    ).weights
+    return weights

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.keys import within
+from fastload.core.model.keys import within
 from fastload.families import is_transformers_model
 
 #: transformers' flag on a tensor (or module) already initialized: its init functions skip it

@@ -25,8 +25,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from fastload.core.dtypes import CONVERTIBLE
-from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from fastload.core.basics.dtypes import CONVERTIBLE
+from fastload.core.basics.errors import CheckpointError, ModelMismatchError, UnsupportedError
 from fastload.hf.load_op_checks_bnb import check_4bit, check_8bit
 
 #: stored dtypes of an FP8 block scale transformers' dequantize reads (float, or E8M0 exponents)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastload.core.errors import CheckpointError, ModelMismatchError
+from fastload.core.basics.errors import CheckpointError, ModelMismatchError
 
 #: bitsandbytes' block sizes (values per absmax)
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)

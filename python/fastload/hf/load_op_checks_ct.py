@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fastload.core.errors import CheckpointError, ModelMismatchError
+from fastload.core.basics.errors import CheckpointError, ModelMismatchError
 
 #: stored dtypes of a compressed-tensors scale (floating; FP8 for NVFP4; E8M0 bytes for MXFP4)
 CT_SCALE_DTYPES = frozenset({"F32", "BF16", "F16", "F8_E4M3", "U8", "F8_E8M0"})

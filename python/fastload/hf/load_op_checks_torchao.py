@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from fastload.core.errors import CheckpointError, ModelMismatchError, UnsupportedError
+from fastload.core.basics.errors import CheckpointError, ModelMismatchError, UnsupportedError
 
 #: the stored dtypes of each served subclass' values
 QDATA_DTYPES = {"Int8Tensor": ("I8",), "Float8Tensor": ("F8_E4M3", "F8_E5M2")}

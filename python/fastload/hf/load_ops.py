@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core import keys as keymod
-from fastload.core import reading
-from fastload.core.errors import ModelMismatchError, UnsupportedError
+from fastload.core.basics.errors import ModelMismatchError, UnsupportedError
+from fastload.core.model import keys as keymod
+from fastload.core.reads import reading
 from fastload.hf.load_op_checks import check
 from fastload.hf.renames import transformers_renames
 

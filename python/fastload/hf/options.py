@@ -6,7 +6,7 @@ naming it. An option passed with the value that means "not used" (``None``, ``Fa
 dict, transformers' default) is accepted whatever its row says: code written for transformers
 passes such values routinely. Whatever is not an option is a config override or an ``__init__``
 argument, as transformers decides (``config_class.from_pretrained(return_unused_kwargs=True)``).
-The option table of docs/options.md is this one (tests/test_docs.py compares them).
+The option table of docs/options.md is this one (tests/project/test_docs.py compares them).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastload.core.arguments import check_bool
-from fastload.core.errors import UnsupportedError
+from fastload.core.basics.arguments import check_bool
+from fastload.core.basics.errors import UnsupportedError
 
 #: option -> ("honoured" | "refused", what fastload does)
 OPTIONS: dict[str, tuple[str, str]] = {

@@ -10,7 +10,7 @@ own implementation, with one log line saying why. The patch is undone by
 What the caller gets is what transformers returns: the model, or ``(model, loading_info)`` with
 ``output_loading_info=True`` where ``loading_info`` is the dict transformers returns (sets, as
 transformers has them), and the load is reported on transformers' logger in its words
-(:mod:`fastload.hf.contract`). The full :class:`~fastload.core.report.LoadReport` of the latest
+(:mod:`fastload.hf.contract`). The full :class:`~fastload.core.plan.report.LoadReport` of the latest
 patched load is in :data:`last_report` and logged at INFO level on the ``fastload`` logger. Both
 globals describe the latest patched call, never an earlier one: a call left to transformers sets
 :data:`last_report` to ``None`` and :data:`last_fallback` to the reason (also logged), a call
@@ -25,8 +25,12 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from fastload.core.errors import PickleRefusedError, UninitializedTensorError, UnsupportedError
-from fastload.core.report import LoadReport
+from fastload.core.basics.errors import (
+    PickleRefusedError,
+    UninitializedTensorError,
+    UnsupportedError,
+)
+from fastload.core.plan.report import LoadReport
 
 logger = logging.getLogger("fastload")
 

@@ -35,12 +35,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.errors import CheckpointError, FastloadError, UnsupportedError, also_as
+from fastload.core.basics.errors import CheckpointError, FastloadError, UnsupportedError, also_as
 from fastload.hf.context import quantization_method
 from fastload.hf.meta_compression import compress_once_per_kind
 
 #: the ``quant_method`` values fastload reads itself (stored as they run, without a load
-#: operation, checked against transformers by tests/test_hf_quantized.py, test_hf_gptq_awq.py
+#: operation, checked against transformers by tests/hf/test_hf_quantized.py, test_hf_gptq_awq.py
 #: and, for FP8 kept in FP8 as transformers keeps it on a GPU, test_hf_fp8_dequantize.py)
 SERVED_METHODS = frozenset({"compressed-tensors", "gptq", "awq", "fp8"})
 #: the ``quant_method`` values whose quantizer's load operation fastload runs on tensors it read

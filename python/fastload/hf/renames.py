@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from fastload.core.keys import Rename
+from fastload.core.model.keys import Rename
 
 
 def transformers_renames(model: nn.Module, source: str, quantizer: Any = None) -> list[Rename]:

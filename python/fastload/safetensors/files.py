@@ -4,7 +4,7 @@ The API and semantics are those of ``safetensors`` (``safe_open(path, framework=
 device=..., backend=...)`` with ``keys``, ``offset_keys``, ``metadata``, ``get_tensor``,
 ``get_tensors``, ``get_slice``), plus fastload's extras: ``dtype=`` conversion during the copy,
 ``threads=``, ``strict=``, ``staging_bytes=``, ``process_group=`` and ``load_into``. The reads are
-:mod:`fastload.core.reading`'s.
+:mod:`fastload.core.reads.reading`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.devices import DeviceArg, parse_device
-from fastload.core.dtypes import conversion_dtype, parse_dtype, to_torch, torch_shape
-from fastload.core.errors import RequestError
-from fastload.core.reading import (
+from fastload.core.basics.dtypes import conversion_dtype, parse_dtype, to_torch, torch_shape
+from fastload.core.basics.errors import RequestError
+from fastload.core.basics.redaction import redact
+from fastload.core.devices.checks import DeviceArg, parse_device
+from fastload.core.memory.staging import StagingPool
+from fastload.core.reads.reading import (
     FillItem,
     allocate_all,
     fill,
@@ -29,8 +31,6 @@ from fastload.core.reading import (
     read_tensor,
     resolve_read_mode,
 )
-from fastload.core.redaction import redact
-from fastload.core.staging import StagingPool
 from fastload.safetensors.slices import SafeSlice
 
 
@@ -223,15 +223,15 @@ def safe_open(
     ``"mmap"``. ``strict=True`` refuses what fastload otherwise reads as safetensors does (an
     unknown field in a tensor entry, ``"__metadata__": null``). ``staging_bytes`` sizes the host
     staging slots used for accelerator destinations (default
-    :data:`fastload.core.staging.DEFAULT_STAGING_BYTES`, 256 MiB, pinned; rounded down to whole
-    slots, :meth:`fastload.core.staging.StagingPool.sized`). ``process_group``: collective reads
-    (see :class:`SafeOpen`).
+    :data:`fastload.core.memory.staging.DEFAULT_STAGING_BYTES`, 256 MiB, pinned; rounded down to
+    whole slots, :meth:`fastload.core.memory.staging.StagingPool.sized`). ``process_group``:
+    collective reads (see :class:`SafeOpen`).
 
     ``path`` may be an object storage URL (``s3://bucket/model.safetensors``, ``gs://``,
     ``az://``, ``http(s)://``): the header is read and validated on open, and each read fetches
     the tensor's bytes with parallel ranged GETs into its destination. ``storage_options``
     configures the store (endpoint, region, credentials, timeouts, retries; see
-    :mod:`fastload.core.store_config`).
+    :mod:`fastload.core.store.store_config`).
     """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
@@ -290,7 +290,7 @@ def load_file(
         return _load_collectively(opener, process_group, device, want, threads)
     file = opener()
     if file.remote:
-        from fastload.core.progress import byte_progress
+        from fastload.core.basics.progress import byte_progress
 
         out = allocate_all(file, device, want)
         total = sum(t.numel() * t.element_size() for t in out.values())

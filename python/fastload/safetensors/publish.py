@@ -34,9 +34,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastload.core.checkpoint import INDEX_FILE as INDEX_NAME
-from fastload.core.checkpoint import SINGLE_FILE as WEIGHTS_NAME
-from fastload.core.errors import FastloadIOError, from_os_error
+from fastload.core.basics.errors import FastloadIOError, from_os_error
+from fastload.core.checkpoint.files import INDEX_FILE as INDEX_NAME
+from fastload.core.checkpoint.files import SINGLE_FILE as WEIGHTS_NAME
 from fastload.safetensors import ownership
 
 logger = logging.getLogger("fastload")

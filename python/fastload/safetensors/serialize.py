@@ -18,13 +18,14 @@ import torch
 from torch import nn
 
 from fastload import _core
-from fastload.core.arguments import check_bool, check_module
-from fastload.core.devices import DeviceArg, parse_device
-from fastload.core.dtypes import CONVERTIBLE, TORCH_TO_ST, torch_shape
-from fastload.core.errors import ModelMismatchError
-from fastload.core.reading import read_all
+from fastload.core.basics.arguments import check_bool, check_module
+from fastload.core.basics.dtypes import CONVERTIBLE, TORCH_TO_ST, torch_shape
+from fastload.core.basics.errors import ModelMismatchError
+from fastload.core.devices.checks import DeviceArg, parse_device
+from fastload.core.reads.reading import read_all
 from fastload.safetensors.files import safe_open
-from fastload.safetensors.saving import _check_metadata, _prepare, save_file
+from fastload.safetensors.preparing import _check_metadata, _prepare
+from fastload.safetensors.saving import save_file
 
 _BYTES = "<bytes>"  # stands for the path in messages about in-memory files
 

@@ -17,8 +17,8 @@ dimension, is then applied to the block in torch; every other part of it is pass
 
 Errors are torch's, re-raised as fastload errors that are also the built-in torch raised
 (:class:`SliceIndexError` is an ``IndexError``, a ``ValueError`` becomes a
-:class:`~fastload.core.errors.RequestError` ...), so ``except IndexError`` written for safetensors
-and ``except fastload.SafetensorError`` both catch them.
+:class:`~fastload.core.basics.errors.RequestError` ...), so ``except IndexError`` written for
+safetensors and ``except fastload.SafetensorError`` both catch them.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, Protocol
 import torch
 
 from fastload import _core
-from fastload.core.dtypes import PACKED, to_torch
-from fastload.core.errors import RequestError
+from fastload.core.basics.dtypes import PACKED, to_torch
+from fastload.core.basics.errors import RequestError
 
 
 class SliceIndexError(RequestError, IndexError):

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastload.core import new_files
-from fastload.core.errors import CheckpointError, RequestError
+from fastload.core.basics.errors import CheckpointError, RequestError
+from fastload.core.checkpoint import new_files
 
 #: files next to a pickle checkpoint that ``convert`` copies, so the output loads as a model
 COMPANION_FILES = (
@@ -85,8 +85,8 @@ def convert(source: Path, out_dir: Path, *, overwrite: bool = False) -> Converte
 def pickle_sources(path: Path) -> list[Path]:
     """The pickle files of a checkpoint: one file, a directory, or a ``.bin.index.json``,
     resolved (and its index checked) exactly as ``from_pretrained(allow_pickle=True)`` does."""
-    from fastload.core.checkpoint import resolve
-    from fastload.core.pickle_file import is_pickle
+    from fastload.core.checkpoint.files import resolve
+    from fastload.core.checkpoint.pickle_file import is_pickle
 
     files = list(resolve(path, allow_pickle=True).files)
     if not all(is_pickle(f) for f in files):
@@ -95,7 +95,7 @@ def pickle_sources(path: Path) -> list[Path]:
 
 
 def load_pickle(path: Path) -> dict[str, Any]:
-    from fastload.core.pickle_file import load_state_dict
+    from fastload.core.checkpoint.pickle_file import load_state_dict
 
     # Training checkpoints often wrap the weights: {"state_dict": {...}, "epoch": 3, ...}.
     return load_state_dict(path, unwrap=True)
@@ -111,7 +111,7 @@ def dedupe_shared(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]
     """
     import torch
 
-    from fastload.safetensors.saving import byte_span
+    from fastload.safetensors.preparing import byte_span
 
     out: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}

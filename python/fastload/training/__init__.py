@@ -5,5 +5,5 @@ parameters a forward leaves without gradient, which DDP needs to know of (``read
 May import: :mod:`fastload.core` (its leaves: arguments, errors, keys) and
 :mod:`fastload.families` (transformers models keep their own switch). The core never imports this
 package: the entry of a load passes ``gradient_checkpointing_enable`` in as a step
-(:mod:`fastload.core.steps`) for ``gradient_checkpointing=True``.
+(:mod:`fastload.core.plan.steps`) for ``gradient_checkpointing=True``.
 """

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fastload.core.arguments import check_bool, check_module
-from fastload.core.errors import UnsupportedError
-from fastload.core.keys import within
+from fastload.core.basics.arguments import check_bool, check_module
+from fastload.core.basics.errors import UnsupportedError
+from fastload.core.model.keys import within
 from fastload.families import is_transformers_model
 
 # Instance attributes fastload sets; their presence marks fastload's own changes.

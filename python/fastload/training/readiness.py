@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastload.core.arguments import check_module
-from fastload.core.errors import RequestError
+from fastload.core.basics.arguments import check_module
+from fastload.core.basics.errors import RequestError
 
 
 def _differentiable(value: Any) -> Iterator[torch.Tensor]:

@@ -51,11 +51,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from fastload.core.dtypes import CONVERTIBLE, PACKED, TORCH_TO_ST, to_st
-from fastload.core.engine import copy_into
-from fastload.core.errors import ModelMismatchError
-from fastload.core.memory import memory_budget
-from fastload.safetensors.saving import byte_span
+from fastload.core.basics.dtypes import CONVERTIBLE, PACKED, TORCH_TO_ST, to_st
+from fastload.core.basics.engine import copy_into
+from fastload.core.basics.errors import ModelMismatchError
+from fastload.core.memory.budget import memory_budget
+from fastload.safetensors.preparing import byte_span
 
 from . import remote_slices
 from .remote_fetches import Fetches

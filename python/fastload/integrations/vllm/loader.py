@@ -39,9 +39,9 @@ from vllm.model_executor.model_loader.weight_utils import (
     get_quant_config,
 )
 
-from fastload.core import redaction
-from fastload.core.errors import FastloadError, ModelMismatchError, UnsupportedError
-from fastload.core.units import format_bytes
+from fastload.core.basics import redaction
+from fastload.core.basics.errors import FastloadError, ModelMismatchError, UnsupportedError
+from fastload.core.basics.units import format_bytes
 
 from . import reload
 from .adopt import CopyWatch

@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from fastload.core.errors import RequestError
-from fastload.core.object_store import is_url
-from fastload.core.store_config import check_storage_options
-from fastload.core.threads import MAX_THREADS
-from fastload.core.units import parse_bytes
+from fastload.core.basics.errors import RequestError
+from fastload.core.basics.threads import MAX_THREADS
+from fastload.core.basics.units import parse_bytes
+from fastload.core.store.object_store import is_url
+from fastload.core.store.store_config import check_storage_options
 from fastload.distributed.rendezvous import parse_address
 
 #: the load format's name, as users pass it to ``--load-format``
@@ -119,9 +119,9 @@ def parse_options(
 ) -> VllmLoadOptions:
     """The options in ``extra_config`` (vLLM's ``model_loader_extra_config``), checked.
 
-    Raises :class:`~fastload.core.errors.RequestError` for anything but a JSON object of the keys in
-    :data:`KEYS` with values of their types, and for ``--safetensors-load-strategy`` (a strategy of
-    vLLM's own safetensors reader: fastload reads its own way)."""
+    Raises :class:`~fastload.core.basics.errors.RequestError` for anything but a JSON object of the
+    keys in :data:`KEYS` with values of their types, and for ``--safetensors-load-strategy`` (a
+    strategy of vLLM's own safetensors reader: fastload reads its own way)."""
     if extra_config is None:
         extra_config = {}
     if not isinstance(extra_config, Mapping):

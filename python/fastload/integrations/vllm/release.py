@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fastload.core.sharing import SharedMapping
+from fastload.core.memory.sharing import SharedMapping
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MADV_DONTNEED = 4

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fastload.core.dtypes import CONVERTIBLE
-from fastload.core.errors import ReloadError, RequestError
-from fastload.core.keys import format_names
-from fastload.core.reload import refuse_unfit
-from fastload.core.reload_record import checkpoint_digests
+from fastload.core.basics.dtypes import CONVERTIBLE
+from fastload.core.basics.errors import ReloadError, RequestError
+from fastload.core.model.keys import format_names
+from fastload.reloading.checks import refuse_unfit
+from fastload.reloading.record import checkpoint_digests
 
 #: stored tensor name -> (stored dtype, shape, file)
 Catalog = dict[str, tuple[str, tuple[int, ...], str]]

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core import object_store
-from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
-from fastload.core.dtypes import torch_shape
-from fastload.core.progress import byte_progress
-from fastload.core.reading import fill_many
+from fastload.core.basics.dtypes import torch_shape
+from fastload.core.basics.progress import byte_progress
+from fastload.core.checkpoint.opened import OpenCheckpoint, StoredTensor
+from fastload.core.reads.reading import fill_many
+from fastload.core.store import object_store
 from fastload.distributed.collective import open_same, read_collectively
 from fastload.distributed.group import RankGroup
 

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.progress import bar_wanted, binary_unit
-from fastload.core.reading import FillItem, fill_many
-from fastload.safetensors.saving import byte_span
+from fastload.core.basics.progress import bar_wanted, binary_unit
+from fastload.core.reads.reading import FillItem, fill_many
+from fastload.safetensors.preparing import byte_span
 
 #: the bytes of queued fetches one engine call takes at most while the weight loaders are still
 #: queueing (what is queued, up to this), so that fetches start behind them. Once the load waits
@@ -60,8 +60,8 @@ class FetchProgress:
     ``fastload: loading weights (rank 0 fetches its slices): 100%|...| 0.55/0.55 GiB``. (A bar of
     the bytes fetched against the checkpoint would stop near 1/N of the way on N ranks: a load
     that reads as cut short.) ``checkpoint``: the bytes handed out, which decide whether a bar is
-    drawn (:func:`~fastload.core.progress.bar_wanted`); ``expected``: the bytes expected to be
-    fetched (the checkpoint's on one rank, 1/N of it on N), the bar's first total and unit;
+    drawn (:func:`~fastload.core.basics.progress.bar_wanted`); ``expected``: the bytes expected to
+    be fetched (the checkpoint's on one rank, 1/N of it on N), the bar's first total and unit;
     ``rank``: this process's rank, named under tensor parallelism (``slices``)."""
 
     def __init__(

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fastload.core.reading import fill_many
+from fastload.core.reads.reading import fill_many
 
 from .remote_fetches import Fetches
 from .weights import Origin

@@ -3,9 +3,9 @@
 Without this, a weight loader copies each checkpoint tensor from pageable host memory to the
 device on its own: one small synchronous host-to-device copy per tensor, the page faults of the
 mapping serialized inside it. Here the tensors of a file go to the device in batches through
-fastload's staged ring (:func:`fastload.core.streaming.stream_into`: reads ahead into pinned slots,
-the copies to the device on a side stream as each slot completes), a helper thread filling the
-next batch while the weight loaders copy out of the current one, device to device. At most two
+fastload's staged ring (:func:`fastload.core.reads.streaming.stream_into`: reads ahead into pinned
+slots, the copies to the device on a side stream as each slot completes), a helper thread filling
+the next batch while the weight loaders copy out of the current one, device to device. At most two
 batches are held, each at most half the ``window`` (a tensor larger than that is a batch of its
 own): the device memory this takes ahead of the model is bounded by the window.
 
@@ -23,9 +23,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from fastload import _core
-from fastload.core.dtypes import to_torch, torch_shape
-from fastload.core.staging import StagingPool
-from fastload.core.streaming import stream_into
+from fastload.core.basics.dtypes import to_torch, torch_shape
+from fastload.core.memory.staging import StagingPool
+from fastload.core.reads.streaming import stream_into
 
 #: (name, safetensors dtype, shape, begin, end) in file order, as ``SafetensorsFile.tensors()``
 Entry = tuple[str, str, list[int], int, int]

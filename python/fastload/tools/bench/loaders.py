@@ -102,7 +102,7 @@ def _assign(checkpoint: Path, state: dict[str, Any]) -> list[Any]:
 
 
 def _data_range(path: Path) -> tuple[int, int]:
-    from fastload.core.reading import open_file
+    from fastload.core.reads.reading import open_file
 
     f = open_file(path)
     return f.data_start, f.file_size

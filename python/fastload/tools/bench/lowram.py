@@ -24,8 +24,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastload.core.memory import cgroup_dir
-from fastload.core.page_cache import evict, warm
+from fastload.core.memory.budget import cgroup_dir
+from fastload.core.memory.page_cache import evict, warm
 
 #: name -> what it measures
 LOADERS: dict[str, str] = {
@@ -33,7 +33,7 @@ LOADERS: dict[str, str] = {
     "floor(cached load+forward)": "fastload load + first forward, the files cached outside the "
     "child's cgroup",
     "fastload": "fastload.from_pretrained + first forward, cold, in the cgroup",
-    # the read-ahead variants tried (settings of fastload.core.paced, .sharing and .memory)
+    # the read-ahead variants tried (settings of fastload.core.memory.paced, .sharing and .memory)
     "fastload(paced ahead 0 MiB)": "paced read-ahead, one view ahead of the forward",
     "fastload(paced ahead 256 MiB)": "paced read-ahead, at most 256 MiB ahead of the forward",
     "fastload(unpaced)": "read ahead only the first views that fit half the budget, before "
@@ -208,24 +208,24 @@ def _variant(loader: str) -> None:
     """Applies the read-ahead settings a loader's name asks for: ``fastload(unpaced+read-ahead
     share 0)``, ``fastload(paced ahead 256 MiB)``, ``fastload(unbounded budget)``."""
     import fastload.core.loading
-    import fastload.core.memory
-    import fastload.core.paced
-    import fastload.core.sharing
+    import fastload.core.memory.budget
+    import fastload.core.memory.paced
+    import fastload.core.memory.sharing
 
     inside = loader.partition("(")[2].rstrip(")")
     for setting in (s.strip() for s in inside.split("+")):
         if setting == "unpaced":
-            fastload.core.sharing.PACED = False
+            fastload.core.memory.sharing.PACED = False
         elif setting.startswith("paced ahead "):
-            fastload.core.paced.AHEAD = int(setting.split()[2]) << 20
+            fastload.core.memory.paced.AHEAD = int(setting.split()[2]) << 20
         elif setting.startswith("read-ahead share "):
-            fastload.core.memory.READ_AHEAD_SHARE = float(setting.split()[2])
+            fastload.core.memory.budget.READ_AHEAD_SHARE = float(setting.split()[2])
         elif setting == "unbounded budget":
             fastload.core.loading.memory_budget = _unbounded  # type: ignore[assignment]
 
 
 def _unbounded() -> Any:
-    from fastload.core.memory import MemoryBudget
+    from fastload.core.memory.budget import MemoryBudget
 
     return MemoryBudget(None, "unknown")
 

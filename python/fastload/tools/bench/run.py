@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fastload.core.page_cache import evict, warm
+from fastload.core.memory.page_cache import evict, warm
 from fastload.tools.bench.loaders import (
     CONVERSIONS,
     FLOOR_OF_MODE,
@@ -106,7 +106,7 @@ def make_checkpoint(directory: Path, size_gib: float, dtype: str) -> Path:
 
 def data_bytes(checkpoint: Path) -> int:
     """Bytes of tensor data in the checkpoint's safetensors file."""
-    from fastload.core.reading import open_file
+    from fastload.core.reads.reading import open_file
 
     f = open_file(checkpoint / "model.safetensors")
     return f.file_size - f.data_start

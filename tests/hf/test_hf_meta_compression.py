@@ -1,0 +1,178 @@
+"""compressed-tensors' compression of the meta skeleton runs once per kind of layer
+(:mod:`fastload.hf.meta_compression`): the compressor's own ``compress`` is counted from
+outside the wrapping (the count is installed before the load wraps it), the model stays
+transformers' own (tests/hf/test_hf_quantized.py compares every format), and tensors with data
+pass through untouched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from quantized_checkpoints import (  # noqa: E402
+    COMPRESSED_TENSORS_FORMATS,
+    compressed_tensors_checkpoint,
+)
+
+import fastload  # noqa: E402
+from fastload.hf.meta_compression import compress_once_per_kind  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("unpatched")
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[bool]:
+    """Each call of ``cls``' own ``compress``: whether its weight was on meta."""
+    calls: list[bool] = []
+    function = cls.__dict__["compress"].__func__
+
+    def compress(klass: type, state_dict: dict[str, Any], scheme: Any) -> Any:
+        calls.append(state_dict["weight"].device.type == "meta")
+        return function(klass, state_dict, scheme)
+
+    monkeypatch.setattr(cls, "compress", classmethod(compress))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [f for f in COMPRESSED_TENSORS_FORMATS if f[0] in ("int8", "fp8", "nvfp4")],
+    ids=lambda f: f[0],
+)
+def test_the_compressor_runs_once_per_kind_of_layer(
+    fmt: tuple[str, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    name, scheme, form = fmt
+    directory = compressed_tensors_checkpoint(tmp_path, scheme, form)
+    cls = NVFP4PackedCompressor if name == "nvfp4" else NaiveQuantizationCompressor
+    calls = _counted(monkeypatch, cls)
+    model = fastload.from_pretrained(directory)
+    # 2 layers x 7 projections; q and o, k and v, gate and up have one shape each: 4 kinds
+    layers = [m for m in model.modules() if hasattr(m, "quantization_scheme")]
+    kinds = {
+        tuple((n, p.dtype, tuple(p.shape)) for n, p in m.named_parameters(recurse=False))
+        for m in layers
+    }
+    assert (len(layers), len(kinds)) == (14, 4)
+    assert calls == [True] * len(kinds)
+    assert isinstance(cls.__dict__["compress"], classmethod)
+
+
+def _int8_channel() -> tuple[Any, Any]:
+    """compressed-tensors' int8 compressor and a symmetric int8 scheme per output channel."""
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    return IntQuantizationCompressor, scheme
+
+
+def test_tensors_with_data_are_compressed_every_time_as_without_the_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    calls = _counted(monkeypatch, NaiveQuantizationCompressor)
+    compressor, scheme = _int8_channel()
+    torch.manual_seed(0)
+    state = {"weight": torch.randn(8, 16), "weight_scale": torch.rand(8, 1) + 0.01}
+    want = compressor.compress(dict(state), scheme)
+    with compress_once_per_kind() as memo:
+        first = compressor.compress(dict(state), scheme)
+        second = compressor.compress(dict(state), scheme)
+    assert memo is not None and (memo.calls, memo.runs) == (2, 2)
+    assert calls == [False, False, False]
+    for got in (first, second):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_compressors_are_restored_after_an_error() -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    before = NaiveQuantizationCompressor.__dict__["compress"]
+    with pytest.raises(RuntimeError, match="inside"), compress_once_per_kind():
+        assert NaiveQuantizationCompressor.__dict__["compress"] is not before
+        raise RuntimeError("inside")
+    assert NaiveQuantizationCompressor.__dict__["compress"] is before
+
+
+@pytest.mark.parametrize(
+    ("form", "changes", "held"),
+    [
+        # the packed width follows the scheme's bits: 4 bits 8 to an int32, 8 bits 4
+        ("pack-quantized", {"num_bits": 8}, "weight_packed"),
+        # an asymmetric scheme keeps its zero points, a symmetric one drops them
+        ("int-quantized", {"symmetric": False}, "weight_zero_point"),
+    ],
+    ids=["bits", "symmetry"],
+)
+def test_layers_of_one_shape_under_two_schemes_each_get_their_own_layout(
+    tmp_path: Path, form: str, changes: dict[str, Any], held: str
+) -> None:
+    """q_proj and o_proj have one shape; o_proj's scheme differs: the scheme is part of a
+    kind, so each keeps the layout its own scheme gives it, as transformers'."""
+    from test_hf_quantized import assert_same_quantized_model
+    from transformers import AutoModelForCausalLM
+
+    bits = 4 if form == "pack-quantized" else 8
+    directory = compressed_tensors_checkpoint(
+        tmp_path, ("int", bits), form, other=(r".*o_proj", changes)
+    )
+    want = AutoModelForCausalLM.from_pretrained(directory)
+    got = fastload.from_pretrained(directory)
+    attention = got.model.layers[0].self_attn
+    assert attention.q_proj.weight_scale.shape == attention.o_proj.weight_scale.shape
+    mine, theirs = getattr(attention.o_proj, held, None), getattr(attention.q_proj, held, None)
+    assert mine is not None and (theirs is None or theirs.shape != mine.shape)
+    assert_same_quantized_model(got, want)
+
+
+def test_calls_from_another_thread_go_to_the_compressor_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    calls = _counted(monkeypatch, NaiveQuantizationCompressor)
+    compressor, scheme = _int8_channel()
+    state = {
+        "weight": torch.empty(8, 16, device="meta"),
+        "weight_scale": torch.empty(8, 1, device="meta"),
+    }
+
+    def twice() -> None:
+        for _ in range(2):
+            compressor.compress(dict(state), scheme)
+
+    with compress_once_per_kind() as memo:
+        worker = threading.Thread(target=twice)
+        worker.start()
+        worker.join()
+        assert memo is not None and memo.calls == 0
+        twice()  # the load's own thread: once
+    assert calls == [True, True, True]
+    assert (memo.calls, memo.runs) == (2, 1)
+
+
+def test_a_compress_replaced_meanwhile_is_left_as_it_was_replaced() -> None:
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    before = NaiveQuantizationCompressor.__dict__["compress"]
+    other = classmethod(lambda cls, state_dict, scheme: state_dict)
+    try:
+        with compress_once_per_kind():
+            NaiveQuantizationCompressor.compress = other
+        assert NaiveQuantizationCompressor.__dict__["compress"] is other
+    finally:
+        NaiveQuantizationCompressor.compress = before
