@@ -6,10 +6,11 @@ the circle check of files, where a type-only import still ties two files togethe
 bottom up: ``core`` (and ``families``, the one place that asks which model family a model
 belongs to, beside it), ``distributed`` and ``training`` (plugged into the core's pipeline
 through the steps the entry passes in, :mod:`fastload.core.steps`), the safetensors-compatible
-API, the Hugging Face layer, the integrations, the public entry (``fastload``, ``fastload.api``,
-``fastload.reloading``) and the tools. No module and no package reaches itself through its
-imports; the core names none of its callers; no module is over 500 lines, and no function of the
-load's spine over 80; the plan's modes and actions are enums.
+API, the Hugging Face layer (and the diffusers layer above it), the integrations, the public
+entry (``fastload``, ``fastload.api``, ``fastload.reloading``) and the tools. No module and no
+package reaches itself through its imports; the core names none of its callers; no module is
+over 500 lines, and no function of the load's spine over 80; the plan's modes and actions are
+enums.
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ MAY_IMPORT: dict[str, set[str]] = {
         "fastload.families",
         "fastload.training",
         "fastload.safetensors",
+    },
+    "fastload.diffusion": {
+        "fastload.core",
+        "fastload.distributed",
+        "fastload.families",
+        "fastload.training",
+        "fastload.safetensors",
+        "fastload.hf",
     },
     "fastload.integrations": {
         "fastload.core",
@@ -241,7 +250,16 @@ def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
         import fastload.core
         for info in pkgutil.iter_modules(fastload.core.__path__, "fastload.core."):
             __import__(info.name)
-        names = ("distributed", "training", "hf", "api", "integrations", "safetensors", "families")
+        names = (
+            "distributed",
+            "training",
+            "hf",
+            "diffusion",
+            "api",
+            "integrations",
+            "safetensors",
+            "families",
+        )
         above = {f"fastload.{n}" for n in names}
         print(sorted(m for m in sys.modules if ".".join(m.split(".")[:2]) in above))
         """
@@ -252,8 +270,8 @@ def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
 #: what the core's source may not name, comments and docstrings included: the frameworks and
 #: model families it serves through the hooks of the layer above, and that layer itself
 CALLER_NAMES = re.compile(
-    r"(?i:transformers|vllm|sglang|pretrained_?model|hugging ?face|\bhf_|_hf_)|"
-    r"(?i:fastload\.(hf|api|integrations|families)\b)|"
+    r"(?i:transformers|diffusers|vllm|sglang|pretrained_?model|hugging ?face|\bhf_|_hf_)|"
+    r"(?i:fastload\.(hf|diffusion|api|integrations|families)\b)|"
     # model families: their class names, and their lowercase names as words
     r"\b(Bert|Llama|Mistral|Mixtral|Qwen|Gemma|GPT|CLIP|Reformer|Sam3|DeepSeek|T5)|"
     r"\b(bert|llama|mistral|mixtral|qwen|gemma|gpt2|deepseek)\b"
@@ -282,6 +300,10 @@ def test_the_name_check_finds_a_family_predicate_and_a_callers_name() -> None:
     ]
     assert caller_names("a LlamaForCausalLM, a BertModel, a llama") == ["Llama", "Bert", "llama"]
     assert caller_names("clipped slices, the hub's HF_HUB_DISABLE_PROGRESS_BARS") == []
+    assert caller_names("a diffusers UNet; from fastload.diffusion import x") == [
+        "diffusers",
+        "fastload.diffusion",
+    ]
 
 
 def test_the_core_names_none_of_its_callers() -> None:

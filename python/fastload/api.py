@@ -30,7 +30,7 @@ from fastload.core.object_store import is_url
 from fastload.core.report import LoadReport
 from fastload.core.steps import LoadSteps
 from fastload.distributed.steps import RANK_STEPS
-from fastload.families import is_transformers_model
+from fastload.families import is_diffusers_model, is_transformers_model
 from fastload.hf.auto import is_auto_class
 from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
 from fastload.training.gradient_checkpointing import gradient_checkpointing_enable
@@ -203,12 +203,12 @@ def from_pretrained(
 
     Args:
         model: a transformers ``PreTrainedModel`` subclass or Auto class (built from ``config``
-            or the ``config.json`` next to the weights), any ``nn.Module`` class or factory
-            (called with ``**model_kwargs``, or ``(config, **model_kwargs)`` when ``config`` is
-            given), an already-built module (loaded in place, its train/eval mode kept; left
-            unchanged if loading fails), ``None`` to use the transformers class named by
-            ``config.json``'s ``architectures`` (only a ``PreTrainedModel`` subclass; code of the
-            repository only with ``trust_remote_code=True``), or the model id / path itself.
+            or the ``config.json`` next to the weights), a diffusers ``ModelMixin`` class (built
+            the diffusers way: :mod:`fastload.diffusion`), any ``nn.Module`` class or factory
+            (``**model_kwargs``, or ``(config, **model_kwargs)``), an already-built module (loaded
+            in place, its train/eval mode kept; left unchanged if loading fails), ``None`` to use
+            the transformers class ``config.json``'s ``architectures`` names (a ``PreTrainedModel``
+            subclass; remote code with ``trust_remote_code=True``), or the model id / path itself.
         path: a ``.safetensors`` file, a directory with ``model.safetensors``, a sharded
             checkpoint (its directory or its ``model.safetensors.index.json``), or a Hugging Face
             model id resolved through ``huggingface_hub`` (its cache first; see
@@ -327,7 +327,13 @@ def from_pretrained(
     where = "from_pretrained"
     check_bool(output_loading_info, "output_loading_info", where=where)
     given, model_kwargs = split_load_options(kwargs)
-    if _hugging_face_call(model, path, state_dict, model_kwargs):
+    if isinstance(model, type) and is_diffusers_model(model):  # diffusers' options and rules
+        from fastload.diffusion.front import load_diffusers
+
+        module, report = load_diffusers(
+            model, path, config=config, state_dict=state_dict, given=given, kwargs=model_kwargs
+        )
+    elif _hugging_face_call(model, path, state_dict, model_kwargs):
         from fastload.hf.front import load_hf
         from fastload.hf.options import check_option_types
 
@@ -365,8 +371,7 @@ from_pretrained.__signature__ = _public_signature()  # type: ignore[attr-defined
 
 
 def _family_hooks(module: nn.Module) -> ModelHooks:
-    """The hooks of a plain call's model (:func:`fastload.hf.hooks.family_hooks` once transformers
-    is imported: only then can the model be or hold a transformers model)."""
+    """A plain call's hooks (:func:`fastload.hf.hooks.family_hooks` once transformers is in)."""
     if "transformers.modeling_utils" in sys.modules:
         from fastload.hf.hooks import family_hooks
 
