@@ -12,7 +12,10 @@ family's hooks, beside the Hugging Face layer (whose hub resolution it uses):
 * :mod:`~fastload.diffusion.hooks`: what the core asks of a diffusers model (names, dtype rules,
   finishing, diffusers' warnings);
 * :mod:`~fastload.diffusion.front`: the load of a diffusers model, from a class and a name to the
-  core loader.
+  core loader;
+* :mod:`~fastload.diffusion.patch`: :func:`~fastload.diffusion.patch.patch_diffusers`, routing
+  diffusers' own ``ModelMixin.from_pretrained`` through fastload (or leaving a call whole to
+  diffusers).
 
 Nothing here is imported by ``import fastload``; diffusers is imported only when used.
 
