@@ -53,6 +53,9 @@ _EXPORTS: dict[str, str] = {
     "load_model": "fastload.safetensors.serialize",
     "patch_transformers": "fastload.hf.patch",
     "unpatch_transformers": "fastload.hf.patch",
+    "patch_diffusers": "fastload.diffusion.patch",
+    "unpatch_diffusers": "fastload.diffusion.patch",
+    "diffusers_patched": "fastload.diffusion.patch",
 }
 
 __all__ = [
@@ -95,6 +98,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only ("X as X" re-exports)
     from fastload.api import from_pretrained as from_pretrained
     from fastload.core.plan.report import LoadReport as LoadReport
+    from fastload.diffusion.patch import diffusers_patched as diffusers_patched
+    from fastload.diffusion.patch import patch_diffusers as patch_diffusers
+    from fastload.diffusion.patch import unpatch_diffusers as unpatch_diffusers
     from fastload.hf.patch import patch_transformers as patch_transformers
     from fastload.hf.patch import unpatch_transformers as unpatch_transformers
     from fastload.reloading.entry import reload as reload

@@ -31,7 +31,7 @@ from fastload.core.plan.steps import LoadSteps
 from fastload.core.plan.target import plain_target
 from fastload.core.store.object_store import is_url
 from fastload.distributed.steps import RANK_STEPS
-from fastload.families import is_transformers_model
+from fastload.families import is_diffusers_model, is_transformers_model
 from fastload.hf.auto import is_auto_class
 from fastload.hf.hub import reload_source
 from fastload.hf.options import OPTIONS as TRANSFORMERS_OPTIONS
@@ -207,12 +207,12 @@ def from_pretrained(
 
     Args:
         model: a transformers ``PreTrainedModel`` subclass or Auto class (built from ``config``
-            or the ``config.json`` next to the weights), any ``nn.Module`` class or factory
-            (called with ``**model_kwargs``, or ``(config, **model_kwargs)`` when ``config`` is
-            given), an already-built module (loaded in place, its train/eval mode kept; left
-            unchanged if loading fails), ``None`` to use the transformers class named by
-            ``config.json``'s ``architectures`` (only a ``PreTrainedModel`` subclass; code of the
-            repository only with ``trust_remote_code=True``), or the model id / path itself.
+            or the ``config.json`` next to the weights), a diffusers ``ModelMixin`` class (built
+            the diffusers way: :mod:`fastload.diffusion`), any ``nn.Module`` class or factory
+            (``**model_kwargs``, or ``(config, **model_kwargs)``), an already-built module (loaded
+            in place, its train/eval mode kept; left unchanged if loading fails), ``None`` to use
+            the transformers class ``config.json``'s ``architectures`` names (a ``PreTrainedModel``
+            subclass; remote code with ``trust_remote_code=True``), or the model id / path itself.
         path: a ``.safetensors`` file, a directory with ``model.safetensors``, a sharded
             checkpoint (its directory or its ``model.safetensors.index.json``), or a Hugging Face
             model id resolved through ``huggingface_hub`` (its cache first; see
@@ -241,8 +241,7 @@ def from_pretrained(
         key_map: renames checkpoint names first: a callable, or ``{regex: replacement}``.
         output_loading_info: also return the :class:`~fastload.core.plan.report.LoadReport`.
         progress: show a progress bar over bytes for large loads or on a terminal.
-        gradient_checkpointing: enable gradient checkpointing after loading and leave the model in
-            train mode (otherwise it is in eval mode).
+        gradient_checkpointing: enable it after loading; the model is left in train mode.
         read_mode: ``"pread"`` (default, no page faults) or ``"mmap"``.
         mmap: ``"auto"`` (default): on a local filesystem, CPU tensors whose stored dtype is the
             wanted one become views of a copy-on-write mapping of the file (no copy; processes
@@ -251,10 +250,9 @@ def from_pretrained(
             private copy. ``"shared"``: views on any filesystem (safetensors files only: otherwise
             a ``RequestError``). ``"copy"``: every tensor is a private copy. Tensors that are
             converted, go to an accelerator or are sharded are always copies. The report's
-            ``sharing`` says which way each file went; see :mod:`fastload.core.memory.sharing` for
+            ``sharing`` says which way each file went; :mod:`fastload.core.memory.sharing` gives
             the rule and the SIGBUS hazard of files changed in place.
-        threads: copy threads (default: the CPU count, or 8 when a file is mostly not in the
-            page cache, as the disk serves parallel requests better).
+        threads: copy threads (default: the CPU count; 8 for a file mostly out of the page cache).
         config: a transformers config (or a path to one) to build the model from.
         device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
             CPU; transformer blocks kept whole), ``"balanced"``, ``"balanced_low_0"``,
@@ -296,8 +294,8 @@ def from_pretrained(
             pinned slots (default 256 MiB, 16 slots; an int or ``"1GiB"``), allocated on
             first use and shared by every shard and device of the load, so host memory during a
             GPU load stays bounded by it; at most the machine's physical memory, at least 256
-            bytes, rounded down to whole slots
-            (:meth:`fastload.core.memory.staging.StagingPool.sized`). Unused for CPU destinations.
+            bytes, in whole slots (:meth:`fastload.core.memory.staging.StagingPool.sized`).
+            Unused for CPU destinations.
         read_ahead: ``False`` starts no read-ahead thread beside the skeleton build (with
             ``threads=1`` the whole load then runs on the calling thread); default ``True``.
         offload_folder: allows ``"disk"`` in ``device_map`` (and lets the planners spill to
@@ -332,7 +330,13 @@ def from_pretrained(
     where = "from_pretrained"
     check_bool(output_loading_info, "output_loading_info", where=where)
     given, model_kwargs = split_load_options(kwargs)
-    if _hugging_face_call(model, path, state_dict, model_kwargs):
+    if isinstance(model, type) and is_diffusers_model(model):  # diffusers' options and rules
+        from fastload.diffusion.front import load_diffusers
+
+        module, report = load_diffusers(
+            model, path, config=config, state_dict=state_dict, given=given, kwargs=model_kwargs
+        )
+    elif _hugging_face_call(model, path, state_dict, model_kwargs):
         from fastload.hf.front import load_hf
         from fastload.hf.options import check_option_types
 
@@ -350,9 +354,8 @@ def from_pretrained(
 
 
 def _public_signature() -> inspect.Signature:
-    """``from_pretrained``'s parameters as ``help()``, ``inspect`` and editors show them, with
-    their defaults (:data:`fastload.core.plan.load_options.DEFAULTS`). The implementation takes the
-    load options as ``**kwargs`` so that it knows which ones the caller gave."""
+    """``from_pretrained``'s parameters with their defaults, for ``help()`` and editors (the code
+    takes the options as ``**kwargs``, to know which the caller gave)."""
     p = inspect.Parameter
     params = [
         p("model", p.POSITIONAL_OR_KEYWORD, default=None),
@@ -370,8 +373,7 @@ from_pretrained.__signature__ = _public_signature()  # type: ignore[attr-defined
 
 
 def _family_hooks(module: nn.Module) -> ModelHooks:
-    """The hooks of a plain call's model (:func:`fastload.hf.hooks.family_hooks` once transformers
-    is imported: only then can the model be or hold a transformers model)."""
+    """A plain call's hooks (:func:`fastload.hf.hooks.family_hooks` once transformers is in)."""
     if "transformers.modeling_utils" in sys.modules:
         from fastload.hf.hooks import family_hooks
 
@@ -382,10 +384,9 @@ def _family_hooks(module: nn.Module) -> ModelHooks:
 def _hugging_face_call(
     model: Any, path: Any, state_dict: Any, model_kwargs: dict[str, Any]
 ) -> bool:
-    """Whether the call needs the Hugging Face layer: a model id or directory instead of a
-    class, a transformers class or model, an Auto class, a path that is not local (a model id),
-    a state dict, or one of transformers' option names (honoured or refused there, never handed
-    to a module's ``__init__``)."""
+    """Whether the call needs the Hugging Face layer: a model id or directory instead of a class,
+    a transformers or Auto class or model, a model id as path, a state dict, or one of
+    transformers' option names (honoured or refused there, never given to ``__init__``)."""
     if model is None or isinstance(model, (str, os.PathLike)) or path is None:
         return True
     if state_dict is not None or is_transformers_model(model) or is_auto_class(model):

@@ -5,11 +5,12 @@ is still a dependency); imports under ``if TYPE_CHECKING:`` do not (they never r
 the circle check of files, where a type-only import still ties two files together. The layers,
 bottom up: ``core`` (and ``families``, the one place that asks which model family a model
 belongs to, beside it), ``distributed`` and ``training`` (plugged into the core's pipeline
-through the steps the entry passes in, :mod:`fastload.core.plan.steps`), the safetensors-compatible
-API, the Hugging Face layer, the integrations, the public entry (``fastload``, ``fastload.api``,
-``fastload.reloading.entry``) and the tools. No module and no package reaches itself through its
-imports; the core names none of its callers; no module is over 500 lines, and no function of the
-load's spine over 80; the plan's modes and actions are enums.
+through the steps the entry passes in, :mod:`fastload.core.plan.steps`), ``reloading`` (the
+record a load leaves, as a step too), the safetensors-compatible API, the Hugging Face layer (and
+the diffusers layer above it), the integrations, the public entry (``fastload``, ``fastload.api``)
+and the tools. Inside the core, its rooms point down only. No module and no package reaches itself
+through its imports; the core names none of its callers; no module is over 400 lines, and no
+function of the load's spine over 80; the plan's modes and actions are enums.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ MAY_IMPORT: dict[str, set[str]] = {
         "fastload.training",
         "fastload.reloading",
         "fastload.safetensors",
+    },
+    "fastload.diffusion": {
+        "fastload.core",
+        "fastload.distributed",
+        "fastload.families",
+        "fastload.training",
+        "fastload.reloading",
+        "fastload.safetensors",
+        "fastload.hf",
     },
     "fastload.integrations": {
         "fastload.core",
@@ -255,7 +265,7 @@ def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
             __import__(info.name)
         assert "fastload.core.plan.planning" in sys.modules  # the rooms' modules too
         names = ("distributed", "training", "hf", "api", "integrations", "safetensors", "families",
-                 "reloading")
+                 "diffusion", "reloading")
         above = {f"fastload.{n}" for n in names}
         print(sorted(m for m in sys.modules if ".".join(m.split(".")[:2]) in above))
         """
@@ -266,8 +276,8 @@ def test_the_core_imports_no_other_package_and_loads_without_them() -> None:
 #: what the core's source may not name, comments and docstrings included: the frameworks and
 #: model families it serves through the hooks of the layer above, and that layer itself
 CALLER_NAMES = re.compile(
-    r"(?i:transformers|vllm|sglang|pretrained_?model|hugging ?face|\bhf_|_hf_)|"
-    r"(?i:fastload\.(hf|api|integrations|families)\b)|"
+    r"(?i:transformers|diffusers|vllm|sglang|pretrained_?model|hugging ?face|\bhf_|_hf_)|"
+    r"(?i:fastload\.(hf|diffusion|api|integrations|families)\b)|"
     # model families: their class names, and their lowercase names as words
     r"\b(Bert|Llama|Mistral|Mixtral|Qwen|Gemma|GPT|CLIP|Reformer|Sam3|DeepSeek|T5)|"
     r"\b(bert|llama|mistral|mixtral|qwen|gemma|gpt2|deepseek)\b"
@@ -296,6 +306,10 @@ def test_the_name_check_finds_a_family_predicate_and_a_callers_name() -> None:
     ]
     assert caller_names("a LlamaForCausalLM, a BertModel, a llama") == ["Llama", "Bert", "llama"]
     assert caller_names("clipped slices, the hub's HF_HUB_DISABLE_PROGRESS_BARS") == []
+    assert caller_names("a diffusers UNet; from fastload.diffusion import x") == [
+        "diffusers",
+        "fastload.diffusion",
+    ]
 
 
 def test_the_core_names_none_of_its_callers() -> None:

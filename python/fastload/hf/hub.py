@@ -127,8 +127,10 @@ def snapshot(
     variant: str | None = None,
     pickle: bool = False,
     remote_code: bool = False,
+    patterns: list[str] | None = None,
 ) -> Path:
-    """The local snapshot directory of ``repo_id`` (downloading only what a load needs)."""
+    """The local snapshot directory of ``repo_id`` (downloading only what a load needs: a
+    transformers model's files, or the ``patterns`` another layer names)."""
     try:
         # Each name from the submodule that defines it: huggingface_hub loads ``utils`` and
         # ``constants`` lazily, so ``huggingface_hub.utils`` fails in a process that has not
@@ -162,7 +164,7 @@ def snapshot(
     try:
         path = snapshot_download(
             repo_id,
-            allow_patterns=_download_patterns(subfolder, variant, pickle, remote_code),
+            allow_patterns=patterns or _download_patterns(subfolder, variant, pickle, remote_code),
             library_name="fastload",
             **options,
         )
