@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import threading
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from fastload.core.basics.errors import (
 )
 from fastload.core.plan.load_options import OPTION_NAMES, split_load_options
 from fastload.core.plan.report import LoadReport
+from fastload.hf.patch import Patch
 
 __all__ = [
     "diffusers_patched",
@@ -75,32 +75,12 @@ _DIFFUSERS_ONLY = (
 _SHARED = ("dtype", "device_map", "max_memory", "offload_folder", "ignore_mismatched_sizes")
 
 
-class DiffusersPatch:
-    """The handle :func:`patch_diffusers` returns; as a context manager it undoes the patch on
-    exit (if this call installed it)."""
-
-    def __init__(self, installed: bool) -> None:
-        self.installed = installed
-
-    def __enter__(self) -> DiffusersPatch:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self.installed:
-            unpatch_diffusers()
-
-
 def diffusers_patched() -> bool:
     """Whether ``diffusers.ModelMixin.from_pretrained`` is fastload's."""
     return _original is not None
 
 
-def patch_diffusers() -> DiffusersPatch:
+def patch_diffusers() -> Patch:
     """Routes ``diffusers.ModelMixin.from_pretrained`` through fastload (idempotent), and
     transformers' ``from_pretrained`` too (:func:`fastload.patch_transformers`)."""
     global _original, _transformers_installed
@@ -108,7 +88,7 @@ def patch_diffusers() -> DiffusersPatch:
 
     with _LOCK:
         if _original is not None:
-            return DiffusersPatch(installed=False)
+            return Patch(installed=False, undo=unpatch_diffusers)
         _original = ModelMixin.__dict__["from_pretrained"]
         ModelMixin.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]
     try:
@@ -117,7 +97,7 @@ def patch_diffusers() -> DiffusersPatch:
         _transformers_installed = patch_transformers().installed
     except ImportError:  # diffusers without transformers: its models only
         _transformers_installed = False
-    return DiffusersPatch(installed=True)
+    return Patch(installed=True, undo=unpatch_diffusers)
 
 
 def unpatch_diffusers() -> None:

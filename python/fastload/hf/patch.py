@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -45,11 +46,12 @@ last_fallback: str | None = None
 
 
 class Patch:
-    """The handle :func:`patch_transformers` returns; as a context manager it undoes the patch
-    on exit (if this call installed it)."""
+    """The handle :func:`patch_transformers` (and :func:`fastload.patch_diffusers`) returns; as a
+    context manager it undoes the patch on exit (if this call installed it) with ``undo``."""
 
-    def __init__(self, installed: bool) -> None:
+    def __init__(self, installed: bool, undo: Callable[[], object] | None = None) -> None:
         self.installed = installed
+        self._undo = unpatch_transformers if undo is None else undo
 
     def __enter__(self) -> Patch:
         return self
@@ -61,7 +63,7 @@ class Patch:
         tb: TracebackType | None,
     ) -> None:
         if self.installed:
-            unpatch_transformers()
+            self._undo()
 
 
 def is_patched() -> bool:
