@@ -15,8 +15,8 @@ status=0
 python -m pytest "$@" || status=$?
 if ! python -c "import vllm" 2>/dev/null; then
     echo
-    echo "fastload: the vLLM tests (tests/test_vllm*.py) were skipped here: vLLM is not in this venv."
-    echo "They run in a vLLM environment of their own (made once, ~6 GB, outside the clone):"
+    echo "fastload: vLLM is not in this venv, so its tests (tests/test_vllm*.py) were skipped;"
+    echo "they run in a vLLM environment of their own (made once, ~6 GB, outside the clone) with:"
     echo "    bash scripts/vllm-tests.sh"
 fi
 exit "$status"
