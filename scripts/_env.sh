@@ -38,7 +38,7 @@ build_ext() {
     local flags=()
     [ "$profile" = release ] && flags+=(--release)
     (cd "$ROOT" && flock /tmp/fastload-build.lock sh -c \
-        'extras="$1"; shift; maturin develop -q --skip-install "$@" && python scripts/checkout_env.py --extras "$extras"' \
+        'extras="$1"; shift; maturin develop -q --skip-install "$@" && python scripts/checkout_env.py --extras "$extras" --launchers' \
         sh "$extras" "${flags[@]}") >&2
     use_checkout
 }

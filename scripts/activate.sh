@@ -21,7 +21,7 @@ else
     . "$_fastload_venv/bin/activate"
     # the launcher (scripts/checkout_env.py writes it; again here if .bin/ was deleted)
     if [ ! -x "$_fastload_root/.bin/fastload" ]; then
-        python "$_fastload_root/scripts/checkout_env.py"
+        python "$_fastload_root/scripts/checkout_env.py" --launchers
     fi
     case ":${PYTHONPATH:-}:" in
         *":$_fastload_root/python:"*) ;;

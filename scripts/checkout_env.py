@@ -6,14 +6,14 @@ not remember one of them: an editable install (``maturin develop``, ``pip instal
 forgets to rebuild imports that clone's code, or a deleted one's. So nothing of fastload is
 installed into the venv. Instead, with the venv's python::
 
-    python scripts/checkout_env.py [--extras test,docs]
+    python scripts/checkout_env.py [--extras test,docs] [--launchers]
 
 * writes the checkout's package metadata beside its sources,
   ``python/fastload_safetensors-<ver>.dist-info``
   (ignored by git): its entry points (``vllm.general_plugins``, the console script), which
   ``importlib.metadata`` finds on ``PYTHONPATH`` ahead of anything in the venv;
-* writes the console scripts (``fastload``) into the checkout's ``.bin/`` (ignored by git):
-  launchers that run this checkout's code with this venv's python, which
+* with ``--launchers``, writes the console scripts (``fastload``) into the checkout's ``.bin/``
+  (ignored by git): launchers that run this checkout's code with this venv's python, which
   ``source scripts/activate.sh`` puts on ``PATH`` (the venv's own ``bin/`` stays free of them);
 * removes the ``fastload.pth`` an editable install left in the venv (it points at another clone);
 * with ``--extras``, installs the runtime dependencies and those of the extras named, from this
@@ -146,6 +146,12 @@ def install_dependencies(project: dict, extras: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extras", default="", help="extras whose dependencies to install")
+    parser.add_argument(
+        "--launchers",
+        action="store_true",
+        help="write the console scripts into .bin/, for this venv (scripts/_env.sh's venv; not "
+        "the vLLM one, whose python the launchers would then run)",
+    )
     args = parser.parse_args()
     if sys.prefix == sys.base_prefix:
         raise SystemExit("checkout_env: run it with a venv's python, not the system's")
@@ -156,7 +162,8 @@ def main() -> None:
     if removed is not None:
         print(f"checkout_env: removed {removed} (an editable install's pointer)", file=sys.stderr)
     write_metadata(project)
-    write_launchers(project)
+    if args.launchers:
+        write_launchers(project)
 
 
 if __name__ == "__main__":

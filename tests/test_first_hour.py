@@ -105,7 +105,9 @@ def test_the_launcher_runs_this_checkout_with_the_venv_python_from_any_shell(
     processes it starts import the same checkout."""
     launcher = ROOT / ".bin" / "fastload"
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "checkout_env.py")], check=True, timeout=120
+        [sys.executable, str(ROOT / "scripts" / "checkout_env.py"), "--launchers"],
+        check=True,
+        timeout=120,
     )
     assert launcher.read_text().splitlines()[0] == f"#!{sys.executable}"
     done = subprocess.run(
