@@ -28,15 +28,17 @@ use_checkout() {
         export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-# build_ext [dev|release]: builds the extension into this checkout, installs the test and
-# documentation dependencies into the venv (pip only downloads what the venv lacks), and runs
-# use_checkout. A lock keeps parallel builds apart.
+# build_ext [dev|release] [EXTRAS]: builds the extension into this checkout, installs the
+# dependencies of EXTRAS (default: test,docs; the demo asks for `demo` only) into the venv (pip
+# only downloads what the venv lacks), writes the `fastload` launcher into .bin/ (what
+# `source scripts/activate.sh` puts on PATH), and runs use_checkout. A lock keeps parallel builds
+# apart.
 build_ext() {
-    local profile="${1:-release}"
+    local profile="${1:-release}" extras="${2:-test,docs}"
     local flags=()
     [ "$profile" = release ] && flags+=(--release)
     (cd "$ROOT" && flock /tmp/fastload-build.lock sh -c \
-        'maturin develop -q --skip-install "$@" && python scripts/checkout_env.py --extras test,docs' \
-        sh "${flags[@]}") >&2
+        'extras="$1"; shift; maturin develop -q --skip-install "$@" && python scripts/checkout_env.py --extras "$extras" --launchers' \
+        sh "$extras" "${flags[@]}") >&2
     use_checkout
 }

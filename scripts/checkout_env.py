@@ -6,12 +6,15 @@ not remember one of them: an editable install (``maturin develop``, ``pip instal
 forgets to rebuild imports that clone's code, or a deleted one's. So nothing of fastload is
 installed into the venv. Instead, with the venv's python::
 
-    python scripts/checkout_env.py [--extras test,docs]
+    python scripts/checkout_env.py [--extras test,docs] [--launchers]
 
 * writes the checkout's package metadata beside its sources,
   ``python/fastload_safetensors-<ver>.dist-info``
   (ignored by git): its entry points (``vllm.general_plugins``, the console script), which
   ``importlib.metadata`` finds on ``PYTHONPATH`` ahead of anything in the venv;
+* with ``--launchers``, writes the console scripts (``fastload``) into the checkout's ``.bin/``
+  (ignored by git): launchers that run this checkout's code with this venv's python, which
+  ``source scripts/activate.sh`` puts on ``PATH`` (the venv's own ``bin/`` stays free of them);
 * removes the ``fastload.pth`` an editable install left in the venv (it points at another clone);
 * with ``--extras``, installs the runtime dependencies and those of the extras named, from this
   checkout's pyproject.toml, into the venv (pip is called only when the list changed).
@@ -73,6 +76,48 @@ def write_metadata(project: dict) -> Path:
     return target
 
 
+_LAUNCHER = """#!{python}
+# Written by scripts/checkout_env.py: `{name}` of the checkout {root}, run with the venv's python
+# (nothing of fastload is installed into the venv). `source scripts/activate.sh` puts it on PATH.
+import os
+import sys
+
+sources = {sources!r}
+sys.path.insert(0, sources)
+# the processes it starts (fresh interpreters) import the same checkout
+path = os.environ.get("PYTHONPATH", "")
+if sources not in path.split(os.pathsep):
+    os.environ["PYTHONPATH"] = sources + (os.pathsep + path if path else "")
+from {module} import {function}
+
+sys.exit({function}())
+"""
+
+
+def write_launchers(project: dict) -> list[Path]:
+    """``.bin/<script>`` for each console script of the project, for this interpreter."""
+    folder = ROOT / ".bin"
+    folder.mkdir(exist_ok=True)
+    written = []
+    for name, value in project.get("scripts", {}).items():
+        module, _, function = value.partition(":")
+        text = _LAUNCHER.format(
+            python=sys.executable,
+            name=name,
+            root=ROOT,
+            sources=str(ROOT / "python"),
+            module=module,
+            function=function,
+        )
+        target = folder / name
+        scratch = folder / f".{name}.tmp"
+        scratch.write_text(text)
+        scratch.chmod(0o755)
+        scratch.replace(target)
+        written.append(target)
+    return written
+
+
 def remove_editable_pth() -> Path | None:
     """The venv's ``fastload.pth`` (an editable install's pointer at some clone), removed."""
     pth = Path(sysconfig.get_paths()["purelib"]) / "fastload.pth"
@@ -101,6 +146,12 @@ def install_dependencies(project: dict, extras: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--extras", default="", help="extras whose dependencies to install")
+    parser.add_argument(
+        "--launchers",
+        action="store_true",
+        help="write the console scripts into .bin/, for this venv (scripts/_env.sh's venv; not "
+        "the vLLM one, whose python the launchers would then run)",
+    )
     args = parser.parse_args()
     if sys.prefix == sys.base_prefix:
         raise SystemExit("checkout_env: run it with a venv's python, not the system's")
@@ -111,6 +162,8 @@ def main() -> None:
     if removed is not None:
         print(f"checkout_env: removed {removed} (an editable install's pointer)", file=sys.stderr)
     write_metadata(project)
+    if args.launchers:
+        write_launchers(project)
 
 
 if __name__ == "__main__":

