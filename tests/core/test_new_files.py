@@ -116,7 +116,7 @@ def test_a_temporary_another_process_writes_is_swept_only_once_that_process_is_g
         [
             sys.executable,
             "-c",
-            "import sys; from pathlib import Path; from fastload.core import new_files\n"
+            "import sys; from pathlib import Path; from fastload.core.checkpoint import new_files\n"
             "print(new_files.write_temporary(Path(sys.argv[1]), b'x'), flush=True)\n"
             "sys.stdin.read()\n",
             str(tmp_path),
