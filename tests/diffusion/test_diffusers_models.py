@@ -255,6 +255,16 @@ def test_device_map_and_device_place_every_tensor(tmp_path: Path) -> None:
     _same(fastload.from_pretrained(cls, folder, device="cpu"), theirs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_model_read_onto_the_gpu_is_the_one_diffusers_places_there(tmp_path: Path) -> None:
+    folder = _save("flux", tmp_path / "flux", dtype=torch.bfloat16, max_shard_size="8KB")
+    cls = diffusers.FluxTransformer2DModel
+    kw: dict[str, Any] = {"torch_dtype": torch.float16, "device_map": "cuda"}
+    theirs = cls.from_pretrained(folder, **kw)
+    _same(fastload.from_pretrained(cls, folder, dtype=torch.float16, device="cuda"), theirs)
+    _same(fastload.from_pretrained(cls, folder, **kw), theirs)
+
+
 def test_legacy_attention_names_of_a_single_file_are_renamed(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
