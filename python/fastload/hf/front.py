@@ -36,6 +36,7 @@ from fastload.core.errors import (
 from fastload.core.load_options import LoadOptions
 from fastload.core.loading import Target, load, plain_target
 from fastload.core.object_store import is_url
+from fastload.core.redaction import redact
 from fastload.core.report import LoadReport
 from fastload.core.skeleton import build_skeleton
 from fastload.core.steps import LoadSteps
@@ -241,12 +242,13 @@ def _name_the_url(error: FastloadError, side_files: str, weights: str) -> None:
     prefix's side files (``config.json`` ...) were fetched into: that directory is gone once the
     error is seen."""
     prefix = weights if weights.endswith("/") else weights.rsplit("/", 1)[0] + "/"
+    # the URL as given may carry secrets: the text is redacted again once it names it
     if error.args and isinstance(error.args[0], str) and side_files in error.args[0]:
         text = error.args[0].replace(side_files.rstrip("/") + "/", prefix)
-        error.args = (text.replace(side_files, prefix.rstrip("/")), *error.args[1:])
+        error.args = (redact(text.replace(side_files, prefix.rstrip("/"))), *error.args[1:])
     filename = getattr(error, "filename", None)
     if isinstance(filename, str) and side_files in filename:
-        error.filename = filename.replace(side_files.rstrip("/") + "/", prefix)
+        error.filename = redact(filename.replace(side_files.rstrip("/") + "/", prefix))
 
 
 def _tensor_parallel(

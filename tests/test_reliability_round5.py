@@ -1,0 +1,141 @@
+"""Reliability, fifth round (issue 67): the attacks that failed, each now a regression test.
+
+Multi-process tests run their ranks (gloo, loopback) or share_fetch peers in processes of their
+own, each writing what it saw (its error's class lineage and message) to a JSON file; the harness
+waits for every file, then kills whatever is left. A peer that hung would miss the harness'
+deadline (:data:`DEADLINE_S`), which only a hang reaches: the process groups' own timeouts
+(:data:`HANG_S`) are longer still, so no test passes by a timeout's error, and none asserts on
+speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import fastload
+from fastload.core.errors import (
+    FastloadError,
+)
+from http_store import HttpStore
+
+#: the harness' deadline for every process of a test to report: reached only by a hang
+DEADLINE_S = 600
+#: the process groups' and rendezvous' timeouts where a test shows that nobody waits for them
+HANG_S = 3600.0
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+
+
+def _outcome(error: BaseException | None, **more: Any) -> dict[str, Any]:
+    if error is None:
+        return {"error": None, **more}
+    return {"error": str(error), "type": [c.__name__ for c in type(error).__mro__], **more}
+
+
+def _spawn(target: Any, args: tuple[Any, ...], n: int, root: Path) -> list[dict[str, Any]]:
+    """``n`` processes of ``target(index, *args)``; what each wrote to ``root/out<i>.json``.
+    Every process is killed once all have written (or at the deadline: a hang, failing the
+    test)."""
+    context = mp.spawn(target, args=args, nprocs=n, join=False)
+    paths = [root / f"out{i}.json" for i in range(n)]
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while not all(p.exists() for p in paths):
+            dead = [p for p, proc in zip(paths, context.processes, strict=True)
+                    if not proc.is_alive() and not p.exists()]  # fmt: skip
+            assert not dead, f"a process died without reporting: {dead}"
+            assert time.monotonic() < deadline, "a process still waits (a hang)"
+            time.sleep(0.2)
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(30)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _report(root: str, index: int, out: dict[str, Any], *, wait: bool = True) -> None:
+    """Writes a process's outcome atomically, then waits for the harness to kill it (``wait``:
+    a gloo group is never torn down under a peer still using it) or ends it at once, with
+    nothing torn down."""
+    path = Path(root) / f"out{index}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.rename(path)
+    while wait:
+        time.sleep(60)
+    os._exit(0)
+
+
+def _init_ranks(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(GLOO_SOCKET_IFNAME="lo", FASTLOAD_DISABLE_PROGRESS_BARS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=HANG_S),
+    )
+
+
+# -- 1. a URL's secrets in the error of a config naming no class --------------------------------
+
+
+@pytest.fixture
+def served(tmp_path: Path):
+    """Checkpoints whose config.json names no class, or an unknown one, served over HTTP."""
+    pytest.importorskip("transformers")
+    configs = {"none": {"model_type": "bert"}, "unknown": {"architectures": ["Nope"]}}
+    for name, config in configs.items():
+        fastload.save_pretrained(_model(), tmp_path / "store" / name)
+        (tmp_path / "store" / name / "config.json").write_text(json.dumps(config))
+    store = HttpStore(tmp_path / "store")
+    yield store
+    store.close()
+
+
+@pytest.mark.parametrize("name", ["none", "unknown"])
+def test_a_config_naming_no_known_class_at_a_url_never_shows_its_password_or_query(
+    served: HttpStore, name: str
+) -> None:
+    url = served.url(f"{name}/", user_info="user:PASSWORD", query="sig=SIGSECRET")
+    with pytest.raises(FastloadError) as caught:
+        fastload.from_pretrained(url, progress=False)
+    text = str(caught.value)
+    assert "architectures" in text, text  # the error is the one about the class
+    assert "PASSWORD" not in text and "SIGSECRET" not in text, text
+    assert "http://<credentials hidden>@127.0.0.1:" in text, text
+
+
+def test_a_message_redacted_twice_reads_as_redacted_once() -> None:
+    from fastload.core.redaction import redact
+
+    for text in [
+        "'http://h/k?sig=S'",
+        "(http://u:p@h/k?a=1&sig=S)",
+        "http://h/k?sig=S: not found",
+        '{"url": "s3://b/k?X-Amz-Signature=S"}',
+    ]:
+        once = redact(text)
+        assert "sig=S" not in once and "Signature=S" not in once, once
+        assert redact(once) == once, (text, once, redact(once))
+    # a query that only begins like the placeholder is redacted by the one rule, as before
+    from fastload import _core
+
+    text = "http://h/k?<query hidden>&sig=SECRET"
+    assert redact(text) == _core.redact_urls(text)
