@@ -24,8 +24,10 @@ from torch import nn
 import fastload
 from fastload.core.errors import (
     FastloadError,
+    UnsupportedError,
 )
 from http_store import HttpStore
+from spawn_ranks import free_port
 
 #: the harness' deadline for every process of a test to report: reached only by a hang
 DEADLINE_S = 600
@@ -139,3 +141,58 @@ def test_a_message_redacted_twice_reads_as_redacted_once() -> None:
 
     text = "http://h/k?<query hidden>&sig=SECRET"
     assert redact(text) == _core.redact_urls(text)
+
+
+# -- 2, 5. a collective load_into checks its destinations as one process does -------------------
+
+
+def _load_into_rank(rank: int, world: int, port: int, root: str, case: str) -> None:
+    _init_ranks(rank, world, port)
+    path = Path(root) / "w.safetensors"
+    if case == "int32":
+        dest = torch.zeros(8, 8, dtype=torch.int32)
+    else:  # the wrong size on rank 1 only
+        dest = torch.zeros(7 if rank == 1 else 8, 8)
+    error = None
+    try:
+        import torch.distributed as dist
+
+        with fastload.safe_open(path, process_group=dist.group.WORLD) as f:
+            f.load_into({"w": dest})
+    except Exception as e:
+        error = e
+    _report(root, rank, _outcome(error, sum=float(dest.double().sum())))
+
+
+def _load_into_case(tmp_path: Path, case: str) -> list[dict[str, Any]]:
+    fastload.save_file({"w": torch.full((8, 8), 2.75)}, tmp_path / "w.safetensors")
+    return _spawn(_load_into_rank, (2, free_port(), str(tmp_path), case), 2, tmp_path)
+
+
+def test_a_collective_load_into_refuses_to_truncate_floats_into_int32_as_one_process_does(
+    tmp_path: Path,
+) -> None:
+    single = torch.zeros(8, 8, dtype=torch.int32)
+    fastload.save_file({"w": torch.full((8, 8), 2.75)}, tmp_path / "one.safetensors")
+    with (
+        fastload.safe_open(tmp_path / "one.safetensors") as f,
+        pytest.raises(UnsupportedError, match=r"\[unsupported-conversion\] tensor 'w'"),
+    ):
+        f.load_into({"w": single})
+    for got in _load_into_case(tmp_path, "int32"):
+        assert got["error"] is not None, got  # before: silently 2 in every element
+        assert "UnsupportedError" in got["type"], got
+        assert "[unsupported-conversion] tensor 'w'" in got["error"], got
+        assert "w.safetensors" in got["error"] and got["sum"] == 0, got
+
+
+def test_a_wrong_size_destination_on_one_rank_is_the_destination_size_error_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    zero, one = _load_into_case(tmp_path, "size")
+    for got in (zero, one):
+        assert got["error"] is not None and "RequestError" in got["type"], got
+        assert "[destination-size] tensor 'w'" in got["error"], got
+        assert "w.safetensors" in got["error"], got
+    assert "rank-lost" not in zero["error"] and "rank 1" in zero["error"], zero
+    assert "destination has 224 bytes, expected 256" in one["error"], one

@@ -28,6 +28,7 @@ gloo moves CPU buffers; with NCCL the buffers live on the rank's CUDA device.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,10 +38,15 @@ import torch
 
 from fastload import _core
 from fastload.core.checkpoint import OpenCheckpoint, StoredTensor
-from fastload.core.dtypes import to_st, to_torch
-from fastload.core.errors import CheckpointError, RequestError, UnsupportedError
+from fastload.core.dtypes import CONVERTIBLE, to_st, to_torch
+from fastload.core.errors import (
+    CheckpointError,
+    RequestError,
+    TensorNotFoundError,
+    UnsupportedError,
+)
 from fastload.distributed.file_reads import PAGE, Chunk, FileReader
-from fastload.distributed.group import RankGroup, agree_on_plan, together
+from fastload.distributed.group import RankGroup, abandon, agree_on_plan, together
 from fastload.distributed.needs import Routes, need_of, pack, size, unpack
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
@@ -185,6 +191,46 @@ class Checkpoint:
         return cls([file], tensors)
 
 
+def check_destination(
+    ckpt: OpenCheckpoint | Checkpoint, name: str, dest: torch.Tensor, selection: Any
+) -> None:
+    """The checks a single process's read makes of a destination before any byte (the engine's:
+    the tensor exists, its dtype converts to the destination's, the destination's size is the
+    selection's), with the same errors naming the file and the tensor: a collective read copies
+    out of exchanged chunks with torch, which would truncate or refuse without them."""
+    stored = ckpt.tensors.get(name)
+    if stored is None:
+        raise TensorNotFoundError(f"collective load: tensor {name!r} is not in the checkpoint")
+    path = getattr(ckpt.files[stored.file], "path", "")
+    if not isinstance(dest, torch.Tensor):
+        raise UnsupportedError(
+            f"{path}: tensor {name!r}: the destination is a {type(dest).__name__}, not a tensor"
+        )
+    wanted = to_st(dest.dtype)
+    if wanted != stored.st_dtype and not {wanted, stored.st_dtype} <= CONVERTIBLE:
+        raise UnsupportedError(
+            f"{path}: [unsupported-conversion] tensor {name!r}: cannot convert "
+            f"{stored.st_dtype} to {wanted} (conversion supports F32, F16, BF16, F64)"
+        )
+    shape = stored.torch_shape
+    if hasattr(selection, "take"):  # a richer selection: its result's size, computed on meta
+        meta = torch.empty(shape, dtype=stored.dtype, device="meta")
+        selected = selection.take(meta).numel()
+    elif selection is not None and len(selection) == 2:
+        selected = selection[1] - selection[0]
+    elif selection is not None:
+        dim, start, stop = selection
+        selected = math.prod(shape) // shape[dim] * (stop - start) if shape[dim] else 0
+    else:
+        selected = math.prod(shape)
+    if dest.numel() != selected:
+        size = dest.element_size()
+        raise RequestError(
+            f"{path}: [destination-size] tensor {name!r}: destination has "
+            f"{dest.numel() * size} bytes, expected {selected * size}"
+        )
+
+
 def read_collectively(
     group: RankGroup,
     ckpt: OpenCheckpoint | Checkpoint,
@@ -200,6 +246,11 @@ def read_collectively(
     ``turn``: from object storage, the rank dealt the first chunk (mod N; a caller making many
     small reads counts them, so that reads smaller than a chunk spread over the ranks).
     ``progress``: counts each chunk's bytes as it arrives."""
+    try:  # a destination one rank cannot fill stops every rank at once, as one process
+        for name, dest, selection in fills:
+            check_destination(ckpt, name, dest, selection)
+    except Exception as e:
+        abandon(group, e)  # the others hear it in agree_on_plan below
     remote = [isinstance(f, _core.SafetensorsFile) and f.remote for f in ckpt.files]
     for file, from_store in zip(ckpt.files, remote, strict=True):
         local = isinstance(file, _core.SafetensorsFile) and file.fileno() is not None
