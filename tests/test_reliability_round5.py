@@ -196,3 +196,40 @@ def test_a_wrong_size_destination_on_one_rank_is_the_destination_size_error_on_e
         assert "w.safetensors" in got["error"], got
     assert "rank-lost" not in zero["error"] and "rank 1" in zero["error"], zero
     assert "destination has 224 bytes, expected 256" in one["error"], one
+
+
+# -- 4. a failure before the ranks open the checkpoint reaches every rank -----------------------
+
+
+def _no_class_rank(rank: int, world: int, port: int, root: str) -> None:
+    _init_ranks(rank, world, port)
+    import torch.distributed as dist
+
+    error = None
+    try:
+        fastload.from_pretrained(
+            Path(root) / f"rank{rank}", process_group=dist.group.WORLD, progress=False
+        )
+    except Exception as e:
+        error = e
+    _report(root, rank, _outcome(error))
+
+
+def test_one_rank_failing_before_the_checkpoint_is_opened_stops_every_rank_naming_its_cause(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    from tiny_models import make_checkpoint
+
+    for rank in range(2):
+        make_checkpoint(tmp_path / f"rank{rank}", "BertModel")
+    config = tmp_path / "rank1" / "config.json"
+    data = json.loads(config.read_text())
+    del data["architectures"]
+    config.write_text(json.dumps(data))
+    got = _spawn(_no_class_rank, (2, free_port(), str(tmp_path)), 2, tmp_path)
+    for outcome in got:
+        assert outcome["error"] is not None and "CheckpointError" in outcome["type"], outcome
+        assert "rank 1" in outcome["error"], outcome
+        assert "no 'architectures' entry" in outcome["error"], outcome
+        assert "rank-lost" not in outcome["error"], outcome

@@ -40,7 +40,7 @@ from fastload.core.redaction import redact
 from fastload.core.report import LoadReport
 from fastload.core.skeleton import build_skeleton
 from fastload.core.steps import LoadSteps
-from fastload.distributed.group import on_every_rank
+from fastload.distributed.group import on_every_rank, tell_every_rank
 from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
 from fastload.hf import hub as hubmod
@@ -120,15 +120,20 @@ def load_hf(
             ),
         )
     elif path is not None:
-        resolved = hubmod.resolve_checkpoint(
-            path,
-            hub=opts.hub,
-            subfolder=opts.subfolder,
-            variant=opts.variant,
-            use_safetensors=opts.use_safetensors,
-            allow_pickle=options.allow_pickle,
-            remote_code=opts.trust_remote_code,
-        )
+        try:
+            resolved = hubmod.resolve_checkpoint(
+                path,
+                hub=opts.hub,
+                subfolder=opts.subfolder,
+                variant=opts.variant,
+                use_safetensors=opts.use_safetensors,
+                allow_pickle=options.allow_pickle,
+                remote_code=opts.trust_remote_code,
+            )
+        except Exception as e:
+            tell_every_rank(options, e)  # in a collective load, every rank hears of it
+            raise
+    loading = False  # a failure before the load is told to the other ranks here, not in it
     try:
         hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
         if side_files is not None and resolved is not None:
@@ -187,10 +192,13 @@ def load_hf(
 
         checkpoint: Any = state_dict if resolved is None else resolved.weights
         seconds = {"resolve": time.perf_counter() - start}
+        loading = True
         return load(target, checkpoint, options, steps=LOAD_STEPS, seconds=seconds)
-    except FastloadError as e:
-        if side_files is not None and resolved is not None:
+    except Exception as e:
+        if isinstance(e, FastloadError) and side_files is not None and resolved is not None:
             _name_the_url(e, side_files.name, resolved.weights)
+        if not loading:  # the other ranks of a collective load wait in its opening
+            tell_every_rank(options, e)
         raise
     finally:
         if side_files is not None:
