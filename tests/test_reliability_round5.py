@@ -233,3 +233,37 @@ def test_one_rank_failing_before_the_checkpoint_is_opened_stops_every_rank_namin
         assert "rank 1" in outcome["error"], outcome
         assert "no 'architectures' entry" in outcome["error"], outcome
         assert "rank-lost" not in outcome["error"], outcome
+
+
+# -- 8. ranks given checkpoints of different file counts ----------------------------------------
+
+
+def _file_count_rank(rank: int, world: int, port: int, root: str, urls: list[str]) -> None:
+    _init_ranks(rank, world, port)
+    import torch.distributed as dist
+
+    error = None
+    try:
+        fastload.from_pretrained(_model, urls[rank], process_group=dist.group.WORLD, progress=False)
+    except Exception as e:
+        error = e
+    _report(root, rank, _outcome(error))
+
+
+def test_ranks_given_checkpoints_of_different_file_counts_are_told_which_rank_read_what(
+    tmp_path: Path,
+) -> None:
+    fastload.save_pretrained(_model(), tmp_path / "store" / "sharded", max_shard_size="5KB")
+    shards = sorted((tmp_path / "store" / "sharded").glob("*.safetensors"))
+    assert len(shards) > 1
+    store = HttpStore(tmp_path / "store")
+    try:
+        urls = [store.url("sharded/"), store.url(f"sharded/{shards[0].name}")]
+        got = _spawn(_file_count_rank, (2, free_port(), str(tmp_path), urls), 2, tmp_path)
+    finally:
+        store.close()
+    for outcome in got:
+        assert outcome["error"] is not None and "CheckpointError" in outcome["type"], outcome
+        assert "[version-mismatch]" in outcome["error"], outcome
+        assert "rank 0" in outcome["error"] and "rank 1" in outcome["error"], outcome
+        assert shards[-1].name in outcome["error"], outcome  # rank 0's files, named
