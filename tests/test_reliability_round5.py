@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +26,8 @@ from torch import nn
 import fastload
 from fastload.core.errors import (
     FastloadError,
+    FastloadIOError,
+    RequestError,
     UnsupportedError,
 )
 from http_store import HttpStore
@@ -267,3 +271,108 @@ def test_ranks_given_checkpoints_of_different_file_counts_are_told_which_rank_re
         assert "[version-mismatch]" in outcome["error"], outcome
         assert "rank 0" in outcome["error"] and "rank 1" in outcome["error"], outcome
         assert shards[-1].name in outcome["error"], outcome  # rank 0's files, named
+
+
+# -- 3, 6, 7. share_fetch's rendezvous ----------------------------------------------------------
+
+
+def test_a_rendezvous_port_held_by_another_program_fails_within_the_timeout_naming_the_port() -> (
+    None
+):
+    from fastload.distributed.rendezvous import Rendezvous, join
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:  # takes every connection, never answers
+        listener.settimeout(0.5)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    got: list[BaseException] = []
+
+    def joining() -> None:
+        try:
+            join(Rendezvous("127.0.0.1", port, 2, timeout=2.0), "node")
+        except BaseException as e:
+            got.append(e)
+
+    joiner = threading.Thread(target=joining, daemon=True)  # before the fix: waits forever
+    joiner.start()
+    try:
+        joiner.join(DEADLINE_S)
+        assert not joiner.is_alive(), "the rendezvous still waits on the port's program"
+    finally:
+        stop.set()
+        acceptor.join(10)
+        for s in (*held, listener):
+            s.close()
+    [error] = got
+    assert isinstance(error, FastloadIOError), error
+    assert f"port {port}" in str(error) and "2 s" in str(error), error
+
+
+def _peer(index: int, root: str, port: int, plans: list[dict[str, Any]]) -> None:
+    """A share_fetch peer: joins the rendezvous as its plan says, reports what it got."""
+    os.environ.update(GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    from fastload.distributed.rendezvous import Rendezvous, join
+
+    plan = plans[index]
+    if plan.get("after"):  # joins once the peer serving the rendezvous listens
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+    error, rank = None, None
+    try:
+        rdv = Rendezvous("127.0.0.1", port, plan["peers"], plan["timeout"])
+        given = {"source": plan["source"]} if "source" in plan else {}
+        group = join(rdv, "node", **given)
+        rank = group.rank
+    except Exception as e:
+        error = e
+    # gone at once, as a peer that gave up exits (the rendezvous it served with it)
+    _report(root, index, _outcome(error, rank=rank), wait=False)
+
+
+def test_peers_given_different_urls_all_stop_at_once_with_a_version_mismatch(
+    tmp_path: Path,
+) -> None:
+    urls = ["s3://models/llama/", "s3://models/llama-v2/"]
+    plans = [{"peers": 2, "timeout": HANG_S, "source": u} for u in urls]
+    got = _spawn(_peer, (str(tmp_path), free_port(), plans), 2, tmp_path)
+    for outcome in got:
+        assert outcome["error"] is not None and "CheckpointError" in outcome["type"], outcome
+        assert "[version-mismatch]" in outcome["error"], outcome
+        assert urls[0] in outcome["error"] and urls[1] in outcome["error"], outcome
+
+
+def test_a_peer_waiting_when_the_serving_peer_gives_up_is_told_how_many_joined(
+    tmp_path: Path,
+) -> None:
+    # peer 0 serves the rendezvous and gives up after its timeout; peer 1 waits much longer
+    plans = [{"peers": 3, "timeout": 30.0}, {"peers": 3, "timeout": HANG_S, "after": True}]
+    server, waiting = _spawn(_peer, (str(tmp_path), free_port(), plans), 2, tmp_path)
+    assert server["error"] is not None and "2 of 3 peers joined" in server["error"], server
+    assert waiting["error"] is not None and "FastloadIOError" in waiting["type"], waiting
+    assert "2 of 3 peers joined" in waiting["error"], waiting
+
+
+def test_a_share_fetch_timeout_too_long_to_wait_is_refused_where_the_options_enter() -> None:
+    from fastload.integrations.vllm.options import parse_options
+
+    url = "s3://models/llama/"
+    for timeout in (1e15, float("inf"), float("nan")):
+        with pytest.raises(RequestError, match="share_fetch_timeout"):
+            parse_options({"weights": url, "share_fetch": "node", "share_fetch_timeout": timeout})
