@@ -376,3 +376,22 @@ def test_a_share_fetch_timeout_too_long_to_wait_is_refused_where_the_options_ent
     for timeout in (1e15, float("inf"), float("nan")):
         with pytest.raises(RequestError, match="share_fetch_timeout"):
             parse_options({"weights": url, "share_fetch": "node", "share_fetch_timeout": timeout})
+
+
+# -- 10. the patch's report after a call that raised --------------------------------------------
+
+
+@pytest.mark.usefixtures("unpatched")
+def test_after_a_patched_load_that_raises_last_report_is_none(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from fastload.hf import patch
+    from tiny_models import make_checkpoint, model_class
+
+    path = make_checkpoint(tmp_path / "bert", "BertForSequenceClassification")
+    cls = model_class("BertForSequenceClassification")
+    with fastload.patch_transformers():
+        cls.from_pretrained(path)
+        assert patch.last_report is not None
+        with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+            cls.from_pretrained(path, num_labels=5)  # raised after fastload's load was done
+        assert patch.last_report is None and patch.last_fallback is None
