@@ -378,6 +378,47 @@ def test_a_share_fetch_timeout_too_long_to_wait_is_refused_where_the_options_ent
             parse_options({"weights": url, "share_fetch": "node", "share_fetch_timeout": timeout})
 
 
+# -- 9. a corrupt copy on one rank of a verified reload is named --------------------------------
+
+
+def _verify_rank(rank: int, world: int, port: int, root: str) -> None:
+    _init_ranks(rank, world, port)
+    import torch.distributed as dist
+
+    own = Path(root) / f"rank{rank}"
+    error = None
+    try:
+        model = fastload.from_pretrained(
+            _model, own / "a", process_group=dist.group.WORLD, progress=False
+        )
+        fastload.reload(model, own / "b", atomic=True, verify=True, process_group=dist.group.WORLD)
+    except Exception as e:
+        error = e
+    _report(root, rank, _outcome(error))
+
+
+def test_a_verified_reload_across_ranks_names_the_rank_and_file_whose_copy_is_corrupt(
+    tmp_path: Path,
+) -> None:
+    for rank in range(2):
+        fastload.save_pretrained(_model(1), tmp_path / f"rank{rank}" / "a", digests=True)
+        fastload.save_pretrained(_model(2), tmp_path / f"rank{rank}" / "b", digests=True)
+    corrupt = tmp_path / "rank1" / "b" / "model.safetensors"
+    with open(corrupt, "r+b") as f:  # the last byte of the data: in the chunk rank 1 reads
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got = _spawn(_verify_rank, (2, free_port(), str(tmp_path)), 2, tmp_path)
+    intact = str(tmp_path / "rank0" / "b" / "model.safetensors")
+    for outcome in got:
+        assert outcome["error"] is not None and "CheckpointError" in outcome["type"], outcome
+        assert "do not match the digest" in outcome["error"], outcome
+        assert f"read by rank 1 from {corrupt}" in outcome["error"], outcome
+        assert intact not in outcome["error"], outcome  # before: rank 0 named its own file
+    assert got[0]["error"] == got[1]["error"]
+
+
 # -- 10. the patch's report after a call that raised --------------------------------------------
 
 

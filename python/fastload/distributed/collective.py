@@ -172,6 +172,8 @@ class Exchange:
     storage_bytes: int = 0
     received_bytes: int = 0
     chunks: list[Chunk] = field(default_factory=list)
+    #: every rank's chunks: who read which bytes from storage
+    dealt: list[Chunk] = field(default_factory=list)
 
 
 @dataclass
@@ -299,7 +301,7 @@ def read_collectively(
     }
     routes = Routes(group.gather(kept), spans_by_file)
     mine = [c for c in chunks if c.owner == group.rank]
-    result = Exchange(chunks=mine)
+    result = Exchange(chunks=mine, dealt=list(chunks))
     reader: FileReader | ObjectReader
     if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
         result.storage_bytes = sum(c.nbytes for c in mine)
