@@ -276,9 +276,7 @@ def test_ranks_given_checkpoints_of_different_file_counts_are_told_which_rank_re
 # -- 3, 6, 7. share_fetch's rendezvous ----------------------------------------------------------
 
 
-def test_a_rendezvous_port_held_by_another_program_fails_within_the_timeout_naming_the_port() -> (
-    None
-):
+def test_a_rendezvous_port_held_by_another_program_fails_naming_the_port() -> None:
     from fastload.distributed.rendezvous import Rendezvous, join
 
     listener = socket.socket()
