@@ -37,10 +37,15 @@ import torch
 
 from fastload import _core
 from fastload.core.basics.dtypes import to_st, to_torch
-from fastload.core.basics.errors import CheckpointError, RequestError, UnsupportedError
+from fastload.core.basics.errors import (
+    CheckpointError,
+    RequestError,
+    UnsupportedError,
+)
 from fastload.core.checkpoint.opened import OpenCheckpoint, StoredTensor
+from fastload.distributed.destinations import check_destination
 from fastload.distributed.file_reads import PAGE, Chunk, FileReader
-from fastload.distributed.group import RankGroup, agree_on_plan, together
+from fastload.distributed.group import RankGroup, abandon, agree_on_plan, together
 from fastload.distributed.needs import Routes, need_of, pack, size, unpack
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
@@ -166,6 +171,8 @@ class Exchange:
     storage_bytes: int = 0
     received_bytes: int = 0
     chunks: list[Chunk] = field(default_factory=list)
+    #: every rank's chunks: who read which bytes from storage
+    dealt: list[Chunk] = field(default_factory=list)
 
 
 @dataclass
@@ -200,6 +207,11 @@ def read_collectively(
     ``turn``: from object storage, the rank dealt the first chunk (mod N; a caller making many
     small reads counts them, so that reads smaller than a chunk spread over the ranks).
     ``progress``: counts each chunk's bytes as it arrives."""
+    try:  # a destination one rank cannot fill stops every rank at once, as one process
+        for name, dest, selection in fills:
+            check_destination(ckpt, name, dest, selection)
+    except Exception as e:
+        abandon(group, e)  # the others hear it in agree_on_plan below
     remote = [isinstance(f, _core.SafetensorsFile) and f.remote for f in ckpt.files]
     for file, from_store in zip(ckpt.files, remote, strict=True):
         local = isinstance(file, _core.SafetensorsFile) and file.fileno() is not None
@@ -248,7 +260,7 @@ def read_collectively(
     }
     routes = Routes(group.gather(kept), spans_by_file)
     mine = [c for c in chunks if c.owner == group.rank]
-    result = Exchange(chunks=mine)
+    result = Exchange(chunks=mine, dealt=list(chunks))
     reader: FileReader | ObjectReader
     if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
         result.storage_bytes = sum(c.nbytes for c in mine)

@@ -155,6 +155,33 @@ def on_every_rank(options: Any, step: Callable[[], T]) -> T:
     return together(group, step, "fetching the checkpoint's config files")
 
 
+def tell_every_rank(options: Any, failure: Exception) -> None:
+    """Where ``failure`` stopped this rank of a collective load (``options``: its
+    :class:`~fastload.core.plan.load_options.LoadOptions`) before it joined the others in opening
+    the checkpoint (resolving the model's class, reading its config), raises what every rank raises:
+    the others wait in that opening (:func:`together`), which this rank joins with its failure
+    instead, so none waits for the process group's timeout and every rank names it and its
+    cause. Returns (the caller raises ``failure``) outside a collective load whose group is up,
+    alone in its group, or for a failure every rank already heard of."""
+    import torch.distributed as dist
+
+    if getattr(failure, "every_rank_knows", False) or not options.collective:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    where = "tp_plan" if options.tp_plan is not None else "process_group"
+    group = RankGroup(options.process_group, where=where)
+    if group.world_size == 1:
+        return
+    mine = _summary(failure)
+    assert mine is not None
+    everyone = group.gather((mine[0], f"before opening the checkpoint: {mine[1]}"))
+    failed = [(rank, summary) for rank, summary in enumerate(everyone) if summary is not None]
+    if len(failed) == group.world_size:  # the same input fails alike everywhere
+        return
+    raise group_error(failed, "opening the checkpoint") from failure
+
+
 def _summary(failure: BaseException | None) -> tuple[list[str], str] | None:
     """What the other ranks need of a failure: its class's lineage, and its message."""
     if failure is None:
@@ -177,7 +204,9 @@ def group_error(failed: list[tuple[int, tuple[list[str], str]]], what: str) -> F
             cls = FastloadIOError
     causes = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failed)
     who = ", ".join(str(rank) for rank, _ in failed)
-    return cls(f"collective load: {what} failed on rank {who}, so every rank stops ({causes})")
+    error = cls(f"collective load: {what} failed on rank {who}, so every rank stops ({causes})")
+    error.every_rank_knows = True  # type: ignore[attr-defined]
+    return error
 
 
 __all__ = [
@@ -186,5 +215,6 @@ __all__ = [
     "agree_on_plan",
     "group_error",
     "on_every_rank",
+    "tell_every_rank",
     "together",
 ]

@@ -37,6 +37,15 @@ def agree_on_versions(group: RankGroup, files: Sequence[Any]) -> None:
     everyone: list[Versions] = group.gather(versions_of(files))
     if all(v is None for rank in everyone for _, v in rank):
         return
+    if len({len(listed) for listed in everyone}) > 1:  # a sharded prefix here, one shard there
+        listed = "; ".join(
+            f"rank {r}: {len(files)} file(s): {', '.join(path for path, _ in files)}"
+            for r, files in enumerate(everyone)
+        )
+        raise CheckpointError(
+            f"collective load: the ranks opened checkpoints of different numbers of files "
+            f"({listed}); every rank must read one version of the checkpoint [version-mismatch]"
+        )
     for index in range(len(everyone[0])):
         seen = [(rank, listed[index]) for rank, listed in enumerate(everyone)]
         problem = _disagreement([entry for _, entry in seen])

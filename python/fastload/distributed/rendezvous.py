@@ -14,7 +14,10 @@ each chunk crossing to each machine once (:mod:`fastload.distributed.tiers`).
 
 Every wait is bounded: a process that expects another number of peers than the first arrival
 stops every waiting process at once with one error saying both numbers; peers that do not all
-arrive within the timeout stop each waiting process with an error saying how many came.
+arrive within the timeout stop each waiting process with an error saying how many came, and so
+does the process serving the store leaving (a peer that gave up); a port held by a program that
+is not a store fails within the timeout, naming the port. Peers that read different sources
+(checkpoint URLs) stop at once when all have arrived (``[version-mismatch]``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fastload.core.basics.errors import FastloadIOError, RequestError
+from fastload.core.basics.errors import CheckpointError, FastloadIOError, RequestError
 from fastload.distributed.group import RankGroup
 from fastload.distributed.tiers import Tiers, gloo_group
 
@@ -94,6 +97,40 @@ def _is_this_host(host: str) -> bool:
     return bool(wanted & mine)
 
 
+#: seconds a client's connection may take past the timeout before the port is taken to be held
+#: by another program (torch's own wait for a store that is not served yet ends at the timeout)
+_GRACE = 10.0
+
+
+def _client(rdv: Rendezvous, timeout: datetime.timedelta) -> Any:
+    """A client of the store at ``rdv``, its wait bounded: torch's client waits without limit
+    for the handshake of a program that accepts connections on the port and never answers (any
+    other server there); it runs on a helper thread (without the GIL), given up here after the
+    timeout with an error naming the port. A client given up is left to its thread (a daemon)."""
+    import torch.distributed as dist
+
+    made: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            made["store"] = dist.TCPStore(rdv.host, rdv.port, None, False, timeout=timeout)
+        except BaseException as e:  # raised on the caller's thread
+            made["error"] = e
+
+    helper = threading.Thread(target=connect, name="fastload-rendezvous", daemon=True)
+    helper.start()
+    helper.join(rdv.timeout + _GRACE)
+    if helper.is_alive():
+        raise FastloadIOError(
+            f"share_fetch: the rendezvous port {rdv.port} at {rdv.address} is held by a program "
+            f"that is not a rendezvous: it took the connection but did not answer within "
+            f"{rdv.timeout:g} s; give the peers a free port (share_fetch_address)"
+        )
+    if "error" in made:
+        raise made["error"]
+    return made["store"]
+
+
 def _store(rdv: Rendezvous) -> Any:
     """The rendezvous' store: served by this process where the port is free on this host,
     reached over TCP otherwise (retrying until the timeout while nobody serves it yet)."""
@@ -118,7 +155,9 @@ def _store(rdv: Rendezvous) -> Any:
                 store = None
         if store is None:
             try:
-                store = dist.TCPStore(rdv.host, rdv.port, None, False, timeout=timeout)
+                store = _client(rdv, timeout)
+            except FastloadIOError:
+                raise
             except (RuntimeError, OSError) as e:
                 raise FastloadIOError(
                     f"share_fetch: the rendezvous at {rdv.address} could not be reached within "
@@ -129,10 +168,46 @@ def _store(rdv: Rendezvous) -> Any:
         return store
 
 
-def join(rdv: Rendezvous, key: str, *, what: str = "share_fetch") -> SharedGroup:
+class _Watched:
+    """The rendezvous' store, its calls watched: where the process serving it stops (a peer that
+    gave up waiting and exited), a call fails with the store's bare connection error; here it is
+    a ``FastloadIOError`` saying how many peers had joined."""
+
+    def __init__(self, store: Any, rdv: Rendezvous, key: str, what: str) -> None:
+        self.store, self.rdv, self.key, self.what = store, rdv, key, what
+        #: the peers known to have joined, as last seen
+        self.arrived = 0
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self.store, name)
+
+        def watched(*args: Any) -> Any:
+            try:
+                value = call(*args)
+            except RuntimeError as e:  # torch's DistNetworkError, DistStoreError ...
+                rdv = self.rdv
+                raise FastloadIOError(
+                    f"{self.what}: the rendezvous at {rdv.address} for {self.key} was lost "
+                    f"while the peers arrived ({min(self.arrived, rdv.peers)} of {rdv.peers} "
+                    "peers joined): the process serving it stopped (a peer that gave up "
+                    f"waiting, or was stopped) ({e})"
+                ) from e
+            if name == "add":
+                self.arrived = max(self.arrived, int(value))
+            return value
+
+        return watched
+
+
+def join(
+    rdv: Rendezvous, key: str, *, what: str = "share_fetch", source: str | None = None
+) -> SharedGroup:
     """This process's place in the group of ``rdv.peers`` processes that join ``key`` at ``rdv``
-    (see the module docstring). ``what``: how errors name the option."""
-    store = _store(rdv)
+    (see the module docstring). ``what``: how errors name the option. ``source``: what this
+    process reads (a checkpoint's URL): peers that meet at one key with different sources stop
+    at once, each with one ``CheckpointError [version-mismatch]`` naming every peer's, before
+    any byte is read."""
+    store = _Watched(_store(rdv), rdv, key, what)
     with _lock:
         _generations[key] += 1
         generation = _generations[key]
@@ -141,6 +216,7 @@ def join(rdv: Rendezvous, key: str, *, what: str = "share_fetch") -> SharedGroup
     if rank == 0:
         store.set(prefix + "peers", str(rdv.peers))
     store.set(prefix + f"node/{rank}", rdv.node or socket.gethostname())
+    store.set(prefix + f"source/{rank}", source or "")
     deadline = time.monotonic() + rdv.timeout
     while True:
         refused = store.check([prefix + "refused"])
@@ -174,15 +250,23 @@ def join(rdv: Rendezvous, key: str, *, what: str = "share_fetch") -> SharedGroup
             )
         time.sleep(_POLL)
     nodes = [store.get(prefix + f"node/{r}").decode() for r in range(rdv.peers)]
+    sources = [store.get(prefix + f"source/{r}").decode() for r in range(rdv.peers)]
+    if len(set(sources)) > 1:
+        listed = "; ".join(f"peer {r}: {s or '(none)'}" for r, s in enumerate(sources))
+        raise CheckpointError(
+            f"{what}: the peers at {rdv.address} were given different checkpoints ({listed}); "
+            "every peer must load one version of one checkpoint [version-mismatch]"
+        )
     try:
         everyone = list(range(rdv.peers))
-        group = gloo_group(store, prefix + "gloo/", everyone, rank, rdv.timeout)
+        plain = store.store  # torch's own store, for the groups
+        group = gloo_group(plain, prefix + "gloo/", everyone, rank, rdv.timeout)
         tiers = None
         if 1 < len(set(nodes)) < rdv.peers:  # several machines, several peers on one
             tiers = Tiers(
                 nodes,
                 rank,
-                lambda name, ranks: gloo_group(store, f"{prefix}{name}/", ranks, rank, rdv.timeout),
+                lambda name, ranks: gloo_group(plain, f"{prefix}{name}/", ranks, rank, rdv.timeout),
             )
     except RuntimeError as e:
         raise FastloadIOError(

@@ -31,6 +31,7 @@ from fastload.core.basics.errors import (
     UnsupportedError,
     also_as,
 )
+from fastload.core.basics.redaction import redact
 from fastload.core.checkpoint.files import resolve as resolve_files
 from fastload.core.devices.resolution import single_device
 from fastload.core.loading import load
@@ -40,7 +41,7 @@ from fastload.core.plan.report import LoadReport
 from fastload.core.plan.steps import LoadSteps
 from fastload.core.plan.target import Target, plain_target
 from fastload.core.store.object_store import is_url
-from fastload.distributed.group import on_every_rank
+from fastload.distributed.group import on_every_rank, tell_every_rank
 from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
 from fastload.hf import hub as hubmod
@@ -122,15 +123,20 @@ def load_hf(
             ),
         )
     elif path is not None:
-        resolved = hubmod.resolve_checkpoint(
-            path,
-            hub=opts.hub,
-            subfolder=opts.subfolder,
-            variant=opts.variant,
-            use_safetensors=opts.use_safetensors,
-            allow_pickle=options.allow_pickle,
-            remote_code=opts.trust_remote_code,
-        )
+        try:
+            resolved = hubmod.resolve_checkpoint(
+                path,
+                hub=opts.hub,
+                subfolder=opts.subfolder,
+                variant=opts.variant,
+                use_safetensors=opts.use_safetensors,
+                allow_pickle=options.allow_pickle,
+                remote_code=opts.trust_remote_code,
+            )
+        except Exception as e:
+            tell_every_rank(options, e)  # in a collective load, every rank hears of it
+            raise
+    loading = False  # a failure before the load is told to the other ranks here, not in it
     try:
         hooks = TransformersHooks(generation_config=opts.generation_config, contract=contract)
         if side_files is not None and resolved is not None:
@@ -189,10 +195,13 @@ def load_hf(
 
         checkpoint: Any = state_dict if resolved is None else resolved.weights
         seconds = {"resolve": time.perf_counter() - start}
+        loading = True
         return load(target, checkpoint, options, steps=LOAD_STEPS, seconds=seconds)
-    except FastloadError as e:
-        if side_files is not None and resolved is not None:
+    except Exception as e:
+        if isinstance(e, FastloadError) and side_files is not None and resolved is not None:
             _name_the_url(e, side_files.name, resolved.weights)
+        if not loading:  # the other ranks of a collective load wait in its opening
+            tell_every_rank(options, e)
         raise
     finally:
         if side_files is not None:
@@ -244,12 +253,13 @@ def _name_the_url(error: FastloadError, side_files: str, weights: str) -> None:
     prefix's side files (``config.json`` ...) were fetched into: that directory is gone once the
     error is seen."""
     prefix = weights if weights.endswith("/") else weights.rsplit("/", 1)[0] + "/"
+    # the URL as given may carry secrets: the text is redacted again once it names it
     if error.args and isinstance(error.args[0], str) and side_files in error.args[0]:
         text = error.args[0].replace(side_files.rstrip("/") + "/", prefix)
-        error.args = (text.replace(side_files, prefix.rstrip("/")), *error.args[1:])
+        error.args = (redact(text.replace(side_files, prefix.rstrip("/"))), *error.args[1:])
     filename = getattr(error, "filename", None)
     if isinstance(filename, str) and side_files in filename:
-        error.filename = filename.replace(side_files.rstrip("/") + "/", prefix)
+        error.filename = redact(filename.replace(side_files.rstrip("/") + "/", prefix))
 
 
 def _tensor_parallel(

@@ -154,8 +154,10 @@ def _from_pretrained(
             # UninitializedTensorError: transformers returns such a model, that tensor left as
             # torch.empty gave it; only its own loader can give that model
             reason = str(e)
+        except BaseException:  # a patched call made inside this one may have set them
+            last_report, last_fallback = None, None
+            raise
         else:
-            last_report = report
             logger.info(
                 "fastload served %s.from_pretrained(%r)",
                 cls.__name__,
@@ -167,6 +169,7 @@ def _from_pretrained(
                 report,
                 ignore_mismatched_sizes=ignore_mismatched,
             )
+            last_report = report  # only once the call cannot raise any more
             return (model, loading_info) if info else model
     logger.warning(
         "fastload: %s.from_pretrained(%r) is left to transformers: %s",

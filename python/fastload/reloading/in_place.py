@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -174,7 +175,9 @@ def reload(
         record.digests, record.names, record.source = new_digests, set(ckpt.tensors), report.source
 
     if atomic:
-        _atomic(model, record, ckpt, writes, new_digests if verify else {}, fill, report, done)
+        named = None if ranks is None else partial(ranks.read_by, ckpt)  # who read the bytes
+        digests = new_digests if verify else {}
+        _atomic(model, record, ckpt, writes, digests, fill, report, done, named)
     else:
         _in_place(model, record, ckpt, writes, fill)
         done()
@@ -238,17 +241,19 @@ def _atomic(
     fill: _Fill,
     report: ReloadReport,
     done: Callable[[], None],
+    named: Callable[[str], str] | None = None,
 ) -> None:
     """Reads every new tensor into memory of its own (its room checked by
     :func:`_check_staging`), checks it against ``digests`` (none: no check), then commits and
-    runs ``done``; a Ctrl-C during the commit is delivered after ``done``."""
+    runs ``done``; a Ctrl-C during the commit is delivered after ``done``. ``named``: how a
+    tensor whose digest fails is named (across ranks: the ranks that read its bytes)."""
     staged = [(w, [torch.empty_like(t, memory_format=torch.contiguous_format)
                    for _, t, _ in w.parts]) for w in writes]  # fmt: skip
     try:
         by_file = _by_file(staged)
         if new_digests:
             by_file, report.tensors_verified = verifier.read_verified(
-                by_file, ckpt, new_digests, lambda w: fill(w, [])
+                by_file, ckpt, new_digests, lambda w: fill(w, []), named
             )
         fill(by_file, [])
     except BaseException as exc:

@@ -57,6 +57,10 @@ class Ranks:
         #: what this rank plans, compared across ranks by :meth:`agreeing` (set in its block)
         self.plan: dict[str, Any] = {}
         self.joined: RankGroup | None = None
+        #: every rank's file paths (set by :meth:`join`), and the chunks read so far, each with
+        #: the rank that read it from storage: who read a tensor's bytes (:meth:`read_by`)
+        self.paths: list[list[str]] = []
+        self.dealt: list[Any] = []
 
     @contextmanager
     def agreeing(self) -> Iterator[None]:
@@ -85,7 +89,27 @@ class Ranks:
             self.steps.same_checkpoint(self.group, ckpt)
         except CheckpointError as exc:  # raised on every rank alike
             raise CheckpointError(f"{WHERE}: {exc}. Nothing was written on any rank") from exc
+        self.paths = self.group.gather([str(f.path) for f in ckpt.files])
         self.joined = self.group
+
+    def read_by(self, ckpt: OpenCheckpoint, name: str) -> str:
+        """Stored tensor ``name`` and where its bytes came from in the group's last reads: the
+        ranks that read them from storage, and their files (a digest that fails names the copy
+        that is corrupt, not this rank's own)."""
+        stored = ckpt.tensors[name]
+        start = getattr(ckpt.files[stored.file], "data_start", 0) + stored.begin
+        stop = start + stored.nbytes
+        owners = sorted(
+            {
+                c.owner
+                for c in self.dealt
+                if c.file == stored.file and c.start < stop and c.stop > start
+            }
+        )
+        if not owners or not self.paths:
+            return f"{ckpt.file_path(stored)}: tensor {name!r}"
+        where = ", ".join(f"rank {r} from {self.paths[r][stored.file]}" for r in owners)
+        return f"tensor {name!r} (its bytes read by {where})"
 
     def fill(
         self, ckpt: OpenCheckpoint, by_file: Mapping[int, list[FillItem]], threads: int | None
@@ -94,7 +118,8 @@ class Ranks:
         assert self.joined is not None
         fills = [item for index in sorted(by_file) for item in by_file[index]]
         try:
-            self.steps.read(self.joined, ckpt, fills, threads)
+            exchange = self.steps.read(self.joined, ckpt, fills, threads)
+            self.dealt = list(exchange.dealt)
         except UnsupportedError as exc:  # refused alike on every rank, before any byte is read
             raise UnsupportedError(
                 f"{WHERE}: {exc}. Reload without process_group (each rank reads what it holds). "

@@ -71,11 +71,13 @@ def read_verified(
     ckpt: OpenCheckpoint,
     digests: Mapping[str, str],
     fill: FillFiles,
+    named: Callable[[str], str] | None = None,
 ) -> tuple[dict[int, list[FillItem]], int]:
     """Fills and checks every staged copy (stored name, target, selection) whose stored tensor
     has a digest in ``digests``. Returns the items left to fill (their tensor has no digest) and
     how many were checked; ``CheckpointError`` naming every tensor whose bytes differ from its
-    digest."""
+    digest (``named``: how, right after the ``fill`` that read it; by default its file and
+    name)."""
     rest: dict[int, list[FillItem]] = {}
     direct: dict[int, list[FillItem]] = {}
     scratch: list[tuple[int, FillItem]] = []
@@ -91,7 +93,7 @@ def read_verified(
     if direct:
         fill(direct)
         hashed = [(name, target) for items in direct.values() for name, target, _ in items]
-        wrong += _differ(hashed, ckpt, digests)
+        wrong += _differ(hashed, ckpt, digests, named)
     for batch in _batches(scratch, ckpt):
         whole: dict[str, torch.Tensor] = {}
         work: dict[int, list[FillItem]] = {}
@@ -104,7 +106,7 @@ def read_verified(
                 whole[name] = torch.empty(shape, dtype=dtype)
                 work.setdefault(index, []).append((name, whole[name], None))
         fill(work)
-        wrong += _differ(list(whole.items()), ckpt, digests)
+        wrong += _differ(list(whole.items()), ckpt, digests, named)
         with torch.no_grad():
             for _, (name, target, selection) in batch:
                 target.copy_(_take(whole[name], selection).reshape(target.shape))
@@ -153,15 +155,17 @@ def _take(whole: torch.Tensor, selection: object) -> torch.Tensor:
 
 
 def _differ(
-    hashed: Sequence[tuple[str, torch.Tensor]], ckpt: OpenCheckpoint, digests: Mapping[str, str]
+    hashed: Sequence[tuple[str, torch.Tensor]],
+    ckpt: OpenCheckpoint,
+    digests: Mapping[str, str],
+    named: Callable[[str], str] | None = None,
 ) -> list[str]:
-    """Where each tensor is stored, for those whose bytes do not hash to their digest."""
+    """Where each tensor is stored (``named``), for those whose bytes do not hash to their
+    digest."""
     # hashlib hashes without the GIL: one thread per core
     workers = max(1, min(os.cpu_count() or 1, 16, len(hashed) or 1))
     with ThreadPoolExecutor(workers) as pool:
         equal = list(pool.map(lambda h: bytes_digest(h[1]) == digests[h[0]], hashed))
-    return [
-        f"{ckpt.file_path(ckpt.tensors[name])}: tensor {name!r}"
-        for (name, _), ok in zip(hashed, equal, strict=True)
-        if not ok
-    ]
+    if named is None:
+        named = lambda name: f"{ckpt.file_path(ckpt.tensors[name])}: tensor {name!r}"  # noqa: E731
+    return [named(name) for (name, _), ok in zip(hashed, equal, strict=True) if not ok]

@@ -16,16 +16,27 @@ as given is kept only by the code that fetches.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastload import _core
 
+#: a query already hidden, where nothing of a query follows it: kept as it is by :func:`redact`
+_HIDDEN_QUERY = re.compile(r"\?<query hidden>(?![\w&=%.~+\-/])")
+#: what stands for it while the rest is redacted (no ``?``: no query to hide)
+_KEPT = "\x00fastload-query-hidden\x00"
+
 
 def redact(text: str) -> str:
-    """``text`` with the query and the user-info of every URL in it hidden."""
+    """``text`` with the query and the user-info of every URL in it hidden. Idempotent: a text
+    redacted already (a message naming an error's message) is returned as it is, its hidden
+    queries not hidden again (``?<query hidden> hidden>``)."""
     if "://" not in text:  # the common case: a local path, no URL at all
         return text
-    return _core.redact_urls(text)
+    if "?<query hidden>" not in text:
+        return _core.redact_urls(text)
+    kept = _HIDDEN_QUERY.sub(_KEPT, text.replace(_KEPT, ""))
+    return _core.redact_urls(kept).replace(_KEPT, "?<query hidden>")
 
 
 def redact_value(value: Any) -> Any:

@@ -50,6 +50,11 @@ class Exchange(Protocol):
     @property
     def received_bytes(self) -> int: ...
 
+    @property
+    def dealt(self) -> Sequence[Any]:
+        """Every chunk of the read, each with ``file``, ``start``, ``stop`` (file offsets) and
+        the ``owner`` rank that read it from storage."""
+
 
 class TensorParallelLayout(Protocol):
     """This rank's part of every tensor under a tensor-parallel plan."""

@@ -29,6 +29,9 @@ MMAP_MODES = ("auto", "shared", "copy")
 SHARE_SCOPES = ("node", "world")
 #: the port where the processes sharing a fetch meet, unless ``share_fetch_address`` says
 SHARE_PORT = 29651
+#: the longest ``share_fetch_timeout``, in seconds (a year): a longer one cannot be waited for
+#: (Python's and torch's time spans overflow)
+MAX_SHARE_TIMEOUT = 365 * 24 * 3600.0
 
 #: what each key means, for the error that lists them
 KEYS = {
@@ -237,10 +240,14 @@ def _share_options(extra_config: Mapping[str, object], weights: object) -> dict[
             f"{peers!r}"
         )
     timeout = extra_config.get("share_fetch_timeout", 300.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= MAX_SHARE_TIMEOUT
+    ):
         raise RequestError(
             "--model-loader-extra-config: 'share_fetch_timeout' must be a positive number of "
-            f"seconds, got {timeout!r}"
+            f"seconds, at most {MAX_SHARE_TIMEOUT:g} (a year), got {timeout!r}"
         )
     node = extra_config.get("share_fetch_node")
     if node is not None and (not isinstance(node, str) or not node):

@@ -72,8 +72,9 @@ def share_group(options: VllmLoadOptions, url: str) -> SharedGroup | None:
             "loading it"
         )
         return None
-    # the peers meet per scope and URL: a reload of another URL is another share
-    return join(rdv, f"{options.share_fetch}:{url}", what="share_fetch")
+    # the peers meet per scope, whatever URL each was given: one given another URL stops every
+    # peer at once ([version-mismatch]) rather than wait at a rendezvous of its own
+    return join(rdv, options.share_fetch, what="share_fetch", source=url)
 
 
 __all__ = ["rendezvous_of", "share_group"]
