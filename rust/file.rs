@@ -66,10 +66,6 @@ enum Backing {
     Remote(crate::store::Object),
 }
 
-/// Bytes after the header length that the first request for an object's header also asks for:
-/// one round trip reads the whole header of nearly every checkpoint.
-pub const REMOTE_PREFIX: u64 = 256 << 10;
-
 /// An open, validated safetensors file.
 #[derive(Debug)]
 pub struct SafetensorsFile {
@@ -222,29 +218,25 @@ impl SafetensorsFile {
         })
     }
 
-    /// Opens an object in object storage: its first bytes are read (the 8-byte header length
-    /// and, in the same request, up to [`REMOTE_PREFIX`] bytes after it), the length checked
-    /// against the cap and the object's size before the header's buffer is allocated, the rest of
-    /// a longer header read, then the header validated as a file's. Nothing else is read until a
-    /// copy asks for its byte ranges.
+    /// Opens an object in object storage with two ranged GETs: the 8-byte header length, checked
+    /// against the cap and the object's size before the header's buffer is allocated, then
+    /// exactly the header, validated as a file's. Nothing else is read until a copy asks for its
+    /// byte ranges, so the bytes fetched from the store are the checkpoint's once (a read of more
+    /// than the header here would fetch tensor bytes the copies fetch again, and on every rank of
+    /// a collective load bytes that rank never reads).
     #[cfg(feature = "store")]
     pub fn open_object(object: crate::store::Object) -> Result<Self> {
         let len = object.size();
-        let first = len.min(LEN_PREFIX + REMOTE_PREFIX) as usize;
-        let mut prefix = vec![0u8; first];
-        object.read_into(&mut prefix, 0)?;
-        let head = first.min(LEN_PREFIX as usize);
-        let n = read_header_len(&prefix, len).map_err(|e| sniff::explain(e, &prefix[..head]))?;
-        let end = (LEN_PREFIX + n) as usize;
-        let header = if end <= prefix.len() {
-            parse_header(&prefix[LEN_PREFIX as usize..end], len)?
-        } else {
-            let mut json = vec![0u8; n as usize];
-            let have = prefix.len() - LEN_PREFIX as usize;
-            json[..have].copy_from_slice(&prefix[LEN_PREFIX as usize..]);
-            object.read_into(&mut json[have..], prefix.len() as u64)?;
-            parse_header(&json, len)?
-        };
+        let head = len.min(LEN_PREFIX) as usize;
+        let mut prefix = [0u8; LEN_PREFIX as usize];
+        object.read_into(&mut prefix[..head], 0)?;
+        let n = read_header_len(&prefix[..head], len)
+            .map_err(|e| sniff::explain(e, &prefix[..head]))?;
+        let mut json = vec![0u8; n as usize];
+        if n > 0 {
+            object.read_into(&mut json, LEN_PREFIX)?;
+        }
+        let header = parse_header(&json, len)?;
         Ok(SafetensorsFile {
             path: PathBuf::from(object.url()),
             len,

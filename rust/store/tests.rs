@@ -158,6 +158,21 @@ fn a_missing_object_is_not_found_and_a_truncated_one_fails_its_header_check() {
 }
 
 #[test]
+fn an_object_of_a_header_alone_or_of_an_empty_header_is_judged_by_its_header() {
+    // the open reads the length, then exactly the header: nothing past it is asked for, and an
+    // empty header asks for no bytes at all (its error is the header's, not the store's)
+    let store = memory_store();
+    let (header_only, _) = build_header(&[], None).unwrap();
+    put(&store, "empty-model.safetensors", header_only);
+    let file = SafetensorsFile::open_object(store.open("empty-model.safetensors").unwrap());
+    assert!(file.unwrap().header().tensors().is_empty());
+    put(&store, "no-header.safetensors", vec![0u8; 8]);
+    let err =
+        SafetensorsFile::open_object(store.open("no-header.safetensors").unwrap()).unwrap_err();
+    assert!(!err.rule().starts_with("store-"), "{}", err.rule());
+}
+
+#[test]
 fn an_object_replaced_after_it_was_opened_is_not_read() {
     let store = memory_store();
     put(&store, "m.safetensors", sample(100));

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,9 @@ def _like_transformers(model: torch.nn.Module, directory: Path) -> bool:
     rank: names, DTensor placements and meshes, local shards, forwards (test_dtensor_tp's
     comparison), and the same logits; also under fastload's patch of transformers."""
     import transformers
+
+    hf_tests = str(Path(__file__).resolve().parents[1] / "hf")  # test_dtensor_tp's folder: on a
+    sys.path += [] if hf_tests in sys.path else [hf_tests]  # rank's path if tests/hf was collected
     from test_dtensor_tp import _assert_like_transformers
     from tiny_models import example_inputs
 

@@ -208,7 +208,8 @@ def test_each_peer_fetches_about_its_share_and_gets_every_tensor_as_stored(
         assert g["fetched"] <= sent[i] < g["fetched"] + (1 << 20), (g, sent)
     # the tensors fetched once in all, each peer about 1/N of them (chunks of at most 16 MiB,
     # dealt by bytes); counted outside fastload, each peer's share plus the shards' headers
-    # (the open's first read of each file, 256 KiB) and its requests' HTTP headers
+    # (the open reads each file's length, then exactly its header) and its requests' HTTP
+    # headers
     assert sum(g["fetched"] for g in got) == size  # type: ignore[index]
     for share in sent:
         assert share < size / n + (2 << 20), (sent, size)

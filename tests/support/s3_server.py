@@ -200,7 +200,9 @@ class FaultProxy:
     closes) the next ``times`` connections once ``after`` bytes of responses went through each
     (``times=-1``: every connection). ``sent`` counts the response bytes it forwarded,
     ``sent_to`` the same per client process (found from outside: the process holding the
-    client's end of the connection, :func:`client_pid`), and ``faults`` the faults it made."""
+    client's end of the connection, :func:`client_pid`), ``requests`` each request's ``(method,
+    path, first byte, last byte or None)`` as it was asked (no ``Range``: ``(0, None)``), and
+    ``faults`` the faults it made."""
 
     def __init__(self, port: int) -> None:
         self.upstream = port
@@ -213,6 +215,7 @@ class FaultProxy:
         self.stall_seconds = 0.0
         self.sent = 0
         self.sent_to: dict[int | None, int] = {}
+        self.requests: list[tuple[str, str, int, int | None]] = []
         self.faults = 0
         self.closed = False
         self._hold: tuple[str, str, float] | None = None
@@ -237,26 +240,33 @@ class FaultProxy:
         self.arm("pass", after=0, times=0)
 
     def hold(self, first: str, second: str, timeout: float = 20) -> None:
-        """Holds the first data request (a ranged GET past byte 0) for a key containing
-        ``first`` until one for a key containing ``second`` arrives, at most ``timeout``
-        seconds; ``overlapped`` then says whether it did. A client reading the two one after
-        the other cannot make it True."""
+        """Holds the first data request (a ranged GET past the header's two requests, which
+        start at bytes 0 and 8) for a key containing ``first`` until one for a key containing
+        ``second`` arrives, at most ``timeout`` seconds; ``overlapped`` then says whether it
+        did. A client reading the two one after the other cannot make it True."""
         self._hold, self.overlapped = (first, second, timeout), None
         self._second.clear()
 
     def _request(self, data: bytes) -> None:
-        if not data.startswith(b"GET "):
-            return
+        method = data.split(b" ", 1)[0]
+        if method not in (b"GET", b"HEAD", b"PUT", b"POST", b"DELETE"):
+            return  # the rest of a request's body, not a request
         path = data.split(b" ", 2)[1].decode("latin-1")
         lower = data.lower()
         at = lower.find(b"range: bytes=")
-        start = int(lower[at + 13 :].split(b"-", 1)[0]) if at >= 0 else 0
+        low, _, high = lower[at + 13 :].split(b"\r\n", 1)[0].partition(b"-")
+        start = int(low) if at >= 0 else 0
+        end = int(high) if at >= 0 and high.strip() else None
+        with self.lock:
+            self.requests.append((method.decode("latin-1"), path, start, end))
+        if method != b"GET":
+            return
         if self.on_get is not None:
             self.on_get(path, start)
         if self._hold is None:
             return
         first, second, timeout = self._hold
-        if start == 0:
+        if start <= 8:  # the header's length (at 0) or the header (at 8)
             return
         if second in path:
             self._second.set()
