@@ -176,8 +176,9 @@ def _dtypes(pipe: Any) -> dict[str, set[torch.dtype]]:
         {"variant": "fp16", "torch_dtype": torch.float16},
         {"variant": "fp16"},
         {"torch_dtype": {"unet": torch.float16, "default": torch.float32}},
+        {"dtype": torch.float16},  # diffusers 0.40's new name for torch_dtype
     ],
-    ids=["default", "fp16", "fp16-variant", "fp16-variant-as-stored", "per-component"],
+    ids=["default", "fp16", "fp16-variant", "fp16-variant-as-stored", "per-component", "dtype"],
 )
 def test_a_pipeline_loads_under_the_patch_as_diffusers_loads_it(
     saved: Path, kw: dict[str, Any], caplog: pytest.LogCaptureFixture
@@ -187,9 +188,10 @@ def test_a_pipeline_loads_under_the_patch_as_diffusers_loads_it(
     assert not fastload.diffusers_patched()
     _same(ours, theirs)
     assert _dtypes(ours) == _dtypes(theirs)
-    if isinstance(kw.get("torch_dtype"), torch.dtype):
-        assert all(d == {kw["torch_dtype"]} for d in _dtypes(ours).values())
-    if isinstance(kw.get("torch_dtype"), dict):
+    asked = kw.get("dtype", kw.get("torch_dtype"))
+    if isinstance(asked, torch.dtype):
+        assert all(d == {asked} for d in _dtypes(ours).values())
+    if isinstance(asked, dict):
         assert _dtypes(ours)["unet"] == {torch.float16}
         assert _dtypes(ours)["vae"] == {torch.float32}
     # every model component was read by fastload: the two diffusers models by the diffusers
