@@ -17,6 +17,9 @@ clock). Methods, timed from ``safe_open`` to the last page touched:
 * ``floor: parallel read``: 8 threads ``pread`` the file's data in 16 MiB blocks into reused
   buffers (``fastload.tools.bench.loaders.parallel_read``): the disk's floor cold, a copy out of
   the page cache warm;
+* ``floor: read into new memory``: the same reads into one newly allocated tensor of the data's
+  size: the floor of a loader that returns tensors in their own memory (the kernel faults the new
+  pages in as they are written);
 * ``floor: map+touch``: map the file and read one byte per 4 KiB page of its data: the floor of a
   loader that hands out views of the mapping, warm.
 
@@ -46,7 +49,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checkout import use_this_checkout  # noqa: E402
 
-METHODS = ["floor: parallel read", "floor: map+touch", "safetensors", "fastload"]
+METHODS = [
+    "floor: parallel read",
+    "floor: read into new memory",
+    "floor: map+touch",
+    "safetensors",
+    "fastload",
+]
 MODES = ["warm", "cold"]
 FLOOR = "floor: parallel read"
 GIB = 1 << 30
@@ -120,12 +129,45 @@ def run_one(method: str, path: Path) -> dict[str, Any]:
         out["tensors"] = len(sd)
     elif method == "floor: parallel read":
         parallel_read(path)
+    elif method == "floor: read into new memory":
+        _touch([read_into_new_memory(path)])
     elif method == "floor: map+touch":
         _touch(_map_and_touch(path))
     else:
         raise SystemExit(f"unknown method {method!r}")
     out["seconds"] = time.perf_counter() - t0
     out["imported_in_clock"] = sorted(set(sys.modules) - before)
+    return out
+
+
+def read_into_new_memory(path: Path, threads: int = 8, block: int = 16 << 20) -> Any:
+    """``parallel_read``'s reads, into one new uint8 tensor of the file's data size."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from fastload.core.reads.reading import open_file
+
+    opened = open_file(path)
+    start, size = opened.data_start, opened.file_size
+    out = torch.empty(size - start, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+
+        def worker(i: int) -> int:
+            done = 0
+            for offset in range(start + i * block, size, threads * block):
+                at = offset - start
+                done += os.preadv(fd, [view[at : at + min(block, size - offset)]], offset)
+            return done
+
+        with ThreadPoolExecutor(threads) as pool:
+            total = sum(pool.map(worker, range(threads)))
+    finally:
+        os.close(fd)
+    if total != size - start:
+        raise RuntimeError(f"{path}: read {total} of {size - start} bytes")
     return out
 
 
