@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server
-from spawn_ranks import free_port, leave_group, run_ranks
+from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks
 
 import fastload
 from fastload.distributed.object_reads import deal_objects
@@ -43,8 +42,10 @@ CONFIG = {
     "num_key_value_heads": 4,
     "vocab_size": 16384,
 }
-#: no retries, short timeouts: a fault is an error at once, never a wait
-QUICK = {"max_retries": "0", "connect_timeout": "2s", "timeout": "20s"}
+#: no retries (a fault is an error at once, and no range is counted twice at the proxies), and no
+#: time limit a busy machine can reach: every fault here is refused at once (a closed port, a
+#: wrong key, another revision) or ends a rank, never a slow response
+PATIENT = {"max_retries": "0", "connect_timeout": "60s", "timeout": "600s"}
 
 
 def _options(endpoint: str, secret: str = SECRET_KEY) -> dict[str, str]:
@@ -53,7 +54,7 @@ def _options(endpoint: str, secret: str = SECRET_KEY) -> dict[str, str]:
         "aws_region": REGION,
         "aws_access_key_id": ACCESS_KEY,
         "aws_secret_access_key": secret,
-        **QUICK,
+        **PATIENT,
     }
 
 
@@ -65,21 +66,8 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    for key in [k for k in os.environ if k.startswith("AWS_")]:
-        del os.environ[key]
-    os.environ.update(
-        AWS_SHARED_CREDENTIALS_FILE="/nonexistent/credentials",
-        AWS_CONFIG_FILE="/nonexistent/config",
-        FASTLOAD_DISABLE_PROGRESS_BARS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
-    # the backstop of a hang: a collective call waits at most this long
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2)
-    )
+    # the backstop of a hang: a collective call waits at most TIMEOUT_S // 2
+    init_store_rank(rank, world, port, TIMEOUT_S // 2)
 
 
 def _load(kind: str, url: str, options: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server
-from spawn_ranks import free_port, leave_group, run_ranks
+from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks
 from torch import nn
 
 import fastload
@@ -140,27 +138,15 @@ def _digests(model: nn.Module) -> dict[str, str]:
 
 
 def _rank(rank: int, world: int, port: int, root: str, url: str, endpoints: list[str]) -> None:
-    for key in [k for k in os.environ if k.startswith("AWS_")]:
-        del os.environ[key]
-    os.environ.update(
-        AWS_SHARED_CREDENTIALS_FILE="/nonexistent/credentials",
-        AWS_CONFIG_FILE="/nonexistent/config",
-        FASTLOAD_DISABLE_PROGRESS_BARS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=TIMEOUT_S // 2)
-    )
+    init_store_rank(rank, world, port, TIMEOUT_S // 2)
     options = {
         "aws_endpoint": endpoints[rank],
         "aws_region": REGION,
         "aws_access_key_id": ACCESS_KEY,
         "aws_secret_access_key": SECRET_KEY,
-        "max_retries": "0",
-        "timeout": "20s",
+        "max_retries": "0",  # a range retried would be counted twice at the proxy
+        "connect_timeout": "60s",  # no limit a busy machine reaches
+        "timeout": "600s",
     }
     out: dict[str, Any] = {}
     try:

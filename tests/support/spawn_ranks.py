@@ -105,3 +105,30 @@ def leave_group() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def init_store_rank(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """A spawned rank of a collective load from the tests' S3 server: none of the machine's AWS
+    configuration (the test's storage_options give the credentials), no progress bars, one torch
+    thread, and a gloo group on loopback whose collective calls wait at most ``timeout_s`` (the
+    backstop of a hang)."""
+    import os
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    for key in [k for k in os.environ if k.startswith("AWS_")]:
+        del os.environ[key]
+    os.environ.update(
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent/credentials",
+        AWS_CONFIG_FILE="/nonexistent/config",
+        FASTLOAD_DISABLE_PROGRESS_BARS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
