@@ -142,32 +142,14 @@ def run_one(method: str, path: Path) -> dict[str, Any]:
 
 def read_into_new_memory(path: Path, threads: int = 8, block: int = 16 << 20) -> Any:
     """``parallel_read``'s reads, into one new uint8 tensor of the file's data size."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     from fastload.core.reads.reading import open_file
+    from fastload.tools.bench.loaders import parallel_read
 
     opened = open_file(path)
-    start, size = opened.data_start, opened.file_size
-    out = torch.empty(size - start, dtype=torch.uint8)
-    view = memoryview(out.numpy())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-
-        def worker(i: int) -> int:
-            done = 0
-            for offset in range(start + i * block, size, threads * block):
-                at = offset - start
-                done += os.preadv(fd, [view[at : at + min(block, size - offset)]], offset)
-            return done
-
-        with ThreadPoolExecutor(threads) as pool:
-            total = sum(pool.map(worker, range(threads)))
-    finally:
-        os.close(fd)
-    if total != size - start:
-        raise RuntimeError(f"{path}: read {total} of {size - start} bytes")
+    out = torch.empty(opened.file_size - opened.data_start, dtype=torch.uint8)
+    parallel_read(path, threads, block, into=memoryview(out.numpy()))
     return out
 
 

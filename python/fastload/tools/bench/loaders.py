@@ -116,16 +116,22 @@ def _map_and_touch(path: Path) -> list[Any]:
     return [torch.empty(0, dtype=torch.uint8).set_(storage, start, (size - start,))]
 
 
-def parallel_read(path: Path, threads: int = 8, block: int = 16 << 20) -> list[Any]:
+def parallel_read(
+    path: Path, threads: int = 8, block: int = 16 << 20, into: memoryview | None = None
+) -> list[Any]:
+    """Reads the file's data section with ``threads`` positioned reads of ``block`` bytes at
+    once: into per-thread buffers used again and again (the read floor), or into ``into``, as
+    many bytes as the data section (the floor of reading into memory of one's own)."""
     start, size = _data_range(path)
     fd = os.open(path, os.O_RDONLY)
-    buffers = [bytearray(block) for _ in range(threads)]
+    buffers = [bytearray(block) for _ in range(threads)] if into is None else []
     try:
 
         def worker(i: int) -> int:
-            view, done = memoryview(buffers[i]), 0
+            view, done = (memoryview(buffers[i]) if into is None else into), 0
             for offset in range(start + i * block, size, threads * block):
-                done += os.preadv(fd, [view[: min(block, size - offset)]], offset)
+                at = 0 if into is None else offset - start
+                done += os.preadv(fd, [view[at : at + min(block, size - offset)]], offset)
             return done
 
         with ThreadPoolExecutor(threads) as pool:
