@@ -21,6 +21,7 @@ from torch import nn
 
 import fastload
 from fastload.core.checkpoint import files as checkpoint
+from fastload.core.checkpoint import opened as opening
 
 MODES = [
     {"read_mode": "pread"},
@@ -68,7 +69,7 @@ def directory(tmp_path: Path) -> Path:
 @pytest.fixture
 def publish_after_first_shard(monkeypatch: pytest.MonkeyPatch, directory: Path) -> Iterator[None]:
     """Publishes the other version (single file) right after the load opens its first file."""
-    real = checkpoint._open_file
+    real = opening._open_file
     published = []
 
     def open_then_publish(location: Any, path: Path, read_mode: str) -> Any:
@@ -78,7 +79,7 @@ def publish_after_first_shard(monkeypatch: pytest.MonkeyPatch, directory: Path) 
             _save(directory, SINGLE)
         return opened
 
-    monkeypatch.setattr(checkpoint, "_open_file", open_then_publish)
+    monkeypatch.setattr(opening, "_open_file", open_then_publish)
     yield
     assert published, "the load never opened a file"
 
