@@ -704,6 +704,7 @@ def test_vllm_serve_exits_on_a_truncated_shard_naming_file_and_tensor(
 def test_the_vllm_processes_run_this_checkouts_fastload(tmp_path: Path) -> None:
     # vLLM finds fastload through its entry point in each process it starts: entry point and
     # code must be this checkout's, whichever clone used the vLLM venv last
+    sys.path.insert(0, str(Path(__file__).parents[1] / "project"))  # where test_checkout lives
     from test_checkout import (
         test_a_process_the_tests_start_runs_this_checkouts_fastload_and_entry_points as check,
     )
