@@ -67,7 +67,7 @@ from fastload.core.plan.target import Target
 from fastload.core.reads.allocation import Fill, allocate
 from fastload.core.reads.offload import dispatch_offloaded, offloaded_names
 from fastload.core.reads.reading import fill_checkpoint
-from fastload.core.reads.session import PartWarmUp, SessionPart, read_ahead
+from fastload.core.reads.session import PartWarmUp, SessionPart, part_of
 from fastload.core.store.source import open_source
 
 logger = logging.getLogger("fastload")
@@ -217,7 +217,9 @@ def _open(
     # it, and a load that must own more is refused before it allocates (fastload.core.memory.budget)
     budget = memory_budget()
     # a load in a session (loads read together) reads ahead with it (fastload.core.reads.session)
-    warm_up, part = read_ahead(ckpt.files, options.mmap, views, budget, alone=group is not None)
+    part = part_of(ckpt.files, alone=group is not None)
+    warm = WarmUp if part is None else part.warm
+    warm_up = warm(ckpt.files, options.mmap, views=views, budget=budget)
     return _Opened(ckpt, group, want, stored, budget, warm_up, part)
 
 

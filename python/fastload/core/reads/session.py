@@ -38,7 +38,7 @@ from fastload.core.basics.progress import bar_wanted, open_bar
 from fastload.core.memory.budget import MemoryBudget, memory_budget
 from fastload.core.memory.sharing import WARM_PIECE, SharedMapping, WarmUp, file_sharing
 
-__all__ = ["LoadSession", "PartWarmUp", "SessionPart", "current_session", "read_ahead"]
+__all__ = ["LoadSession", "PartWarmUp", "SessionPart", "current_session", "part_of"]
 
 _CURRENT: contextvars.ContextVar[LoadSession | None] = contextvars.ContextVar(
     "fastload_load_session", default=None
@@ -60,18 +60,11 @@ def _key(file: object) -> _Key | None:
     return None if identity is None else (*identity, file.file_size)
 
 
-def read_ahead(
-    files: Sequence[object], mmap: str, views: bool, budget: MemoryBudget, *, alone: bool = False
-) -> tuple[WarmUp | PartWarmUp, SessionPart | None]:
-    """The read-ahead of a load of ``files`` (its checkpoint's, opened) and its part in the
-    session of its context: the session's read-ahead for the files it holds, a
-    :class:`~fastload.core.memory.sharing.WarmUp` for the others (all of them outside a session,
-    or ``alone``: a load whose ranks read together)."""
+def part_of(files: Sequence[object], *, alone: bool = False) -> SessionPart | None:
+    """The part of a load of ``files`` (its checkpoint's, opened) in the session of its context;
+    ``None`` outside a session, or ``alone`` (a load whose ranks read together)."""
     session = current_session()
-    if session is None or alone:
-        return WarmUp(files, mmap, views=views, budget=budget), None
-    part = session.part(files)
-    return part.warm(files, mmap, views=views, budget=budget), part
+    return None if session is None or alone else session.part(files)
 
 
 class _Ahead:
