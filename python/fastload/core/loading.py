@@ -67,6 +67,7 @@ from fastload.core.plan.target import Target
 from fastload.core.reads.allocation import Fill, allocate
 from fastload.core.reads.offload import dispatch_offloaded, offloaded_names
 from fastload.core.reads.reading import fill_checkpoint
+from fastload.core.reads.session import PartWarmUp, SessionPart, part_of
 from fastload.core.store.source import open_source
 
 logger = logging.getLogger("fastload")
@@ -84,7 +85,8 @@ class _Opened:
     want: torch.dtype | None
     stored: torch.dtype | None
     budget: MemoryBudget
-    warm_up: WarmUp
+    warm_up: WarmUp | PartWarmUp
+    part: SessionPart | None  # in a session: this load's part
 
     @property
     def source(self) -> str:
@@ -214,8 +216,11 @@ def _open(
     # what this process may still make resident (its cgroup's limit): read-ahead stays within
     # it, and a load that must own more is refused before it allocates (fastload.core.memory.budget)
     budget = memory_budget()
-    warm_up = WarmUp(ckpt.files, options.mmap, views=views, budget=budget)
-    return _Opened(ckpt, group, want, stored, budget, warm_up)
+    # a load in a session (loads read together) reads ahead with it (fastload.core.reads.session)
+    part = part_of(ckpt.files, alone=group is not None)
+    warm = WarmUp if part is None else part.warm
+    warm_up = warm(ckpt.files, options.mmap, views=views, budget=budget)
+    return _Opened(ckpt, group, want, stored, budget, warm_up, part)
 
 
 def _skeleton(target: Target, opened: _Opened) -> nn.Module:
@@ -292,8 +297,9 @@ def _read_phase(
         report.bytes_received = exchange.received_bytes
         report.rank, report.world_size = group.rank, group.world_size
     else:
+        progress = options.progress if opened.part is None else opened.part.progress
         report.bytes_written = fill_checkpoint(
-            opened.ckpt, by_file, threads=options.threads, progress=options.progress, pool=pool
+            opened.ckpt, by_file, threads=options.threads, progress=progress, pool=pool
         )
     report.staging_bytes = pool.peak_bytes
     report.bytes_staged_direct = pool.direct_bytes

@@ -2,7 +2,8 @@
 
 :func:`patch_diffusers` replaces ``diffusers.ModelMixin.from_pretrained``; every model class (a
 UNet, a VAE, a diffusion transformer, and so a pipeline's model components) then loads through
-:func:`fastload.diffusion.front.load_diffusers`. It also installs
+:func:`fastload.diffusion.front.load_diffusers`; ``DiffusionPipeline.from_pretrained`` reads the
+components' files in one pass (:mod:`fastload.diffusion.pipeline`). It also installs
 :func:`fastload.patch_transformers` (a pipeline's text encoders are transformers models), and
 undoes it with the patch if it installed it. A call fastload does not serve identically goes
 whole to diffusers' own implementation, with one warning saying why: a quantization config,
@@ -36,6 +37,7 @@ from fastload.core.basics.errors import (
 )
 from fastload.core.plan.load_options import OPTION_NAMES, split_load_options
 from fastload.core.plan.report import LoadReport
+from fastload.diffusion import pipeline
 from fastload.hf.patch import Patch
 
 __all__ = [
@@ -91,6 +93,7 @@ def patch_diffusers() -> Patch:
             return Patch(installed=False, undo=unpatch_diffusers)
         _original = ModelMixin.__dict__["from_pretrained"]
         ModelMixin.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]
+        pipeline.install()  # a pipeline's components read in one pass
     try:
         from fastload.hf.patch import patch_transformers
 
@@ -111,6 +114,7 @@ def unpatch_diffusers() -> None:
             return
         ModelMixin.from_pretrained = _original  # type: ignore[method-assign]
         _original = None
+        pipeline.uninstall()
     if _transformers_installed:
         from fastload.hf.patch import unpatch_transformers
 

@@ -56,6 +56,21 @@ def byte_progress(total: int, enabled: bool, desc: str = "fastload") -> Iterator
     if not bar_wanted(total, enabled):
         yield _core.Progress()
         return
+    bar = open_bar(total, desc)
+    size = bar.fastload_unit
+
+    def advance(done: int) -> None:
+        bar.update(done / size - bar.n)
+
+    counter = _core.Progress(advance)
+    with bar:
+        yield counter
+        advance(counter.done)
+
+
+def open_bar(total: int, desc: str = "fastload") -> Any:
+    """A tqdm bar over ``total`` bytes, counting in a binary unit (its size in bytes is the bar's
+    ``fastload_unit``): advance it by ``nbytes / bar.fastload_unit``."""
     from tqdm.auto import tqdm
 
     unit, size = binary_unit(total)
@@ -70,11 +85,5 @@ def byte_progress(total: int, enabled: bool, desc: str = "fastload") -> Iterator
         + unit
         + " [{elapsed}<{remaining}, {rate_fmt}]",
     )
-
-    def advance(done: int) -> None:
-        bar.update(done / size - bar.n)
-
-    counter = _core.Progress(advance)
-    with bar:
-        yield counter
-        advance(counter.done)
+    bar.fastload_unit = size
+    return bar

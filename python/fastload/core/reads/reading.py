@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -299,17 +300,20 @@ def fill_checkpoint(
     by_file: dict[int, list[Any]],
     *,
     threads: int | None,
-    progress: bool,
+    progress: bool | Callable[[int], AbstractContextManager[_core.Progress]],
     pool: StagingPool,
 ) -> int:
     """Fills ``by_file`` (file index -> its :class:`~fastload.core.reads.allocation.Fill` items):
     one copy call per file (all its tensors at once, so the engine parallelises across them),
     or one for every file of a checkpoint in object storage (the shards read in parallel with
     each other); the progress bar advances per copied piece (:mod:`fastload.core.basics.progress`);
-    accelerator destinations of every file share ``pool``, released at the end."""
+    accelerator destinations of every file share ``pool``, released at the end. ``progress``:
+    whether to draw a bar of the load's own, or what gives the counter of the copies from their
+    total bytes (a session's bar, :mod:`fastload.core.reads.session`)."""
     total = sum(f.tensor.numel() * f.tensor.element_size() for fs in by_file.values() for f in fs)
     work = [(ckpt.files[index], by_file[index]) for index in sorted(by_file)]
-    with byte_progress(total, progress) as counter:
+    bar = progress(total) if callable(progress) else byte_progress(total, progress)
+    with bar as counter:
         try:
             if any(object_store.is_remote(file) for file, _ in work):
                 # one copy for every file: the shards' requests in parallel with each other

@@ -1,0 +1,315 @@
+"""Loads that belong together: one read-ahead over all their files, one progress bar.
+
+A caller that makes several loads in a row (the models of one bundle, loaded one after another
+by a library the caller does not control) opens a :class:`LoadSession` over every file those
+loads will read and makes the loads inside it (``with session:``). The session:
+
+* reads ahead every file from the start, in the order given (the order the loads come), in one
+  helper thread: the disk works on the third model while the first one's skeleton is built.
+  Within the read-ahead room of the memory budget
+  (:meth:`~fastload.core.memory.budget.MemoryBudget.read_ahead_room`): the files that fit, in
+  order, and none past the first that does not (its load then reads ahead what fits itself, as a
+  load alone does);
+* draws one progress bar over the bytes of all the files, which the read-ahead and every load's
+  copies advance (a load inside a session draws no bar of its own).
+
+Each load finds the session of its context (:func:`current_session`, a context variable: loads in
+other threads are not part of it) when it opens its checkpoint and takes its part
+(:meth:`LoadSession.part`): the mappings the session made of its files, already read (or being
+read) and mapped, from which its views come (:class:`~fastload.core.memory.sharing.SharedMapping`,
+the same as a load's own read-ahead makes), a warm-up of its own for files the session does not
+hold, and its share of the bar. A file is matched by identity (device, inode and size), so a file
+replaced since the session opened it is read by the load as usual.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from fastload import _core
+from fastload.core.basics.errors import FastloadError
+from fastload.core.basics.progress import bar_wanted, open_bar
+from fastload.core.memory.budget import MemoryBudget, memory_budget
+from fastload.core.memory.sharing import WARM_PIECE, SharedMapping, WarmUp, file_sharing
+
+__all__ = ["LoadSession", "PartWarmUp", "SessionPart", "current_session", "part_of"]
+
+_CURRENT: contextvars.ContextVar[LoadSession | None] = contextvars.ContextVar(
+    "fastload_load_session", default=None
+)
+
+#: ``(device, inode, size)`` of a file
+_Key = tuple[int, int, int]
+
+
+def current_session() -> LoadSession | None:
+    """The session the loads of this context belong to (``None``: each load on its own)."""
+    return _CURRENT.get()
+
+
+def _key(file: object) -> _Key | None:
+    if not isinstance(file, _core.SafetensorsFile) or file.remote:
+        return None
+    identity = file.identity()
+    return None if identity is None else (*identity, file.file_size)
+
+
+def part_of(files: Sequence[object], *, alone: bool = False) -> SessionPart | None:
+    """The part of a load of ``files`` (its checkpoint's, opened) in the session of its context;
+    ``None`` outside a session, or ``alone`` (a load whose ranks read together)."""
+    session = current_session()
+    return None if session is None or alone else session.part(files)
+
+
+class _Ahead:
+    """One file the session reads ahead: its mapping, cut into pieces that the helper thread
+    and the load of the file claim (a file mostly not cached is one piece, read by parallel
+    threads; a cached one is mapped in :data:`WARM_PIECE` pieces)."""
+
+    def __init__(self, mapping: SharedMapping) -> None:
+        self.mapping = mapping
+        self.nbytes = mapping.file.file_size - mapping.file.data_start
+        self._lock = threading.Lock()
+        self._pieces: list[tuple[int, int, bool]] | None = None
+        self._claims = itertools.count()
+        self._done = 0
+        self._finished = threading.Condition(self._lock)
+        self.error: FastloadError | None = None
+        self.mapped = 0
+
+    def _list(self) -> list[tuple[int, int, bool]]:
+        with self._lock:
+            if self._pieces is None:
+                file = self.mapping.file
+                start, stop = file.data_start, file.file_size
+                if file.mostly_uncached():
+                    self._pieces = [(start, stop, True)]
+                else:
+                    cuts = [
+                        start,
+                        *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
+                    ]
+                    ends = [*cuts[1:], stop]
+                    self._pieces = [(a, b, False) for a, b in zip(cuts, ends, strict=True)]
+            return self._pieces
+
+    def work(self, advance: Callable[[int], None], stop: threading.Event | None = None) -> None:
+        """Claims and maps pieces of the file until none is left (or ``stop`` is set)."""
+        pieces = self._list()
+        for i in self._claims:
+            if i >= len(pieces) or (stop is not None and stop.is_set()):
+                return
+            start, end, cold = pieces[i]
+            try:
+                if self.error is None:
+                    n = self.mapping.map_all() if cold else self.mapping.map_span(start, end)
+                    self.mapped += n
+                    advance(end - start)
+            except FastloadError as e:
+                self.error = e
+            finally:
+                with self._lock:
+                    self._done += 1
+                    self._finished.notify_all()
+
+    def wait(self, advance: Callable[[int], None]) -> None:
+        """Helps map the pieces left, waits until all are mapped; raises what went wrong."""
+        self.work(advance)
+        pieces = self._list()
+        with self._lock:
+            self._finished.wait_for(lambda: self._done >= len(pieces))
+        if self.error is not None:
+            raise self.error
+
+
+class LoadSession:
+    """Loads that belong together, over the safetensors files at ``paths`` (in the order the
+    loads read them): one read-ahead of them all, within the memory budget, and one progress
+    bar (``progress``: drawn when :func:`~fastload.core.basics.progress.bar_wanted` says so;
+    ``desc``: its label). ``mmap`` decides which files may be mapped
+    (:func:`~fastload.core.memory.sharing.file_sharing`). Files that cannot be opened are left to
+    their loads, which report them. Use it as a context manager around the loads."""
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        *,
+        mmap: str = "auto",
+        progress: bool = True,
+        desc: str = "fastload",
+        budget: MemoryBudget | None = None,
+    ) -> None:
+        self.budget = budget or memory_budget()
+        files: dict[_Key, _core.SafetensorsFile] = {}
+        for path in paths:
+            try:
+                file = _core.SafetensorsFile(os.fspath(path), "pread")
+            except (OSError, ValueError):
+                continue
+            key = _key(file)
+            if key is not None:
+                files.setdefault(key, file)
+        #: bytes of tensor data of every file, and those the bar shows as done, per file
+        self.sizes = {k: f.file_size - f.data_start for k, f in files.items()}
+        self._shown: dict[_Key, int] = dict.fromkeys(files, 0)
+        room = self.budget.read_ahead_room()
+        self._ahead: dict[_Key, _Ahead] = {}
+        for key, file in files.items():
+            if room is not None and self.sizes[key] > room:
+                break  # the rest in the order of the loads: each load reads ahead what fits
+            if not file_sharing(file, mmap)[0]:
+                continue
+            self._ahead[key] = _Ahead(SharedMapping(file))
+            room = None if room is None else room - self.sizes[key]
+        self.total = sum(self.sizes.values())
+        self._lock = threading.Lock()
+        self._bar: Any = open_bar(self.total, desc) if bar_wanted(self.total, progress) else None
+        self._unit = 1
+        if self._bar is not None:
+            self._unit = self._bar.fastload_unit
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._token: contextvars.Token[LoadSession | None] | None = None
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the session draws its progress bar."""
+        return self._bar is not None
+
+    @property
+    def read_ahead(self) -> list[str]:
+        """The paths of the files the session reads ahead."""
+        return [a.mapping.path for a in self._ahead.values()]
+
+    def __enter__(self) -> LoadSession:
+        self._token = _CURRENT.set(self)
+        if self._ahead:
+            self._thread = threading.Thread(
+                target=self._run, name="fastload-session-read-ahead", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _CURRENT.reset(self._token)
+            self._token = None
+        self._stop.set()  # the pieces under way finish; a file no load took is left
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._ahead.clear()  # mappings no view holds are unmapped
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def _run(self) -> None:
+        for key, ahead in list(self._ahead.items()):
+            if self._stop.is_set():
+                return
+            ahead.work(lambda n, key=key: self._advance(key, n), self._stop)
+
+    def _advance(self, key: _Key, nbytes: int) -> None:
+        """Moves the bar by ``nbytes`` of file ``key`` (never past the file's size)."""
+        with self._lock:
+            step = max(0, min(nbytes, self.sizes[key] - self._shown[key]))
+            self._shown[key] += step
+            if step and self._bar is not None:
+                self._bar.update(step / self._unit)
+
+    def part(self, files: Sequence[object]) -> SessionPart:
+        """The part of one load that reads ``files`` (its checkpoint's opened files)."""
+        return SessionPart(self, [_key(f) for f in files])
+
+
+class SessionPart:
+    """One load's part in a :class:`LoadSession`: the mappings of its files the session holds,
+    the warm-up of its files it does not hold, and its share of the progress bar."""
+
+    def __init__(self, session: LoadSession, keys: list[_Key | None]) -> None:
+        self.session = session
+        self.keys = keys
+        self.held = {i: session._ahead[k] for i, k in enumerate(keys) if k in session._ahead}
+        self.warm_up: WarmUp | None = None
+
+    def warm(
+        self, files: Sequence[object], mmap: str, *, views: bool, budget: MemoryBudget
+    ) -> PartWarmUp:
+        """The load's read-ahead: the session's for the files it holds, the load's own (a
+        :class:`~fastload.core.memory.sharing.WarmUp`) for the others."""
+        rest = [i for i in range(len(files)) if i not in self.held]
+        own = WarmUp([files[i] for i in rest], mmap, views=views, budget=budget)
+        return PartWarmUp(self, own, rest)
+
+    def _advance(self, index: int, nbytes: int) -> None:
+        key = self.keys[index]
+        if key is not None and key in self.session.sizes:
+            self.session._advance(key, nbytes)
+
+    @contextmanager
+    def progress(self, total: int) -> Iterator[_core.Progress]:
+        """The counter of the load's copies of ``total`` bytes: it moves the session's bar over
+        the load's files not read ahead, in proportion (the session's bar is drawn or not for
+        all its loads)."""
+        session = self.session
+        with session._lock:
+            left = {
+                k: session.sizes[k] - session._shown[k]
+                for k in set(self.keys)
+                if k is not None and k in session.sizes and k not in session._ahead
+            }
+        shown = [0]
+
+        def advance(done: int) -> None:
+            fraction = min(1.0, done / total) if total else 1.0
+            target = int(sum(left.values()) * fraction)
+            step, shown[0] = target - shown[0], target
+            for key, n in left.items():  # spread over the files, in order
+                if step <= 0:
+                    break
+                take = min(step, n)
+                session._advance(key, take)
+                left[key] -= take
+                step -= take
+
+        counter = _core.Progress(advance)
+        yield counter
+        advance(counter.done)
+
+    def done(self) -> None:
+        """The load is over: its files count as done on the bar; the session lets go of their
+        mappings (their views keep them)."""
+        session = self.session
+        for key in set(self.keys):
+            if key is not None and key in session.sizes:
+                session._advance(key, session.sizes[key])
+                session._ahead.pop(key, None)
+
+
+class PartWarmUp:
+    """The read-ahead of one load in a session, as the load uses a
+    :class:`~fastload.core.memory.sharing.WarmUp`: ``mappings`` by file index, ``join``,
+    ``mapped``."""
+
+    def __init__(self, part: SessionPart, own: WarmUp, rest: list[int]) -> None:
+        self.part, self.own = part, own
+        self.mappings = {i: a.mapping for i, a in part.held.items()}
+        self.mappings.update({rest[j]: m for j, m in own.mappings.items()})
+
+    @property
+    def mapped(self) -> int:
+        return self.own.mapped + sum(a.mapped for a in self.part.held.values())
+
+    def join(self) -> None:
+        try:
+            self.own.join()
+        finally:
+            for i, ahead in self.part.held.items():
+                ahead.wait(lambda n, i=i: self.part._advance(i, n))
+        self.part.done()
