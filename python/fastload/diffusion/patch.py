@@ -37,7 +37,7 @@ from fastload.core.basics.errors import (
 )
 from fastload.core.plan.load_options import OPTION_NAMES, split_load_options
 from fastload.core.plan.report import LoadReport
-from fastload.diffusion import pipeline
+from fastload.diffusion import pipeline, reads
 from fastload.hf.patch import Patch
 
 __all__ = [
@@ -94,6 +94,7 @@ def patch_diffusers() -> Patch:
         _original = ModelMixin.__dict__["from_pretrained"]
         ModelMixin.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]
         pipeline.install()  # a pipeline's components read in one pass
+        reads.install()  # adapter and single-file reads
     try:
         from fastload.hf.patch import patch_transformers
 
@@ -115,6 +116,7 @@ def unpatch_diffusers() -> None:
         ModelMixin.from_pretrained = _original  # type: ignore[method-assign]
         _original = None
         pipeline.uninstall()
+        reads.uninstall()
     if _transformers_installed:
         from fastload.hf.patch import unpatch_transformers
 
