@@ -20,7 +20,9 @@ from fastload import _core
 from fastload.core.basics.dtypes import conversion_dtype, parse_dtype, to_torch, torch_shape
 from fastload.core.basics.errors import RequestError
 from fastload.core.basics.redaction import redact
+from fastload.core.basics.threads import check_threads
 from fastload.core.devices.checks import DeviceArg, parse_device
+from fastload.core.memory.sharing import check_mmap_mode
 from fastload.core.memory.staging import StagingPool
 from fastload.core.reads.reading import (
     FillItem,
@@ -32,6 +34,7 @@ from fastload.core.reads.reading import (
     resolve_read_mode,
 )
 from fastload.safetensors.slices import SafeSlice
+from fastload.safetensors.views import FileViews, stamp_of, views_for
 
 
 def _float_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -48,6 +51,12 @@ class SafeOpen:
     collective: every rank of the group makes the same calls in the same order, each reads about
     1/N of the bytes from storage and receives the rest (:mod:`fastload.distributed.collective`);
     the headers of the ranks' files are compared on open. ``get_slice`` reads on each rank alone.
+
+    On the CPU, ``get_tensor`` of a whole tensor in its stored dtype gives a copy-on-write view of
+    the file where ``from_pretrained`` would (``mmap="auto"``: a local filesystem; ``"shared"``:
+    any; ``"copy"``: never), as ``safetensors.safe_open`` does, and reads a cold file ahead in
+    parallel (:mod:`fastload.safetensors.views`); an explicit ``read_mode``/``backend`` asks
+    for copies read that way.
 
     A handle may be shared between threads. Its reads to an accelerator go through its one staging
     pool and take turns there, one at a time (for reads in parallel: one :meth:`get_tensors` or
@@ -66,8 +75,10 @@ class SafeOpen:
         staging_bytes: int | str | None = None,
         process_group: Any = None,
         storage_options: Mapping[str, object] | None = None,
+        mmap: str = "auto",
     ) -> None:
         self.path = os.fspath(path)
+        check_mmap_mode(mmap)
         self.device = parse_device(device, where=self.path)
         mode = resolve_read_mode(read_mode, backend)
 
@@ -84,7 +95,13 @@ class SafeOpen:
             )
         else:
             self._file = opener()
-        self.threads = threads
+        self.threads = check_threads(threads, self.path)
+        fd = self._file.fileno() if self._file is not None else None
+        # the file as opened, for the views' check that it was not rewritten in place since
+        self._stamp = stamp_of(fd) if fd is not None else None
+        # views of the file for get_tensor, made on first use (None: copies)
+        self._mmap = "copy" if (read_mode, backend) != (None, None) else mmap
+        self._views: FileViews | None | bool = False
         # One staging pool for the handle's lifetime: get_tensor calls to a GPU reuse its pinned
         # buffers instead of pinning new ones per tensor. Allocated on first use, freed on close.
         self.staging = StagingPool.sized(staging_bytes)
@@ -137,6 +154,14 @@ class SafeOpen:
             self.fill([(name, out, None)])
             target = parse_device(device, where=self.path) if device is not None else self.device
             return out.to(device=target, dtype=parse_dtype(dtype) if dtype is not None else None)
+        target = parse_device(device, where=self.path) if device is not None else self.device
+        if target.type == "cpu" and self._mmap != "copy":
+            if self._views is False:
+                self._views = views_for(self.file, self._mmap, self._stamp)
+            if isinstance(self._views, FileViews):
+                view = self._views.view(name, parse_dtype(dtype) if dtype is not None else None)
+                if view is not None:
+                    return view
         return read_tensor(
             self.file,
             name,
@@ -187,6 +212,7 @@ class SafeOpen:
 
     def close(self) -> None:
         self._file = None
+        self._views = None  # the views handed out keep their mapping alive
         self.staging.release()
 
     def __enter__(self) -> SafeOpen:
@@ -216,6 +242,7 @@ def safe_open(
     staging_bytes: int | str | None = None,
     process_group: Any = None,
     storage_options: Mapping[str, object] | None = None,
+    mmap: str = "auto",
 ) -> SafeOpen:
     """``safetensors.safe_open`` for torch (``framework="pt"``).
 
@@ -232,6 +259,9 @@ def safe_open(
     the tensor's bytes with parallel ranged GETs into its destination. ``storage_options``
     configures the store (endpoint, region, credentials, timeouts, retries; see
     :mod:`fastload.core.store.store_config`).
+
+    ``mmap``: whether ``get_tensor`` to the CPU in the stored dtype gives views of the file
+    (``"auto"``: on a local filesystem, ``"shared"``, ``"copy"``); see :class:`SafeOpen`.
     """
     if framework not in ("pt", "torch"):
         raise RequestError(f"fastload only produces torch tensors; framework={framework!r}")
@@ -245,6 +275,7 @@ def safe_open(
         staging_bytes=staging_bytes,
         process_group=process_group,
         storage_options=storage_options,
+        mmap=mmap,
     )
 
 
