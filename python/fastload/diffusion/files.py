@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fastload.core.basics.errors import CheckpointError, FastloadIOError, UnsupportedError
+from fastload.core.store.object_store import ObjectUrl
 from fastload.hf import hub as hubmod
 
 __all__ = ["CONFIG_NAME", "SINGLE", "INDEX", "PICKLE", "ModelFiles", "add_variant", "resolve"]
@@ -50,10 +51,12 @@ LEGACY_MESSAGE = (
 class ModelFiles:
     """A diffusers model found: the ``folder`` with its ``config.json`` (the subfolder joined),
     the ``weights`` the core loader reads (a file or a sharded index) and whether they are
-    ``sharded`` (diffusers renames legacy attention keys only in a single file)."""
+    ``sharded`` (diffusers renames legacy attention keys only in a single file). From object
+    storage (:mod:`fastload.diffusion.remote`), ``weights`` is the URL the core streams them from
+    and ``folder`` the temporary directory ``config.json`` was fetched into."""
 
     folder: Path
-    weights: Path
+    weights: Path | ObjectUrl
     sharded: bool
 
 

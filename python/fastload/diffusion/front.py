@@ -34,6 +34,7 @@ from fastload.core.plan.target import Target
 from fastload.diffusion import files as filesmod
 from fastload.diffusion.hooks import DiffusersHooks
 from fastload.diffusion.options import split_options
+from fastload.diffusion.remote import located
 from fastload.distributed.steps import RANK_STEPS
 from fastload.reloading.record import Remember
 from fastload.training.gradient_checkpointing import gradient_checkpointing_enable
@@ -70,7 +71,9 @@ def load_diffusers(
             "load the folder"
         )
     if path is None:
-        raise RequestError(f"{cls.__name__}: from_pretrained needs a directory or a model id")
+        raise RequestError(
+            f"{cls.__name__}: from_pretrained needs a directory, a model id or a URL"
+        )
     if config is not None and not isinstance(config, Mapping):
         raise RequestError(f"config must be a diffusers config dict, got {type(config).__name__}")
     kwargs = dict(kwargs)
@@ -78,23 +81,17 @@ def load_diffusers(
     options = LoadOptions.create("from_pretrained", **given).with_defaults(**opts.core)
     if not set(_POLICIES) & set(given):
         options = dataclasses.replace(options, missing="init", unexpected="ignore")
-    found = filesmod.resolve(
-        path,
-        hub=opts.hub,
-        subfolder=opts.subfolder,
-        variant=opts.variant,
-        use_safetensors=opts.use_safetensors,
-        allow_pickle=options.allow_pickle,
-    )
-    cls, cfg, unused = _config(cls, found.folder, config, kwargs)
+    # a local folder or model id, or a URL (fastload.diffusion.remote): its config read here
+    with located(path, options, opts) as found:
+        cls, cfg, unused = _config(cls, found.files.folder, config, kwargs)
     hooks = DiffusersHooks(
-        name_or_path=path,
-        sharded=found.sharded,
+        name_or_path=found.name,
+        sharded=found.files.sharded,
         warn=not set(_POLICIES) & set(given),
     )
-    target = Target(build=_builder(cls, cfg, unused, found.folder), hooks=hooks)
+    target = Target(build=_builder(cls, cfg, unused, found.shown), hooks=hooks)
     seconds = {"resolve": time.perf_counter() - start}
-    return load(target, found.weights, options, steps=LOAD_STEPS, seconds=seconds)
+    return load(target, found.files.weights, found.options, steps=LOAD_STEPS, seconds=seconds)
 
 
 def _config(

@@ -37,7 +37,8 @@ from fastload.core.basics.errors import (
 )
 from fastload.core.plan.load_options import OPTION_NAMES, split_load_options
 from fastload.core.plan.report import LoadReport
-from fastload.diffusion import pipeline, reads
+from fastload.diffusion import pipeline, reads, remote_pipeline
+from fastload.diffusion.remote import is_remote
 from fastload.hf.patch import Patch
 
 __all__ = [
@@ -94,6 +95,9 @@ def patch_diffusers() -> Patch:
         _original = ModelMixin.__dict__["from_pretrained"]
         ModelMixin.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment]
         pipeline.install()  # a pipeline's components read in one pass
+        # a pipeline from a URL (fastload.diffusion.remote_pipeline): outside the one pass, which
+        # it calls on the folder standing for the URL
+        remote_pipeline.install()
         reads.install()  # adapter and single-file reads
     try:
         from fastload.hf.patch import patch_transformers
@@ -115,6 +119,7 @@ def unpatch_diffusers() -> None:
             return
         ModelMixin.from_pretrained = _original  # type: ignore[method-assign]
         _original = None
+        remote_pipeline.uninstall()  # the outer one first
         pipeline.uninstall()
         reads.uninstall()
     if _transformers_installed:
@@ -150,7 +155,8 @@ def _not_served(cls: type, name: Any, kwargs: dict[str, Any]) -> str | None:
     device_map = kwargs.get("device_map")
     if device_map is not None and _one_device(device_map) is None:
         return f"device_map={device_map!r} (fastload serves one device under the patch)"
-    fastload_only = sorted(set(kwargs) & set(OPTION_NAMES) - set(_SHARED))
+    shared = set(_SHARED) | ({"storage_options"} if is_remote(name) else set())
+    fastload_only = sorted(set(kwargs) & set(OPTION_NAMES) - shared)
     if fastload_only:  # to diffusers, a config or __init__ argument
         return f"{fastload_only[0]}= (not an option of diffusers)"
     return None
@@ -178,6 +184,8 @@ def _files_served(cls: type, name: Any, kwargs: dict[str, Any]) -> str | None:
     from fastload.diffusion import files as filesmod
     from fastload.diffusion.options import split_options
 
+    if is_remote(name):  # read from object storage: what is not served is said by the load
+        return None
     try:
         opts = split_options({k: v for k, v in kwargs.items() if k in _FILE_OPTIONS})
         found = filesmod.resolve(
@@ -240,6 +248,8 @@ def _from_pretrained(cls: type, pretrained_model_name_or_path: Any, **kwargs: An
             if not info:
                 return model
             return model, _loading_info(report)
+    if is_remote(name):  # diffusers' own loader cannot read object storage
+        raise UnsupportedError(f"{cls.__name__}.from_pretrained({name!r}): {reason}")
     logger.warning(
         "fastload: %s.from_pretrained(%r) is left to diffusers: %s", cls.__name__, name, reason
     )

@@ -50,6 +50,7 @@ from fastload.hf.hooks import TransformersHooks, family_hooks
 from fastload.hf.initialize import build_contexts
 from fastload.hf.options import split_options
 from fastload.hf.quantized import Quantization, quantization_for, read_method
+from fastload.hf.remote_folders import lookup as lookup_remote
 from fastload.reloading.record import Remember
 from fastload.training.gradient_checkpointing import (
     drop_legacy_config_key,
@@ -103,6 +104,13 @@ def load_hf(
     elif path is None:
         raise RequestError("from_pretrained needs a model id or path (or config= and state_dict=)")
 
+    # a folder of a pipeline read from object storage stands for its URL
+    # (fastload.hf.remote_folders)
+    remote = lookup_remote(path)
+    if remote is not None:
+        path = remote.url
+        if options.storage_options is None:
+            options = dataclasses.replace(options, storage_options=remote.storage_options)
     resolved = None
     # a checkpoint in object storage: its config files are fetched into a directory of their
     # own, removed once the load is over (its generation config is read at the end)

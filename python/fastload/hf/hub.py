@@ -16,7 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -275,12 +275,16 @@ def resolve_remote(
     variant: str | None = None,
     use_safetensors: bool | None = None,
     storage_options: Any = None,
+    weights: Sequence[str] = (),
+    side_files: Sequence[str] = ("config.json", "generation_config.json"),
 ) -> Resolved:
-    """A checkpoint in object storage (``s3://bucket/prefix/`` ...): its ``config.json`` and
-    ``generation_config.json`` (those that exist) fetched into ``destination``, and the URL the
-    core loader reads the weights from (:mod:`fastload.core.store.object_store`). ``subfolder`` and
-    ``variant`` are names under the prefix, checked as for a model id; ``revision`` and pickle
-    weights (``use_safetensors=False``) are refused."""
+    """A checkpoint in object storage (``s3://bucket/prefix/`` ...): its ``side_files`` (those
+    that exist) fetched into ``destination``, and the URL the core loader reads the weights from
+    (:mod:`fastload.core.store.object_store`). ``subfolder`` and ``variant`` are names under the
+    prefix, checked as for a model id; ``revision`` and pickle weights (``use_safetensors=False``)
+    are refused. ``weights``: the names the weights may have under the prefix, the first that
+    exists taken (another library's names, :mod:`fastload.diffusion`); by default a variant's
+    ``model.<variant>.safetensors`` or its index, else whatever the core finds there."""
     from fastload.core.store.object_store import SCHEMES, fetch_files, open_store
 
     # a URL's path is percent-decoded and its dot segments resolved: "%2e%2e" is ".."
@@ -300,23 +304,23 @@ def resolve_remote(
     if subfolder:
         _check_inside(base, url, subfolder, storage_options)
     if base.endswith(".safetensors") or base.endswith(".index.json"):  # the weights themselves
-        prefix, weights = base.rsplit("/", 1)[0] + "/", base
+        prefix, url_of_weights = base.rsplit("/", 1)[0] + "/", base
     else:
-        prefix, weights = base.rstrip("/") + "/", base.rstrip("/") + "/"
-        if variant:
-            store = open_store(prefix, storage_options)
+        prefix, url_of_weights = base.rstrip("/") + "/", base.rstrip("/") + "/"
+        names = list(weights)
+        if variant and not names:
             names = [_variant(SINGLE_FILE, variant), _variant(INDEX_FILE, variant)]
-            found = [n for n in names if store.head(f"{store.key.rstrip('/')}/{n}") is not None]
-            if not found:
+        if names:
+            store = open_store(prefix, storage_options)
+            key = store.key.rstrip("/")
+            found = next(
+                (n for n in names if store.head(f"{key}/{n}" if key else n) is not None), None
+            )
+            if found is None:
                 raise CheckpointError(f"{prefix}: no {' or '.join(names)} there")
-            weights = prefix + found[0]
-    fetch_files(
-        prefix,
-        ["config.json", "generation_config.json"],
-        destination,
-        storage_options=storage_options,
-    )
-    return Resolved(destination, weights)
+            url_of_weights = prefix + found
+    fetch_files(prefix, list(side_files), destination, storage_options=storage_options)
+    return Resolved(destination, url_of_weights)
 
 
 def _check_inside(base: str, url: str, subfolder: str, storage_options: Any) -> None:

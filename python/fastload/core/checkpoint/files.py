@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import posixpath
+import re
 import stat
 import weakref
 from dataclasses import dataclass, field
@@ -154,6 +155,16 @@ def resolve(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Chec
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def is_index_name(name: str) -> bool:
+    """Whether the file ``name`` names is a sharded checkpoint's index: ``*.index.json``, or a
+    variant's index named with the variant before the last suffix
+    (``model.safetensors.index.fp16.json``)."""
+    return name.endswith(".index.json") or bool(_VARIANT_INDEX.search(name))
+
+
+_VARIANT_INDEX = re.compile(r"\.index\.[^./\\]+\.json$")
+
+
 def _resolve_once(p: Path, allow_pickle: bool) -> CheckpointFiles:
     try:
         st = os.stat(p)
@@ -161,7 +172,7 @@ def _resolve_once(p: Path, allow_pickle: bool) -> CheckpointFiles:
         raise from_os_error(e, p) from None
     requested = (p, allow_pickle)
     if stat.S_ISREG(st.st_mode):
-        if p.name.endswith(".index.json"):
+        if is_index_name(p.name):
             handle = DirHandle(p.parent)
             name = p.name
             return _in_handle(handle, lambda: _resolve_index(handle, name, allow_pickle, requested))

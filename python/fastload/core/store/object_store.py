@@ -42,7 +42,13 @@ from fastload.core.basics.errors import (
     RequestError,
 )
 from fastload.core.checkpoint import new_files
-from fastload.core.checkpoint.files import INDEX_FILE, SINGLE_FILE, CheckpointFiles, parse_index
+from fastload.core.checkpoint.files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointFiles,
+    is_index_name,
+    parse_index,
+)
 from fastload.core.checkpoint.opened import OpenCheckpoint, build_table
 from fastload.core.checkpoint.pickle_file import is_pickle
 from fastload.core.checkpoint.side_files import DEFAULT_PATTERNS, WEIGHT_PATTERNS
@@ -123,7 +129,7 @@ def resolve(
     found = store.head(key) if key and not url.endswith("/") else None
     if found is not None:
         _refuse_pickle(url, key)
-        if key.endswith(".index.json"):
+        if is_index_name(key):
             return _resolve_index(store, key, found[0])
         prefix = posixpath.dirname(key)
         location = CheckpointFiles(
