@@ -1,16 +1,22 @@
-"""The runner of transformers' own tests (scripts/transformers_suite.py) judges by outcomes: a
-test that passes unpatched must pass patched."""
+"""The runners of transformers' and diffusers' own tests (scripts/transformers_suite.py,
+scripts/diffusers_suite.py, sharing scripts/patched_suite.py) judge by outcomes: a test that
+passes unpatched must pass patched; they count the loads the patch served from its log."""
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import sys
+import tarfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "transformers_suite.py"
-_spec = importlib.util.spec_from_file_location("transformers_suite", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-suite = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(suite)
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the runners import patched_suite from beside them
+
+import diffusers_suite  # noqa: E402
+import patched_suite as suite  # noqa: E402
+import transformers_suite  # noqa: E402
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest">
@@ -41,3 +47,36 @@ def test_a_test_passing_unpatched_that_fails_skips_or_vanishes_patched_is_a_regr
 
 def test_failures_in_both_runs_are_not_regressions() -> None:
     assert suite.regressions_of({"a": "failed", "b": "skipped"}, {"a": "failed"}) == []
+
+
+def test_served_and_left_loads_are_counted_from_the_patchs_log_records(tmp_path: Path) -> None:
+    records = tmp_path / "r.records"
+    records.write_text(
+        "INFO     fastload:patch.py:231 fastload served UNet2DModel.from_pretrained('/t/a')\n"
+        "WARNING  fastload:patch.py:237 fastload: UNet2DModel.from_pretrained('/t/b') is left "
+        "to diffusers: low_cpu_mem_usage=False\n"
+        "INFO     fastload:patch.py:161 fastload served BertModel.from_pretrained('/t/c')\n"
+        "WARNING  diffusers:x.py:1 something else is left to chance\n"
+    )
+    assert suite.served(records) == (2, 1)
+    assert suite.served(tmp_path / "absent.records") == (0, 0)
+
+
+@pytest.mark.parametrize("runner", [transformers_suite, diffusers_suite])
+def test_an_unknown_family_is_refused_by_name(
+    runner: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        runner.main(["--tests", "t", "--shim", "s", "--families", "nonesuch"])  # type: ignore[attr-defined]
+    assert "nonesuch" in capsys.readouterr().err
+
+
+def test_every_diffusers_family_is_in_the_shared_tests() -> None:
+    shared = Path(os.environ.get("FASTLOAD_SHARED", SCRIPTS.parent.parent / "shared"))
+    archive = shared / "diffusers-tests" / "diffusers-tests.tgz"
+    if not archive.is_file():
+        pytest.skip(f"{archive} is not there")
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for family, target in diffusers_suite.FAMILIES.items():
+        assert target in names, family
