@@ -42,3 +42,15 @@ build_ext() {
         sh "$extras" "${flags[@]}") >&2
     use_checkout
 }
+
+# side_venv NAME: the path of a second venv beside the main one, ${FASTLOAD_VENV}-NAME (made once),
+# whose own packages (pins a suite needs) come first and the main venv's after them, through a
+# .pth (torch is not installed twice); fastload itself is this checkout's (PYTHONPATH).
+side_venv() {
+    local venv="${FASTLOAD_VENV}-$1" main_site side_site
+    main_site="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    side_site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "import site; site.addsitedir('$main_site')" > "$side_site/zz_fastload_main_venv.pth"
+    echo "$venv"
+}

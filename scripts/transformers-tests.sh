@@ -14,14 +14,7 @@ if [ ! -f "$SHARED/transformers-tests.tgz" ]; then
 fi
 use_checkout  # fastload from this checkout, also in the suite's venv (through PYTHONPATH)
 python -c "import fastload._core" 2>/dev/null || build_ext release
-MAIN_SITE="$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-TFT_VENV="${FASTLOAD_VENV}-tft"
-if [ ! -x "$TFT_VENV/bin/python" ]; then
-    python3 -m venv "$TFT_VENV"
-fi
-TFT_SITE="$("$TFT_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-# the main venv's packages after the second venv's own (fastload itself: this checkout's, PYTHONPATH)
-echo "import site; site.addsitedir('$MAIN_SITE')" > "$TFT_SITE/zz_fastload_main_venv.pth"
+TFT_VENV="$(side_venv tft)"  # the suite's pins first, then the main venv's packages
 "$TFT_VENV/bin/python" -c "import pytest, parameterized, pytest_order, timeout_decorator, sentencepiece; assert pytest.__version__.startswith('8.4')" 2>/dev/null \
     || "$TFT_VENV/bin/pip" install -q "pytest==8.4.2" parameterized pytest-timeout pytest-env pytest-order timeout-decorator rich sentencepiece
 WORK="$(mktemp -d)"

@@ -63,24 +63,33 @@ def load_diffusers(
     ``given`` are the fastload options the caller passed
     (:class:`~fastload.core.plan.load_options.LoadOptions`), ``kwargs`` diffusers' options
     (:mod:`fastload.diffusion.options`) and config overrides. ``config``: a config dict to
-    build the model from instead of the folder's ``config.json``."""
+    build the model from instead of the folder's ``config.json``; ``state_dict`` (with
+    ``config`` and no ``path``): the tensors to load instead of files, copied into the model's
+    own tensors (allocated once, converted as diffusers converts a file's)."""
     start = time.perf_counter()
+    if config is not None and not isinstance(config, Mapping):
+        raise RequestError(f"config must be a diffusers config dict, got {type(config).__name__}")
     if state_dict is not None:
-        raise RequestError(
-            f"{cls.__name__}: state_dict= is not served for diffusers models; save it and "
-            "load the folder"
-        )
-    if path is None:
+        if path is not None:
+            raise RequestError(f"{cls.__name__}: pass either a path or state_dict=, not both")
+        if config is None:
+            raise RequestError(f"{cls.__name__}: state_dict= needs config= to build the model")
+    elif path is None:
         raise RequestError(
             f"{cls.__name__}: from_pretrained needs a directory, a model id or a URL"
         )
-    if config is not None and not isinstance(config, Mapping):
-        raise RequestError(f"config must be a diffusers config dict, got {type(config).__name__}")
     kwargs = dict(kwargs)
     opts = split_options(kwargs)
     options = LoadOptions.create("from_pretrained", **given).with_defaults(**opts.core)
     if not set(_POLICIES) & set(given):
         options = dataclasses.replace(options, missing="init", unexpected="ignore")
+    if state_dict is not None:  # the model built from config=, its tensors from the dict
+        cls, cfg, unused = _config(cls, None, config, kwargs)
+        warn = not set(_POLICIES) & set(given)
+        hooks = DiffusersHooks(name_or_path=None, sharded=False, warn=warn)
+        target = Target(build=_builder(cls, cfg, unused, None), hooks=hooks)
+        seconds = {"resolve": time.perf_counter() - start}
+        return load(target, state_dict, options, steps=LOAD_STEPS, seconds=seconds)
     # a local folder or model id, or a URL (fastload.diffusion.remote): its config read here
     with located(path, options, opts) as found:
         cls, cfg, unused = _config(cls, found.files.folder, config, kwargs)
@@ -157,7 +166,7 @@ def _bad_config(cls: type, folder: Any) -> CheckpointError:
     assert error is not None
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     error_class = also_as(CheckpointError, error)
+    where = "config=" if folder is None else folder / filesmod.CONFIG_NAME
     return error_class(
-        f"{folder / filesmod.CONFIG_NAME}: {cls.__name__} cannot be built from this config "
-        f"({type(error).__name__}: {text})"
+        f"{where}: {cls.__name__} cannot be built from this config ({type(error).__name__}: {text})"
     )

@@ -85,7 +85,8 @@ class DiffusersHooks(ModelHooks):
     """Names, dtype rules and finishing of a diffusers ``ModelMixin``.
 
     ``name_or_path``: what the caller named the model with, as given (registered as the
-    config's ``_name_or_path``, as diffusers registers it, and named in the warnings);
+    config's ``_name_or_path``, as diffusers registers it, and named in the warnings; ``None``:
+    loaded from a state dict, nothing registered);
     ``sharded``: the checkpoint is a sharded one (diffusers renames deprecated attention keys in
     single files only); ``warn``: say what
     is missing, unused or re-initialized in diffusers' words, on diffusers' logger."""
@@ -119,10 +120,12 @@ class DiffusersHooks(ModelHooks):
         report: LoadReport,
     ) -> None:
         register = getattr(model, "register_to_config", None)
-        if built_here and register is not None:
+        # from state_dict= (no name): the config stays as from_config built it
+        if built_here and register is not None and self.name_or_path is not None:
             register(_name_or_path=self.name_or_path)
         if self.warn:
-            warn_like_diffusers(model, self.name_or_path, report)
+            name = "state_dict" if self.name_or_path is None else self.name_or_path
+            warn_like_diffusers(model, name, report)
 
 
 def warn_like_diffusers(model: nn.Module, name_or_path: Any, report: LoadReport) -> None:
