@@ -20,10 +20,10 @@ LOADERS: dict[str, str] = {
     "floor(map+touch)": "zero-copy floor: map the file and read one byte per 4 KiB page of its "
     "data (no load that hands out memory of its own can reach it; fastload's default warm load "
     "is measured against it too)",
-    "floor(parallel read)": "cold floor: 8 threads pread the data in 16 MiB blocks into reused "
-    "buffers (the disk's bandwidth)",
-    "floor(read into fresh memory)": "warm floor: 8 threads pread the data in 16 MiB blocks into "
-    "one new buffer of its size (one copy of the bytes into memory never written before)",
+    "floor(parallel read)": "the floor of both modes: 8 threads pread the data in 16 MiB blocks "
+    "into reused buffers (one copy of the bytes: from the disk cold, from the page cache warm)",
+    "floor(read into fresh memory)": "the same reads into one new buffer of the data's size (one "
+    "copy into memory never written before, which a load that copies pays too)",
     "floor(skeleton+map+touch)": "the warm floor plus what every loader that builds the model "
     "pays: config read and the model's constructors on the meta device",
     "floor(fresh f32 memory)": "conversion floor: allocate the bf16 checkpoint's bytes twice over "
@@ -53,9 +53,9 @@ FLOORS = (
 )
 #: Rows only the bf16 checkpoint gets (they produce float32 from it).
 CONVERSIONS = ("floor(fresh f32 memory)", "transformers(bf16->f32)", "fastload(bf16->f32)")
-#: The loader each mode's ratios are taken against: a floor a load of the bytes can reach (warm:
-#: one copy of them into fresh memory, cold: one read of them from the disk).
-FLOOR_OF_MODE = {"warm": "floor(read into fresh memory)", "cold": "floor(parallel read)"}
+#: The loader each mode's ratios are taken against: a floor a load can reach, one copy of the bytes
+#: (cold: from the disk, warm: from the page cache).
+FLOOR_OF_MODE = {"warm": "floor(parallel read)", "cold": "floor(parallel read)"}
 #: The floor of a warm load that copies nothing (fastload's default: views of the mapping),
 #: given beside the mode's floor for that row only.
 ZERO_COPY_FLOOR = "floor(map+touch)"

@@ -11,8 +11,8 @@ Modes: ``warm`` evicts each file and reads it once with ``read()`` before the se
 cache as a previous reader leaves it: the folio sizes, which decide how fast a mapping is
 populated, are the same for every loader), then reads it again before every run; ``cold`` evicts
 the files first (``fsync`` + ``posix_fadvise(DONTNEED)``). The floor of each mode is measured in
-the same run: one copy of the bytes into fresh memory (warm: what a load that hands out memory of
-its own pays), a parallel read of them (cold). Each row gets its ratio to its mode's floor and to
+the same run: one copy of the bytes, a parallel read (from the page cache warm, the disk cold;
+into fresh memory: a row of its own). Each row gets its ratio to its mode's floor and to
 the fastest peer; fastload's default warm load (views of the mapping, no copy) also to the
 zero-copy floor of mapping and touching the file. Results: ``--out/llama-<size>GiB.{json,md,png}``.
 """
