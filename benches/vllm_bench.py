@@ -218,9 +218,12 @@ def run_format(
     mode: str,
     timeout: float = 1800,
     set_cache: bool = True,
+    poll: bool = True,
 ) -> dict[str, Any]:
     """One engine start with load format ``name`` from a ``mode`` ("cold"/"warm") page cache
-    (set here unless ``set_cache`` is false: the caller did, e.g. an object store's files)."""
+    (set here unless ``set_cache`` is false: the caller did, e.g. an object store's files).
+    ``poll`` false: the engine's memory is not read while it runs (``peak_rss``/``peak_pss``
+    then absent; the peak in the load is the kernel's high-water mark either way)."""
     script = Path(tempfile.mkdtemp()) / "serve.py"
     script.write_text(_CHILD)
     env = os.environ.copy()
@@ -239,7 +242,7 @@ def run_format(
     peak = {"rss": 0, "pss": 0}
     done = threading.Event()
 
-    def poll() -> None:
+    def watch() -> None:
         while not done.is_set():
             m = _smaps(proc.pid)
             for k in peak:
@@ -249,8 +252,9 @@ def run_format(
             # 15-25% against floors measured without it); the peak RSS is the kernel's VmHWM
             time.sleep(POLL_SECONDS)
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    poller = threading.Thread(target=watch, daemon=True)
+    if poll:
+        poller.start()
     result: dict[str, Any] = {"format": name, "mode": mode}
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -275,10 +279,12 @@ def run_format(
     finally:
         timer.cancel()
         done.set()
-        poller.join()
+        if poll:
+            poller.join()
         proc.kill()
         proc.wait()
-    result["peak_rss"], result["peak_pss"] = peak["rss"], peak["pss"]
+    if poll:
+        result["peak_rss"], result["peak_pss"] = peak["rss"], peak["pss"]
     if "tokens" not in result:
         log.seek(0)
         text = log.read()

@@ -2,7 +2,8 @@
 ``runai_streamer`` (an ``s3://`` model), beside the transport floor.
 
     bash scripts/vllm-env.sh   # once: the vLLM environment (prints its python)
-    ~/.cache/fastload/vllm-venv/bin/python benches/vllm_s3_bench.py [--repeats 3] [--out DIR]
+    ~/.cache/fastload/vllm-venv/bin/python benches/vllm_s3_bench.py [--repeats 7] [--out DIR]
+    ~/.cache/fastload/vllm-venv/bin/python benches/vllm_s3_bench.py --render RESULTS.json
 
 The bf16 Llama of ``benches/vllm_bench.py`` (1.1 GiB in several shards, made once under
 --workdir) is put in a local S3-compatible server (s3s-fs on 127.0.0.1, ``bash
@@ -16,13 +17,18 @@ run:
 
 Each from the server's page cache cold (its files evicted just before) and warm. The figures are
 ``benches/vllm_bench.py``'s (the loader's ``load_weights``, vLLM's post-processing, the whole
-``load_model``, memory from the OS). The floor, once per repeat: every byte of the shards fetched
-with 8 MiB ranged GETs, 16 at a time, into one preallocated buffer (fastload's HTTP client, no
-engine, nothing else), with the server's cache warm; twice: into a buffer touched before (the
-transport alone) and into fresh memory (the transport plus the page faults of a first write,
-which any first load pays for the model's memory). With ``--serve``, each run is followed by
-``vllm serve`` of the same format timed from process start to the first token
-(benches/vllm_serve.py). Writes ``vllm-s3-<size>.{json,md}``.
+``load_model``, memory from the OS; the engine's memory not polled while it loads: the peak is
+the kernel's high-water mark). The floor, once per round and server cache state, in a fresh
+process of its own like the loads: every byte of the shards fetched with 8 MiB ranged GETs, 16
+at a time, into one preallocated buffer (fastload's HTTP client, no engine, nothing else); twice:
+into a buffer touched before (the transport alone) and into fresh memory (the transport plus the
+page faults of a first write, which any first load pays for the model's memory). The floors and
+the formats take turns in a round-robin order (each round starts with another), and every load
+is divided by the floor of its own round: the machine's slow and quiet spells fall on both, and
+the table gives the median of those ratios and their spread (lowest-highest) beside the ratio of
+the medians. With ``--serve``, each run is followed by ``vllm serve`` of the same format timed
+from process start to the first token (benches/vllm_serve.py). Writes
+``vllm-s3-<size>.{json,md}``; ``--render`` writes the tables again from such a JSON file.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +94,18 @@ def floor_ranged_gets(url: str, files: list[Path], touched: bool = True) -> floa
     return time.perf_counter() - start
 
 
+def floor_in_process(url: str, model: Path, touched: bool) -> float:
+    """:func:`floor_ranged_gets` in a fresh process, as every load runs (its own client and
+    connections, nothing of this process's heap); the server's address from this environment."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--floor", url, str(model), "touched" if touched else "fresh"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return float(out.split()[-1])
+
+
 def _server_cache(root: Path, mode: str) -> None:
     from fastload.core.memory.page_cache import evict, warm
 
@@ -112,19 +131,24 @@ def markdown(results: dict[str, Any]) -> str:
         f"every byte fetched with {RANGE >> 20} MiB ranged GETs, {PARALLEL} at a time, into "
         "memory touched before (the transport alone), and into fresh memory (the page faults "
         "of a first write too, which a first load pays for the model's memory). "
-        "Cold/warm: the server's page cache.",
+        "Cold/warm: the server's page cache. Each in a fresh process, in turn with the loads.",
         "",
         *(
             f"- {key.replace('fresh_floor', 'fresh-memory floor').replace('_', ', ')}: "
             f"{floors[key]:.2f} s (runs: {runs(key)})"
             for key in sorted(floors)
         ),
+    ]
+    served = [row for row in results["summary"] if row["format"].endswith(SERVED)]
+    lines += _round_ratios(results)
+    lines += [
+        "",
+        "Medians of every run (the ratios here are of the medians):",
         "",
         "| format | server cache | load_weights s | x floor | x fresh-memory floor | post s "
         "| load_model s | engine s | peak RSS in load GiB | RSS after load GiB | runs |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    served = [row for row in results["summary"] if row["format"].endswith(SERVED)]
     for row in results["summary"]:
         if row in served:
             continue
@@ -157,17 +181,66 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_round(results: dict[str, Any], name: str, mode: str, key: str) -> list[float]:
+    """``load_weights`` of format ``name`` from server cache ``mode`` divided by floor ``key``
+    ("floor", "fresh_floor") of the same round, for each round where both were measured."""
+    floors = results["floors"].get(f"{key}_{mode}", [])
+    out = []
+    for r in results["runs"]:
+        repeat, weights = r.get("repeat"), r.get("load_weights_s")
+        if r["format"] == name and r["mode"] == mode and weights and repeat < len(floors):
+            out.append(weights / floors[repeat])
+    return out
+
+
+def _round_ratios(results: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "`load_weights` over the floors of its own round (median, lowest-highest, every round):",
+        "",
+        "| format | server cache | x fresh-memory floor | spread | x floor | spread "
+        "| x fresh-memory floor, each round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in results["summary"]:
+        if row["format"].endswith(SERVED) or not row["ok"]:
+            continue
+        name, mode = row["format"], row["mode"]
+        fresh = per_round(results, name, mode, "fresh_floor")
+        touched = per_round(results, name, mode, "floor")
+        if not fresh or not touched:
+            continue
+        lines.append(
+            f"| {name} | {mode} | {statistics.median(fresh):.2f} "
+            f"| {min(fresh):.2f}-{max(fresh):.2f} | {statistics.median(touched):.2f} "
+            f"| {min(touched):.2f}-{max(touched):.2f} "
+            f"| {', '.join(f'{x:.2f}' for x in fresh)} |"
+        )
+    return lines
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--floor"]:  # a floor in this fresh process (floor_in_process)
+        url, model, state = sys.argv[2:5]
+        print(floor_ranged_gets(url, _shards(Path(model)), touched=state == "touched"))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--workdir", default="/tmp/fastload-vllm-bench")
     parser.add_argument("--out", default="benches/results")
     parser.add_argument("--modes", default="cold,warm")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--formats", default="fastload,runai_streamer")
+    parser.add_argument("--render", help="write the tables again from this results JSON file")
     parser.add_argument(
         "--serve", action="store_true", help="also time `vllm serve` to the first token"
     )
     args = parser.parse_args()
+    if args.render:
+        results = json.loads(Path(args.render).read_text())
+        size = results["model_bytes"]
+        save(Path(args.out), f"vllm-s3-{size / (1 << 30):.1f}GiB", results, markdown(results))
+        return
 
     from s3_server import S3Server
 
@@ -202,19 +275,20 @@ def main() -> None:
         results = describe(model, args.repeats, "vllm_s3_bench.py")
         results.update(floors={}, runs=[])
         size = results["model_bytes"]
-        names = list(formats)
+        names = ["floor", "fresh_floor", *args.formats.split(",")]
         for repeat in range(args.repeats):
-            for mode in args.modes.split(","):
-                for touched, key in ((True, "floor"), (False, "fresh_floor")):
-                    _server_cache(root, mode)
-                    took = floor_ranged_gets(url, _shards(model), touched=touched)
-                    results["floors"].setdefault(f"{key}_{mode}", []).append(took)
-            print(json.dumps({"repeat": repeat, "floors": results["floors"]}), flush=True)
             for name in rotated(names, repeat):
+                if name in ("floor", "fresh_floor"):
+                    for mode in args.modes.split(","):
+                        _server_cache(root, mode)
+                        took = floor_in_process(url, model, touched=name == "floor")
+                        results["floors"].setdefault(f"{name}_{mode}", []).append(took)
+                        print(json.dumps({"repeat": repeat, name: took, "mode": mode}), flush=True)
+                    continue
                 target, kwargs = formats[name]
                 for mode in args.modes.split(","):
                     _server_cache(root, mode)
-                    r = run_format(target, name, kwargs, mode, set_cache=False)
+                    r = run_format(target, name, kwargs, mode, set_cache=False, poll=False)
                     r["repeat"] = repeat
                     print(json.dumps(r), flush=True)
                     results["runs"].append(r)

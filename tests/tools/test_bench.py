@@ -20,7 +20,9 @@ def _row(seconds: float, rss_mib: float = 0.0) -> dict[str, float]:
 
 def test_every_row_gets_its_ratios_to_the_floors_the_fastest_peer_and_transformers() -> None:
     rows = {
-        "floor(map+touch)": _row(0.1),
+        "floor(map+touch)": _row(0.02),
+        "floor(parallel read)": _row(0.1),
+        "floor(read into fresh memory)": _row(0.3),
         "floor(fresh f32 memory)": _row(0.5),
         "safetensors+meta+assign": _row(0.2),
         "transformers": _row(0.4),
@@ -30,7 +32,12 @@ def test_every_row_gets_its_ratios_to_the_floors_the_fastest_peer_and_transforme
     }
     bench._summarize(rows, "warm", nbytes=1 << 30)
     fl = rows["fastload"]
+    # warm: one copy of the bytes (from the page cache); the zero-copy floor only for the default
+    # load (views of the mapping), beside it
     assert fl["x_floor"] == pytest.approx(1.6)
+    assert fl["x_zero_copy_floor"] == pytest.approx(8.0)
+    assert "x_zero_copy_floor" not in rows["safetensors+meta+assign"]
+    assert "x_zero_copy_floor" not in rows["fastload(bf16->f32)"]
     assert fl["fastest_peer"] == "safetensors+meta+assign"
     assert fl["x_fastest_peer"] == pytest.approx(0.8)
     assert fl["speedup_vs_transformers"] == pytest.approx(2.5)
@@ -47,6 +54,7 @@ def test_every_row_gets_its_ratios_to_the_floors_the_fastest_peer_and_transforme
     cold["floor(fresh f32 memory)"] = _row(0.5)
     bench._summarize(cold, "cold", nbytes=1 << 30)
     assert "x_conversion_floor" not in cold["fastload(bf16->f32)"]  # the disk bounds it there
+    assert "x_zero_copy_floor" not in cold["fastload(bf16->f32)"]
     assert cold["fastload(bf16->f32)"]["x_floor"] == pytest.approx(1.5)
 
 
@@ -59,7 +67,14 @@ def test_the_floors_and_conversions_are_known_loaders_and_not_peers() -> None:
 def test_a_tiny_run_measures_the_floors_and_fastload_and_writes_its_results(
     tmp_path: Path,
 ) -> None:
-    loaders = ["floor(map+touch)", "floor(fresh f32 memory)", "fastload", "fastload(bf16->f32)"]
+    loaders = [
+        "floor(map+touch)",
+        "floor(parallel read)",
+        "floor(read into fresh memory)",
+        "floor(fresh f32 memory)",
+        "fastload",
+        "fastload(bf16->f32)",
+    ]
     out = tmp_path / "out"
     results = bench.run(
         0.01, ["bfloat16"], ["warm"], loaders, repeats=1, out=out, workdir=tmp_path / "work"
@@ -70,12 +85,15 @@ def test_a_tiny_run_measures_the_floors_and_fastload_and_writes_its_results(
         assert row["median_seconds"] == row["runs"][0]["seconds"], name
         assert len(row["runs"]) == 1
     assert "x_conversion_floor" in rows["fastload(bf16->f32)"]
+    assert rows["floor(parallel read)"]["x_floor"] == 1.0  # the warm floor too
+    assert "x_zero_copy_floor" in rows["fastload"]
     # each run is a fresh interpreter that imported every library before its clock started
     assert all(r["imported_in_clock"] == [] for row in rows.values() for r in row["runs"])
     written = json.loads((out / "llama-0.01GiB.json").read_text())
     assert written["results"]["warm"]["bfloat16"]["loaders"].keys() == rows.keys()
     table = (out / "llama-0.01GiB.md").read_text()
     assert "fresh-memory floor" in table and "| fastload |" in table
+    assert "map+touch floor" in table
 
 
 def test_a_child_reports_the_modules_a_load_imported_inside_the_clock(

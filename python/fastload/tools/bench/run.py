@@ -11,9 +11,10 @@ Modes: ``warm`` evicts each file and reads it once with ``read()`` before the se
 cache as a previous reader leaves it: the folio sizes, which decide how fast a mapping is
 populated, are the same for every loader), then reads it again before every run; ``cold`` evicts
 the files first (``fsync`` + ``posix_fadvise(DONTNEED)``). The floor of each mode is measured in
-the same run: mapping and touching the file (warm), a parallel read of its bytes (cold). Each row
-gets its time as a ratio to its mode's floor and to the fastest peer. Results go to
-``llama-<size>GiB.json`` and ``.png`` in ``--out``.
+the same run: one copy of the bytes, a parallel read (from the page cache warm, the disk cold;
+into fresh memory: a row of its own). Each row gets its ratio to its mode's floor and to
+the fastest peer; fastload's default warm load (views of the mapping, no copy) also to the
+zero-copy floor of mapping and touching the file. Results: ``--out/llama-<size>GiB.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fastload.tools.bench.loaders import (
     FLOOR_OF_MODE,
     FLOORS,
     LOADERS,
+    ZERO_COPY_FLOOR,
     child,
     files_read,
     is_peer,
@@ -239,6 +241,8 @@ def table(results: dict[str, Any]) -> str:
             ratios = f"{row['x_floor']:.2f}x" if "x_floor" in row else ""
             if "x_conversion_floor" in row:
                 ratios += f", {row['x_conversion_floor']:.2f}x fresh-memory floor"
+            if "x_zero_copy_floor" in row:
+                ratios += f", {row['x_zero_copy_floor']:.2f}x map+touch floor"
             if "x_fastest_peer" in row:
                 ratios += f", {row['x_fastest_peer']:.2f}x"
             cells.append(
@@ -258,6 +262,9 @@ def _summarize(rows: dict[str, Any], mode: str, nbytes: int) -> None:
         secs = row["median_seconds"]
         if floor:
             row["x_floor"] = secs / floor["median_seconds"]
+        zero_copy = rows.get(ZERO_COPY_FLOOR)
+        if mode == "warm" and name == "fastload" and zero_copy:
+            row["x_zero_copy_floor"] = secs / zero_copy["median_seconds"]
         if fastest is not None and name not in FLOORS:
             row["x_fastest_peer"] = secs / peers[fastest]
             row["fastest_peer"] = fastest
