@@ -5,7 +5,10 @@ by a library the caller does not control) opens a :class:`LoadSession` over ever
 loads will read and makes the loads inside it (``with session:``). The session:
 
 * reads ahead every file from the start, in the order given (the order the loads come), in one
-  helper thread: the disk works on the third model while the first one's skeleton is built.
+  helper thread: the disk works on the third model while the first one's skeleton is built. It
+  reads into the page cache only (parallel ``sendfile`` to /dev/null); a load that makes views
+  of its file maps it when it joins its read-ahead, and a load that copies (converts) reads it
+  from the page cache, holding no mapping of it beside its new tensors.
   Within the read-ahead room of the memory budget
   (:meth:`~fastload.core.memory.budget.MemoryBudget.read_ahead_room`): the files that fit, in
   order, and none past the first that does not (its load then reads ahead what fits itself, as a
@@ -82,13 +85,16 @@ class _Ahead:
         self._finished = threading.Condition(self._lock)
         self.error: FastloadError | None = None
         self.mapped = 0
+        #: set once the session's helper has read the file into the page cache (or let it be)
+        self.read = threading.Event()
+        self.was_cold = False
 
     def _list(self) -> list[tuple[int, int, bool]]:
         with self._lock:
             if self._pieces is None:
                 file = self.mapping.file
                 start, stop = file.data_start, file.file_size
-                if file.mostly_uncached():
+                if self.was_cold or file.mostly_uncached():
                     self._pieces = [(start, stop, True)]
                 else:
                     cuts = [
@@ -118,14 +124,68 @@ class _Ahead:
                     self._done += 1
                     self._finished.notify_all()
 
+    def read_through(self, advance: Callable[[int], None], stop: threading.Event) -> None:
+        """Reads the file into the page cache if it is mostly not there, without mapping it:
+        what the file's load makes of it decides that (views map it, copies read it from the
+        page cache), so a load that converts holds no mapping of its file beside its tensors."""
+        try:
+            file = self.mapping.file
+            if file.mostly_uncached():
+                self.was_cold = True  # mapped by parallel threads, as one piece (see _list)
+                _read_through(file, stop)
+            advance(self.nbytes)
+        except OSError:
+            pass  # the load reads the file itself, and reports what is wrong with it
+        finally:
+            self.read.set()
+
     def wait(self, advance: Callable[[int], None]) -> None:
-        """Helps map the pieces left, waits until all are mapped; raises what went wrong."""
+        """Waits for the read-through, maps the pieces left (helped by nobody else: a load of
+        views is the only mapper), and raises what went wrong."""
+        self.read.wait()
         self.work(advance)
         pieces = self._list()
         with self._lock:
             self._finished.wait_for(lambda: self._done >= len(pieces))
         if self.error is not None:
             raise self.error
+
+
+#: bytes per ``sendfile`` of the session's read-through, and its threads (the disk serves
+#: parallel requests best; each thread its own descriptor, so the kernel's read-ahead state of
+#: one is not reset by the others' reads)
+_STEP = 32 << 20
+_THREADS = 8
+
+
+def _read_through(file: _core.SafetensorsFile, stop: threading.Event) -> None:
+    """Reads ``file``'s tensor data into the page cache (``sendfile`` to /dev/null: nothing is
+    copied to user memory, and the read path caches large folios), with parallel threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fd = file.fileno()
+    path = f"/proc/self/fd/{fd}" if fd is not None else file.path
+    start, stop_at = file.data_start, file.file_size
+    offsets = list(range(start, stop_at, _STEP))
+
+    def worker(i: int) -> None:
+        src, null = os.open(path, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
+        try:
+            for offset in offsets[i::_THREADS]:
+                if stop.is_set():
+                    return
+                at, end = offset, min(offset + _STEP, stop_at)
+                while at < end:
+                    sent = os.sendfile(null, src, at, end - at)
+                    if sent <= 0:
+                        return
+                    at += sent
+        finally:
+            os.close(src)
+            os.close(null)
+
+    with ThreadPoolExecutor(_THREADS, thread_name_prefix="fastload-session-read") as pool:
+        list(pool.map(worker, range(min(_THREADS, len(offsets)))))
 
 
 class LoadSession:
@@ -204,6 +264,8 @@ class LoadSession:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        for ahead in self._ahead.values():
+            ahead.read.set()
         self._ahead.clear()  # mappings no view holds are unmapped
         if self._bar is not None:
             self._bar.close()
@@ -213,7 +275,7 @@ class LoadSession:
         for key, ahead in list(self._ahead.items()):
             if self._stop.is_set():
                 return
-            ahead.work(lambda n, key=key: self._advance(key, n), self._stop)
+            ahead.read_through(lambda n, key=key: self._advance(key, n), self._stop)
 
     def _advance(self, key: _Key, nbytes: int) -> None:
         """Moves the bar by ``nbytes`` of file ``key`` (never past the file's size)."""
@@ -243,6 +305,8 @@ class SessionPart:
     ) -> PartWarmUp:
         """The load's read-ahead: the session's for the files it holds, the load's own (a
         :class:`~fastload.core.memory.sharing.WarmUp`) for the others."""
+        if not views:  # copies read the page cache the session filled; nothing to map
+            self.held = {}
         rest = [i for i in range(len(files)) if i not in self.held]
         own = WarmUp([files[i] for i in rest], mmap, views=views, budget=budget)
         return PartWarmUp(self, own, rest)
