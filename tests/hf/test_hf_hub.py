@@ -135,6 +135,22 @@ def test_a_variant_loads_the_variant_file_next_to_the_default_one(tmp_path, sour
     assert torch.equal(model.pooler.dense.weight, half.pooler.dense.weight)
 
 
+def test_a_sharded_variant_saved_by_transformers_loads_as_transformers_loads_it(tmp_path):
+    """transformers names a sharded variant's index ``model.safetensors.index.fp16.json`` (its
+    ``_add_variant``: the variant before the last suffix) and the shards
+    ``model.fp16-00001-of-0000N.safetensors``."""
+    import transformers
+
+    directory = tmp_path / "sharded-variant"
+    make_model("BertModel", seed=5).half().save_pretrained(
+        directory, variant="fp16", max_shard_size="20KB"
+    )
+    assert (directory / "model.safetensors.index.fp16.json").is_file()
+    theirs = transformers.BertModel.from_pretrained(directory, variant="fp16", dtype=torch.float16)
+    model = load(str(directory), variant="fp16", dtype=torch.float16)
+    assert_same_tensors(model, theirs)
+
+
 def test_a_variant_that_is_not_there_is_a_checkpoint_error_naming_the_file(source):
     with pytest.raises(CheckpointError, match=r"model\.bf16\.safetensors"):
         load(str(source), variant="bf16")

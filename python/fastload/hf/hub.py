@@ -47,8 +47,10 @@ class Resolved:
 def _variant(name: str, variant: str | None) -> str:
     if not variant:
         return name
-    stem, dot, ext = name.partition(".")  # model.safetensors -> model.fp16.safetensors
-    return f"{stem}.{variant}{dot}{ext}"
+    # transformers' _add_variant: the variant before the last suffix (model.fp16.safetensors,
+    # model.safetensors.index.fp16.json)
+    head, _, last = name.rpartition(".")
+    return f"{head}.{variant}.{last}"
 
 
 def _download_patterns(
