@@ -115,9 +115,9 @@ def bucket(tmp_path_factory: pytest.TempPathFactory):
     unet.save_pretrained(local / "sharded", max_shard_size="4MB")
     unet.to(torch.float16).save_pretrained(local / "sharded", max_shard_size="2MB", variant="fp16")
     shutil.copytree(local / "unet", local / "pipe" / "unet")
-    from test_diffusers_pipelines import _pipeline
+    from tiny_pipelines import make_pipeline
 
-    pipe = _pipeline(root)
+    pipe = make_pipeline(root)
     pipe.save_pretrained(local / "sd")
     pipe.to(torch.float16).save_pretrained(local / "sd", variant="fp16")
     _ddpm(local / "ddpm")
@@ -233,8 +233,7 @@ def test_a_model_from_s3_under_the_patch(bucket, proxy, caplog) -> None:
 def test_a_pipeline_from_s3_under_the_patch_is_diffusers_load_of_the_local_copy(
     bucket, proxy, caplog, kw
 ) -> None:
-    from test_diffusers_pipelines import _same as same_pipeline
-    from test_diffusers_pipelines import _step
+    from tiny_pipelines import same_pipeline, step
 
     _, _, local = bucket
     theirs = diffusers.DiffusionPipeline.from_pretrained(local / "sd", **kw)
@@ -259,7 +258,7 @@ def test_a_pipeline_from_s3_under_the_patch_is_diffusers_load_of_the_local_copy(
         p.dtype for n in ("unet", "vae", "text_encoder") for p in getattr(ours, n).parameters()
     }
     if len(dtypes) == 1:  # a pipeline of mixed dtypes does not run
-        assert torch.equal(_step(ours), _step(theirs))
+        assert torch.equal(step(ours), step(theirs))
 
 
 def test_a_pipeline_over_plain_http_under_the_patch(bucket) -> None:

@@ -24,7 +24,7 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 from fresh import run_script  # noqa: E402
-from test_diffusers_pipelines import _randomize, _same, _step, _tokenizer  # noqa: E402
+from tiny_pipelines import make_pipeline, same_pipeline, step  # noqa: E402
 
 import fastload  # noqa: E402
 from fastload.core import loading  # noqa: E402
@@ -32,60 +32,10 @@ from fastload.core.memory import budget as budgetmod  # noqa: E402
 from fastload.core.memory.page_cache import evict, resident_fraction  # noqa: E402
 
 
-def _pipeline(tmp: Path) -> Any:
-    torch.manual_seed(0)
-    unet = diffusers.UNet2DConditionModel(
-        block_out_channels=(32, 64),
-        norm_num_groups=8,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        cross_attention_dim=32,
-        attention_head_dim=8,
-        in_channels=4,
-        out_channels=4,
-        layers_per_block=1,
-        sample_size=8,
-    )
-    vae = diffusers.AutoencoderKL(
-        block_out_channels=[8, 16],
-        in_channels=3,
-        out_channels=3,
-        down_block_types=["DownEncoderBlock2D"] * 2,
-        up_block_types=["UpDecoderBlock2D"] * 2,
-        latent_channels=4,
-        norm_num_groups=4,
-    )
-    text = transformers.CLIPTextModel(
-        transformers.CLIPTextConfig(
-            vocab_size=514,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=8,
-            bos_token_id=512,
-            eos_token_id=513,
-            pad_token_id=513,
-        )
-    )
-    for model in (unet, vae, text):
-        _randomize(model)
-    return diffusers.StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text,
-        tokenizer=_tokenizer(tmp / "tokenizer-source"),
-        unet=unet,
-        scheduler=diffusers.DDIMScheduler(steps_offset=1, clip_sample=False),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("one-pass")
-    _pipeline(tmp).save_pretrained(tmp / "sd")
+    make_pipeline(tmp, larger=True).save_pretrained(tmp / "sd")
     return tmp / "sd"
 
 
@@ -137,8 +87,8 @@ def test_every_components_files_are_read_ahead_before_the_first_swap_and_the_pip
     # read from the disk by the load: every page of every file is cached now
     assert all(resident_fraction(f) == 1.0 for f in weights)
     theirs = diffusers.DiffusionPipeline.from_pretrained(saved)
-    _same(ours, theirs)
-    assert torch.equal(_step(ours), _step(theirs))
+    same_pipeline(ours, theirs)
+    assert torch.equal(step(ours), step(theirs))
 
 
 def test_without_memory_to_read_ahead_into_nothing_is_read_ahead_and_the_pipeline_is_the_same(
@@ -160,8 +110,8 @@ def test_without_memory_to_read_ahead_into_nothing_is_read_ahead_and_the_pipelin
     # fastload.core.memory.paced) and the kernel's own read-ahead around them at most
     assert resident < 0.5 * sum(f.stat().st_size for f in weights)
     theirs = diffusers.DiffusionPipeline.from_pretrained(saved)
-    _same(ours, theirs)
-    assert torch.equal(_step(ours), _step(theirs))
+    same_pipeline(ours, theirs)
+    assert torch.equal(step(ours), step(theirs))
 
 
 _BAR_SCRIPT = """

@@ -11,20 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_maps import mapped_file
 from safetensors.torch import save_file
 
 import fastload
 from fastload.core.memory.page_cache import evict, resident_fraction
-
-
-def _mapped_file(address: int) -> str | None:
-    """The file mapped at ``address`` in this process; None if anonymous."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        start, stop = (int(x, 16) for x in fields[0].split("-"))
-        if start <= address < stop:
-            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
-    return None
 
 
 @pytest.fixture
@@ -48,7 +39,7 @@ def test_tensors_are_copy_on_write_views_of_the_file(
         got = {k: f.get_tensor(k) for k in f.keys()}
     for k, t in state.items():
         assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
-        assert _mapped_file(got[k].data_ptr()) == str(path.resolve()), k
+        assert mapped_file(got[k].data_ptr()) == str(path.resolve()), k
     got["w00"].add_(1)  # writable; the write stays in this process's copy of the page
     with fastload.safe_open(path, "pt") as f:
         assert torch.equal(f.get_tensor("w00"), state["w00"])
@@ -66,7 +57,7 @@ def test_a_copy_is_asked_for_by_mmap_copy_a_read_mode_or_a_dtype(
     dtype = how.pop("dtype", None)
     with fastload.safe_open(path, "pt", **how) as f:  # type: ignore[arg-type]
         t = f.get_tensor("w03", dtype=dtype)  # type: ignore[arg-type]
-    assert _mapped_file(t.data_ptr()) is None
+    assert mapped_file(t.data_ptr()) is None
     assert torch.equal(t, state["w03"].to(dtype or torch.bfloat16))
 
 
