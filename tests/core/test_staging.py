@@ -418,7 +418,8 @@ def _two_threads_read_one_handle(path: Path, device: str) -> tuple[list[str], fa
         return wrong
 
     # 4 slots of 1 KiB: every tensor takes several fills of the ring, the slots turn over often
-    with fastload.safe_open(path, device=device, staging_bytes=4096) as f:
+    # mmap="copy": on the CPU, get_tensor would otherwise hand out views of the file (no read)
+    with fastload.safe_open(path, device=device, staging_bytes=4096, mmap="copy") as f:
         with ThreadPoolExecutor(2) as pool:
             wrong = [name for found in pool.map(read, halves) for name in found]
     return wrong, f
