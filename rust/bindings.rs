@@ -180,6 +180,28 @@ impl PySafetensorsFile {
             .map_err(|e| to_py(py, file.path(), e))
     }
 
+    /// Reads the file's bytes `[offset, offset + length)` (default: the tensor data) into the
+    /// page cache with `threads` parallel readers (`sendfile` to /dev/null, a descriptor each),
+    /// mapping nothing; returns the bytes read (0 for a file held in memory). The range is
+    /// clipped to the file.
+    #[pyo3(signature = (offset = None, length = None, threads = None))]
+    fn read_through(
+        &self,
+        py: Python<'_>,
+        offset: Option<u64>,
+        length: Option<u64>,
+        threads: Option<usize>,
+    ) -> PyResult<u64> {
+        let size = self.inner.len();
+        let start = offset
+            .unwrap_or_else(|| self.inner.header().data_start())
+            .min(size);
+        let len = length.unwrap_or(u64::MAX).min(size - start);
+        let file = &*self.inner;
+        py.detach(|| file.read_through((start, len), threads))
+            .map_err(|e| to_py(py, file.path(), e))
+    }
+
     /// Whether most of the file's bytes `[offset, offset + length)` (default: the tensor data)
     /// are not in the page cache (`cachestat(2)`; `False` for a file held in memory or where the
     /// kernel cannot say).

@@ -420,6 +420,18 @@ impl SafetensorsFile {
         crate::readahead::populate(file, addr, offset, len, threads, cached, cold)
     }
 
+    /// Reads the file's bytes `[offset, offset + len)` into the page cache in parallel, mapping
+    /// nothing; the bytes read (0 for a file held in memory). See
+    /// [`crate::readahead::read_into_cache`].
+    pub fn read_through(&self, (offset, len): (u64, u64), threads: Option<usize>) -> Result<u64> {
+        match &self.backing {
+            Backing::Pread(f) | Backing::Mapped(f, _) => {
+                crate::readahead::read_into_cache(f, offset, len, threads)
+            }
+            _ => Ok(0),
+        }
+    }
+
     /// Whether most of the file's bytes `[offset, offset + len)` are not in the page cache (a copy
     /// of them waits on the disk); `false` for a file held in memory or where the kernel cannot
     /// say.

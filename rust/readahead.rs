@@ -205,6 +205,28 @@ pub fn populate(
     }
 }
 
+/// Reads `[offset, offset + len)` of `file` into the page cache, in [`READAHEAD_CHUNK`] pieces on
+/// `threads` threads (default [`READAHEAD_THREADS`]), without mapping or copying it (see
+/// [`read_through`]); returns the bytes read. A caller that will copy from the page cache (a load
+/// that converts) warms the file this way and holds no mapping of it beside its new tensors.
+pub fn read_into_cache(file: &File, offset: u64, len: u64, threads: Option<usize>) -> Result<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let step = READAHEAD_CHUNK as u64;
+        let pieces: Vec<(u64, u64)> = (0..len.div_ceil(step))
+            .map(|i| (offset + i * step, step.min(len - i * step)))
+            .collect();
+        on_threads(&pieces, threads, |&(at, n)| {
+            Ok(if read_through(file, at, n) { n } else { 0 })
+        })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (file, offset, len, threads);
+        Ok(0)
+    }
+}
+
 /// Reads `[offset, offset + len)` of `file` into the page cache through the read path without
 /// copying it anywhere (`sendfile(2)` to `/dev/null`); returns whether every byte was read.
 ///
@@ -336,6 +358,17 @@ mod tests {
             assert_eq!(cached, len.div_ceil(4096));
         }
         assert!(!read_through(&f, len, 4096), "nothing to read past the end");
+        // In parallel pieces (the last one short), from an offset that is not a piece boundary
+        // SAFETY: plain advice on an open descriptor
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(
+            read_into_cache(&f, 4096, len - 4096, Some(3)).unwrap(),
+            len - 4096
+        );
+        if let Some(cached) = cached_pages(&f, 4096, len - 4096) {
+            assert_eq!(cached, (len - 4096).div_ceil(4096));
+        }
+        assert_eq!(read_into_cache(&f, len, 8192, Some(2)).unwrap(), 0);
         std::fs::remove_file(&path).unwrap();
     }
 

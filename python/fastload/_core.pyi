@@ -75,6 +75,13 @@ class SafetensorsFile:
         parallel: uncached parts (every part with ``cold``, for a range found mostly uncached) are
         read through the page cache (``sendfile`` to /dev/null), then ``MADV_POPULATE_READ``; the
         bytes populated. An unmapped range raises FastloadIOError."""
+    def read_through(
+        self, offset: int | None = None, length: int | None = None, threads: int | None = None
+    ) -> int:
+        """Read the file's bytes [offset, offset + length) (default: the tensor data; clipped to
+        the file) into the page cache with ``threads`` parallel readers (``sendfile`` to
+        /dev/null, a descriptor each), mapping nothing; the bytes read (0 for a file held in
+        memory)."""
     def mostly_uncached(self, offset: int | None = None, length: int | None = None) -> bool:
         """Whether most of the file's bytes [offset, offset + length) (default: the tensor data)
         are not in the page cache (``cachestat``); False for a file held in memory or where the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,53 @@ def test_one_progress_bar_over_the_pipeline(saved: Path, tmp_path: Path) -> None
     assert labels == {"fastload: StableDiffusionPipeline"}, text
     last = [m.group(0) for m in re.finditer(r"100%\|[^\r\n]*", text)]
     assert last, text  # the bar reached the pipeline's total
+
+
+def _mapped_paths() -> set[str]:
+    """The files whose pages this process has mapped (``/proc/self/smaps``: resident pages of
+    their mappings; an address range reserved for a file, with none of its pages, is not)."""
+    out, path = set(), None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
+            path = fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+        elif fields[0] == "Rss:" and path is not None and int(fields[1]) > 0:
+            out.add(path)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_read_ahead_maps_the_files_of_loads_that_make_views_and_only_those(
+    saved: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # files of its own, read cold: no other test's mapping of them
+    saved = Path(shutil.copytree(saved, tmp_path / "sd"))
+    weights = {str(f.resolve()) for f in _weights(saved)}
+    for f in weights:
+        evict(Path(f))
+    mapped: list[set[str]] = []
+    swap_in = loading.swap_in
+
+    def watching(*args: Any, **kwargs: Any) -> Any:
+        # once the session's helper is through every file (its work, not the loads')
+        for thread in threading.enumerate():
+            if thread.name == "fastload-session-read-ahead":
+                thread.join()
+        mapped.append(_mapped_paths() & weights)
+        return swap_in(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "swap_in", watching)
+    with fastload.patch_diffusers():
+        ours = diffusers.DiffusionPipeline.from_pretrained(saved, torch_dtype=dtype)
+    monkeypatch.undo()
+    after = _mapped_paths() & weights
+    assert len(mapped) == 3
+    assert all(resident_fraction(Path(f)) == 1.0 for f in weights)  # read ahead, all of them
+    if dtype == torch.float32:  # stored: views, every file mapped as it was read
+        assert mapped[0] == weights
+        assert after == weights  # the views keep their mappings
+    else:  # converted: copies from the page cache, no page of a file mapped at any time
+        assert mapped == [set(), set(), set()]
+        assert after == set()
+    theirs = diffusers.DiffusionPipeline.from_pretrained(saved, torch_dtype=dtype)
+    same_pipeline(ours, theirs)

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastload.core.basics.errors import FastloadError
 from fastload.core.reads.session import LoadSession
 
@@ -77,7 +79,8 @@ def one_pass(cls: type, name: Any, kwargs: dict[str, Any]) -> Iterator[LoadSessi
     """The session the components of pipeline ``name`` (a local directory) load in, with
     diffusers' own bar over components hidden while fastload's bar over bytes is shown; no
     session (``None``) where there is nothing to read ahead."""
-    files = pipeline_files(name, kwargs)
+    components = _component_files(name, kwargs)
+    files = [f for _, found in components for f in found]
     if not files:
         yield None
         return
@@ -87,7 +90,8 @@ def one_pass(cls: type, name: Any, kwargs: dict[str, Any]) -> Iterator[LoadSessi
     label = getattr(cls, "__name__", "pipeline")
     if label == "DiffusionPipeline":
         label = _class_name(Path(os.fspath(name))) or label
-    with LoadSession(files, progress=shown, desc=f"fastload: {label}") as session:
+    dtypes = _load_dtypes(components, kwargs)
+    with LoadSession(files, progress=shown, desc=f"fastload: {label}", dtypes=dtypes) as session:
         hide = session.drawn and diffusers_logging.is_progress_bar_enabled()
         if hide:
             diffusers_logging.disable_progress_bar()
@@ -101,6 +105,36 @@ def one_pass(cls: type, name: Any, kwargs: dict[str, Any]) -> Iterator[LoadSessi
 def pipeline_files(name: Any, kwargs: dict[str, Any]) -> list[Path]:
     """The safetensors files of the components of the pipeline in directory ``name`` that
     diffusers will load with ``kwargs``, in the order it loads them; ``[]`` for anything else."""
+    return [f for _, found in _component_files(name, kwargs) for f in found]
+
+
+def _load_dtypes(
+    components: list[tuple[str, list[Path]]], kwargs: dict[str, Any]
+) -> dict[str | os.PathLike[str], torch.dtype]:
+    """The dtype each file's load will ask for, where diffusers' call says it: ``dtype`` (or
+    ``torch_dtype``), one for all components or a dict by component (``"default"``: the rest,
+    float32 where absent), as diffusers hands it to each component. The session maps ahead the
+    files stored in it, whose tensors will be views; nothing is said for loads onto a device
+    (``device_map``) or left to diffusers (``low_cpu_mem_usage=False``), whose tensors are not."""
+    given = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if given is None or kwargs.get("device_map") is not None:
+        return {}
+    if kwargs.get("low_cpu_mem_usage") is False:
+        return {}
+    out: dict[str | os.PathLike[str], torch.dtype] = {}
+    for component, found in components:
+        want = (
+            given.get(component, given.get("default", torch.float32))
+            if isinstance(given, dict)
+            else given
+        )
+        if isinstance(want, torch.dtype):
+            out.update(dict.fromkeys(found, want))
+    return out
+
+
+def _component_files(name: Any, kwargs: dict[str, Any]) -> list[tuple[str, list[Path]]]:
+    """:func:`pipeline_files` by component: ``(component, its files)`` in diffusers' order."""
     if not isinstance(name, (str, os.PathLike)) or any(kwargs.get(k) for k in _NOT_SERVED):
         return []
     if kwargs.get("use_safetensors") is False or kwargs.get("custom_pipeline") is not None:
@@ -119,14 +153,19 @@ def pipeline_files(name: Any, kwargs: dict[str, Any]) -> list[Path]:
         variants = _identify_model_variants(folder=os.fspath(root), variant=variant, config=config)
     except (OSError, IndexError):
         return []
-    out: list[Path] = []
+    out: list[tuple[str, list[Path]]] = []
+    seen: set[Path] = set()
     for component, value in config.items():
         if component.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2:
             continue
         if value[0] is None or component in kwargs or not (root / component).is_dir():
             continue
-        found = _weights(root, component, variants.get(component), kwargs)
-        out += [f for f in found if f not in out]
+        found = [
+            f for f in _weights(root, component, variants.get(component), kwargs) if f not in seen
+        ]
+        seen.update(found)
+        if found:
+            out.append((component, found))
     return out
 
 

@@ -5,10 +5,11 @@ by a library the caller does not control) opens a :class:`LoadSession` over ever
 loads will read and makes the loads inside it (``with session:``). The session:
 
 * reads ahead every file from the start, in the order given (the order the loads come), in one
-  helper thread: the disk works on the third model while the first one's skeleton is built. It
-  reads into the page cache only (parallel ``sendfile`` to /dev/null); a load that makes views
-  of its file maps it when it joins its read-ahead, and a load that copies (converts) reads it
-  from the page cache, holding no mapping of it beside its new tensors.
+  helper thread: the disk works on the third model while the first one's skeleton is built. A
+  file whose load makes views of it is mapped as it is read; any other is read into the page
+  cache only, so a load that copies (converts) holds no mapping of its file beside its new
+  tensors (:mod:`fastload.core.reads.session_files`). What each load makes of its files, the
+  caller says where it knows (``dtypes``) and each load says when it opens them.
   Within the read-ahead room of the memory budget
   (:meth:`~fastload.core.memory.budget.MemoryBudget.read_ahead_room`): the files that fit, in
   order, and none past the first that does not (its load then reads ahead what fits itself, as a
@@ -28,18 +29,20 @@ replaced since the session opened it is read by the load as usual.
 from __future__ import annotations
 
 import contextvars
-import itertools
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from fastload import _core
-from fastload.core.basics.errors import FastloadError
+from fastload.core.basics.dtypes import CONVERTIBLE, parse_dtype
 from fastload.core.basics.progress import bar_wanted, open_bar
 from fastload.core.memory.budget import MemoryBudget, memory_budget
-from fastload.core.memory.sharing import WARM_PIECE, SharedMapping, WarmUp, file_sharing
+from fastload.core.memory.sharing import SharedMapping, WarmUp, file_sharing
+from fastload.core.reads.session_files import AheadFile
 
 __all__ = ["LoadSession", "PartWarmUp", "SessionPart", "current_session", "part_of"]
 
@@ -70,124 +73,6 @@ def part_of(files: Sequence[object], *, alone: bool = False) -> SessionPart | No
     return None if session is None or alone else session.part(files)
 
 
-class _Ahead:
-    """One file the session reads ahead: its mapping, cut into pieces that the helper thread
-    and the load of the file claim (a file mostly not cached is one piece, read by parallel
-    threads; a cached one is mapped in :data:`WARM_PIECE` pieces)."""
-
-    def __init__(self, mapping: SharedMapping) -> None:
-        self.mapping = mapping
-        self.nbytes = mapping.file.file_size - mapping.file.data_start
-        self._lock = threading.Lock()
-        self._pieces: list[tuple[int, int, bool]] | None = None
-        self._claims = itertools.count()
-        self._done = 0
-        self._finished = threading.Condition(self._lock)
-        self.error: FastloadError | None = None
-        self.mapped = 0
-        #: set once the session's helper has read the file into the page cache (or let it be)
-        self.read = threading.Event()
-        self.was_cold = False
-
-    def _list(self) -> list[tuple[int, int, bool]]:
-        with self._lock:
-            if self._pieces is None:
-                file = self.mapping.file
-                start, stop = file.data_start, file.file_size
-                if self.was_cold or file.mostly_uncached():
-                    self._pieces = [(start, stop, True)]
-                else:
-                    cuts = [
-                        start,
-                        *range(start // WARM_PIECE * WARM_PIECE + WARM_PIECE, stop, WARM_PIECE),
-                    ]
-                    ends = [*cuts[1:], stop]
-                    self._pieces = [(a, b, False) for a, b in zip(cuts, ends, strict=True)]
-            return self._pieces
-
-    def work(self, advance: Callable[[int], None], stop: threading.Event | None = None) -> None:
-        """Claims and maps pieces of the file until none is left (or ``stop`` is set)."""
-        pieces = self._list()
-        for i in self._claims:
-            if i >= len(pieces) or (stop is not None and stop.is_set()):
-                return
-            start, end, cold = pieces[i]
-            try:
-                if self.error is None:
-                    n = self.mapping.map_all() if cold else self.mapping.map_span(start, end)
-                    self.mapped += n
-                    advance(end - start)
-            except FastloadError as e:
-                self.error = e
-            finally:
-                with self._lock:
-                    self._done += 1
-                    self._finished.notify_all()
-
-    def read_through(self, advance: Callable[[int], None], stop: threading.Event) -> None:
-        """Reads the file into the page cache if it is mostly not there, without mapping it:
-        what the file's load makes of it decides that (views map it, copies read it from the
-        page cache), so a load that converts holds no mapping of its file beside its tensors."""
-        try:
-            file = self.mapping.file
-            if file.mostly_uncached():
-                self.was_cold = True  # mapped by parallel threads, as one piece (see _list)
-                _read_through(file, stop)
-            advance(self.nbytes)
-        except OSError:
-            pass  # the load reads the file itself, and reports what is wrong with it
-        finally:
-            self.read.set()
-
-    def wait(self, advance: Callable[[int], None]) -> None:
-        """Waits for the read-through, maps the pieces left (helped by nobody else: a load of
-        views is the only mapper), and raises what went wrong."""
-        self.read.wait()
-        self.work(advance)
-        pieces = self._list()
-        with self._lock:
-            self._finished.wait_for(lambda: self._done >= len(pieces))
-        if self.error is not None:
-            raise self.error
-
-
-#: bytes per ``sendfile`` of the session's read-through, and its threads (the disk serves
-#: parallel requests best; each thread its own descriptor, so the kernel's read-ahead state of
-#: one is not reset by the others' reads)
-_STEP = 32 << 20
-_THREADS = 8
-
-
-def _read_through(file: _core.SafetensorsFile, stop: threading.Event) -> None:
-    """Reads ``file``'s tensor data into the page cache (``sendfile`` to /dev/null: nothing is
-    copied to user memory, and the read path caches large folios), with parallel threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    fd = file.fileno()
-    path = f"/proc/self/fd/{fd}" if fd is not None else file.path
-    start, stop_at = file.data_start, file.file_size
-    offsets = list(range(start, stop_at, _STEP))
-
-    def worker(i: int) -> None:
-        src, null = os.open(path, os.O_RDONLY), os.open(os.devnull, os.O_WRONLY)
-        try:
-            for offset in offsets[i::_THREADS]:
-                if stop.is_set():
-                    return
-                at, end = offset, min(offset + _STEP, stop_at)
-                while at < end:
-                    sent = os.sendfile(null, src, at, end - at)
-                    if sent <= 0:
-                        return
-                    at += sent
-        finally:
-            os.close(src)
-            os.close(null)
-
-    with ThreadPoolExecutor(_THREADS, thread_name_prefix="fastload-session-read") as pool:
-        list(pool.map(worker, range(min(_THREADS, len(offsets)))))
-
-
 class LoadSession:
     """Loads that belong together, over the safetensors files at ``paths`` (in the order the
     loads read them): one read-ahead of them all, within the memory budget, and one progress
@@ -204,28 +89,35 @@ class LoadSession:
         progress: bool = True,
         desc: str = "fastload",
         budget: MemoryBudget | None = None,
+        dtypes: Mapping[str | os.PathLike[str], torch.dtype] | None = None,
     ) -> None:
+        # the dtype each file's load will ask for, where the caller knows it: a file stored
+        # mostly in it will be views, so the helper maps it as it reads it; any other, copies
+        wanted = {os.fspath(p): d for p, d in (dtypes or {}).items()}
         self.budget = budget or memory_budget()
         files: dict[_Key, _core.SafetensorsFile] = {}
+        views: dict[_Key, bool | None] = {}
         for path in paths:
             try:
                 file = _core.SafetensorsFile(os.fspath(path), "pread")
             except (OSError, ValueError):
                 continue
             key = _key(file)
-            if key is not None:
-                files.setdefault(key, file)
+            if key is not None and key not in files:
+                files[key] = file
+                want = wanted.get(os.fspath(path))
+                views[key] = None if want is None else want == _stored_dtype(file)
         #: bytes of tensor data of every file, and those the bar shows as done, per file
         self.sizes = {k: f.file_size - f.data_start for k, f in files.items()}
         self._shown: dict[_Key, int] = dict.fromkeys(files, 0)
         room = self.budget.read_ahead_room()
-        self._ahead: dict[_Key, _Ahead] = {}
+        self._ahead: dict[_Key, AheadFile] = {}
         for key, file in files.items():
             if room is not None and self.sizes[key] > room:
                 break  # the rest in the order of the loads: each load reads ahead what fits
             if not file_sharing(file, mmap)[0]:
                 continue
-            self._ahead[key] = _Ahead(SharedMapping(file))
+            self._ahead[key] = AheadFile(SharedMapping(file), views[key])
             room = None if room is None else room - self.sizes[key]
         self.total = sum(self.sizes.values())
         self._lock = threading.Lock()
@@ -272,10 +164,14 @@ class LoadSession:
             self._bar = None
 
     def _run(self) -> None:
-        for key, ahead in list(self._ahead.items()):
+        # by key, not holding the files: a file whose load is over is let go (part.done)
+        for key in list(self._ahead):
+            ahead = self._ahead.get(key)
             if self._stop.is_set():
                 return
-            ahead.read_through(lambda n, key=key: self._advance(key, n), self._stop)
+            if ahead is not None:
+                ahead.run(lambda n, key=key: self._advance(key, n), self._stop)
+                del ahead
 
     def _advance(self, key: _Key, nbytes: int) -> None:
         """Moves the bar by ``nbytes`` of file ``key`` (never past the file's size)."""
@@ -288,6 +184,15 @@ class LoadSession:
     def part(self, files: Sequence[object]) -> SessionPart:
         """The part of one load that reads ``files`` (its checkpoint's opened files)."""
         return SessionPart(self, [_key(f) for f in files])
+
+
+def _stored_dtype(file: _core.SafetensorsFile) -> torch.dtype | None:
+    """The floating dtype holding most of ``file``'s bytes (``None``: none is floating)."""
+    totals: dict[str, int] = {}
+    for _, st_dtype, _, begin, end in file.tensors():
+        if st_dtype in CONVERTIBLE:
+            totals[st_dtype] = totals.get(st_dtype, 0) + end - begin
+    return parse_dtype(max(totals, key=totals.__getitem__)) if totals else None
 
 
 class SessionPart:
@@ -305,6 +210,8 @@ class SessionPart:
     ) -> PartWarmUp:
         """The load's read-ahead: the session's for the files it holds, the load's own (a
         :class:`~fastload.core.memory.sharing.WarmUp`) for the others."""
+        for ahead in self.held.values():  # decides for the files the helper has not reached
+            ahead.views = views
         if not views:  # copies read the page cache the session filled; nothing to map
             self.held = {}
         rest = [i for i in range(len(files)) if i not in self.held]
