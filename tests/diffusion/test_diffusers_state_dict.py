@@ -110,6 +110,17 @@ def test_a_state_dict_needs_a_config_and_no_path(tmp_path: Path) -> None:
         fastload.from_pretrained(cls, tmp_path, config={}, state_dict={"w": torch.zeros(1)})
 
 
+@pytest.mark.parametrize(
+    "option", [{"subfolder": "vae"}, {"variant": "fp16"}, {"revision": "main"}]
+)
+def test_options_that_locate_files_are_refused_with_a_state_dict(option: dict[str, str]) -> None:
+    (name,) = option
+    with pytest.raises(RequestError, match=rf"AutoencoderKL: {name} locate checkpoint files"):
+        fastload.from_pretrained(
+            diffusers.AutoencoderKL, None, config={}, state_dict={"w": torch.zeros(1)}, **option
+        )
+
+
 def test_the_tensors_are_allocated_once() -> None:
     """In a fresh interpreter, the peak resident memory of the load (reset just before it) grows
     by about the model's bytes: its tensors are allocated once and filled, not built and then

@@ -84,6 +84,15 @@ def load_diffusers(
     if not set(_POLICIES) & set(given):
         options = dataclasses.replace(options, missing="init", unexpected="ignore")
     if state_dict is not None:  # the model built from config=, its tensors from the dict
+        # options that say where files are have nothing to act on: refused, not ignored
+        located_by = [*opts.hub, *(["subfolder"] if opts.subfolder else [])]
+        located_by += ["variant"] if opts.variant is not None else []
+        located_by += ["use_safetensors"] if opts.use_safetensors is not None else []
+        if located_by:
+            raise RequestError(
+                f"{cls.__name__}: {', '.join(located_by)} locate checkpoint files, and "
+                "state_dict= loads the tensors given: pass a path instead, or drop them"
+            )
         cls, cfg, unused = _config(cls, None, config, kwargs)
         warn = not set(_POLICIES) & set(given)
         hooks = DiffusersHooks(name_or_path=None, sharded=False, warn=warn)
