@@ -19,7 +19,10 @@ reports its time and its peak RSS above the RSS before the clock (``VmHWM``). Me
 * ``download+diffusers``: every object of the prefix downloaded with boto3's ``download_file``
   (its default multipart transfer) into a temporary folder, then diffusers'
   ``DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)`` (diffusers cannot read
-  ``s3://``).
+  ``s3://``);
+* ``floor(http ranged GETs)`` and ``fastload (http)``: the same over plain ``http://`` (a second
+  s3s-fs on the same folder, no credentials asked: an object's URL is
+  ``http://127.0.0.1:<port>/bench/<key>``), each load over the floor of its own protocol.
 
 Writes ``pipeline-s3-<gib>GiB.json`` and ``.md`` to --out.
 """
@@ -46,7 +49,9 @@ BUCKET = "bench"
 RANGE = 8 << 20
 PARALLEL = 16
 FLOOR = "floor(ranged GETs)"
-METHODS = [FLOOR, "fastload", "download+diffusers"]
+FLOOR_HTTP = "floor(http ranged GETs)"
+HTTP = "fastload (http)"
+METHODS = [FLOOR, "fastload", "download+diffusers", FLOOR_HTTP, HTTP]
 GIB = 1 << 30
 
 
@@ -76,19 +81,25 @@ def child(method: str, prefix: str) -> dict[str, Any]:
     from fastload.core.store import object_store
     from fastload.tools.bench.loaders import _touch
 
-    url = f"s3://{BUCKET}/{prefix}/"
+    http = method in (FLOOR_HTTP, HTTP)
+    url = (
+        f"{os.environ['FASTLOAD_BENCH_HTTP']}/{BUCKET}/{prefix}/"
+        if http
+        else f"s3://{BUCKET}/{prefix}/"
+    )
     kwargs = {"dtype": torch.bfloat16, "tokenizer": None, "tokenizer_2": None}
     client = boto3.client("s3")
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]]
     weights = [k for k in keys if k.endswith(".safetensors")]
     store = object_store.open_store(url)
+    # an http store's keys are paths from the host (the bucket first)
+    weights = [f"{BUCKET}/{k}" if http else k for k in weights]
     sizes = {k: store.head(k)[0] for k in weights}
-    buffers = (
-        {k: torch.empty(n, dtype=torch.uint8) for k, n in sizes.items()} if method == FLOOR else {}
-    )
+    floor = method in (FLOOR, FLOOR_HTTP)
+    buffers = {k: torch.empty(n, dtype=torch.uint8) for k, n in sizes.items()} if floor else {}
     rss0 = _status("VmRSS")
     t0 = time.perf_counter()
-    if method == FLOOR:
+    if floor:
         jobs = [(k, a, min(a + RANGE, n)) for k, n in sizes.items() for a in range(0, n, RANGE)]
         with futures.ThreadPoolExecutor(PARALLEL) as pool:
             list(
@@ -100,7 +111,7 @@ def child(method: str, prefix: str) -> dict[str, Any]:
         _touch(list(buffers.values()))
     else:
         with tempfile.TemporaryDirectory(dir=os.environ.get("FASTLOAD_BENCH_DOWNLOADS")) as d:
-            if method == "fastload":
+            if method in ("fastload", HTTP):
                 with fastload.patch_diffusers():
                     pipe = diffusers.DiffusionPipeline.from_pretrained(url, **kwargs)
             elif method == "download+diffusers":
@@ -136,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     folder = make_pipeline(args.workdir, args.gib)
     root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=args.workdir))
     server = S3Server(root)
+    anonymous = S3Server(root, anonymous=True)  # the same objects over plain http
     prefix = folder.name
     runs: list[dict[str, Any]] = []
     try:
@@ -151,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "AWS_CONFIG_FILE": "/nonexistent",
             "FASTLOAD_BENCH_DOWNLOADS": str(args.workdir),
             "FASTLOAD_DISABLE_PROGRESS_BARS": "1",
+            "FASTLOAD_BENCH_HTTP": anonymous.endpoint,
         }
 
         def once(method: str) -> dict[str, Any]:
@@ -174,6 +187,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     finally:
         server.stop()
+        anonymous.stop()
         shutil.rmtree(root, ignore_errors=True)
     return {"runs": runs, "bytes": runs[0]["bytes"]}
 
@@ -188,17 +202,18 @@ def table(result: dict[str, Any], command: str, load: dict[str, Any]) -> str:
     lines = [
         f"A {result['bytes'] / GIB:.2f} GiB diffusers pipeline (bf16 weights, 7 files) from s3s-fs "
         "on 127.0.0.1; fresh process per run, round robin, medians; timed to the last page of "
-        "every weight touched. `x floor`: median / the ranged-GET floor's. `x download+diffusers`: "
-        "its median / this one (above 1: faster).",
+        "every weight touched. `x floor`: median / the ranged-GET floor's of the same protocol. "
+        "`x download+diffusers`: its median / this one (above 1: faster).",
         "",
         "| method | time s | peak RSS GiB | x floor | x download+diffusers |",
         "|---|---|---|---|---|",
     ]
     for m in [m for m in METHODS if m in med]:
+        base = FLOOR_HTTP if m in (FLOOR_HTTP, HTTP) and FLOOR_HTTP in med else FLOOR
         other = med.get("download+diffusers", float("nan"))
         lines.append(
             f"| {m} | {med[m]:.3f} ({min(times[m]):.3f}-{max(times[m]):.3f}) | "
-            f"{statistics.median(rss[m]) / GIB:.2f} | {med[m] / med[FLOOR]:.2f} | "
+            f"{statistics.median(rss[m]) / GIB:.2f} | {med[m] / med[base]:.2f} | "
             f"{other / med[m]:.2f} |"
         )
     lines += [
