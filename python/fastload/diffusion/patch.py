@@ -40,6 +40,7 @@ from fastload.core.plan.report import LoadReport
 from fastload.diffusion import pipeline, reads, remote_pipeline
 from fastload.diffusion.remote import is_remote
 from fastload.hf.patch import Patch
+from fastload.hf.remote_folders import lookup, not_served
 
 __all__ = [
     "diffusers_patched",
@@ -155,7 +156,8 @@ def _not_served(cls: type, name: Any, kwargs: dict[str, Any]) -> str | None:
     device_map = kwargs.get("device_map")
     if device_map is not None and _one_device(device_map) is None:
         return f"device_map={device_map!r} (fastload serves one device under the patch)"
-    shared = set(_SHARED) | ({"storage_options"} if is_remote(name) else set())
+    # a URL's own options: where to read it, and which ranks read it together
+    shared = set(_SHARED) | ({"storage_options", "process_group"} if is_remote(name) else set())
     fastload_only = sorted(set(kwargs) & set(OPTION_NAMES) - shared)
     if fastload_only:  # to diffusers, a config or __init__ argument
         return f"{fastload_only[0]}= (not an option of diffusers)"
@@ -248,6 +250,9 @@ def _from_pretrained(cls: type, pretrained_model_name_or_path: Any, **kwargs: An
             if not info:
                 return model
             return model, _loading_info(report)
+    remote = lookup(name)
+    if remote is not None:  # a pipeline's component: its folder has no weights
+        raise not_served(cls, remote, reason, "diffusers")
     if is_remote(name):  # diffusers' own loader cannot read object storage
         raise UnsupportedError(f"{cls.__name__}.from_pretrained({name!r}): {reason}")
     logger.warning(

@@ -150,6 +150,9 @@ def located(path: Any, options: LoadOptions, opts: DiffusersOptions) -> Iterator
         return
     if remote is not None and options.storage_options is None:
         options = dataclasses.replace(options, storage_options=remote.storage_options)
+    if remote is not None and remote.process_group is not None and not options.collective:
+        # a component of a pipeline's collective load (fastload.diffusion.remote_pipeline)
+        options = dataclasses.replace(options, process_group=remote.process_group)
     with tempfile.TemporaryDirectory(prefix="fastload-side-files-") as side:
         files = on_every_rank(
             options,

@@ -18,9 +18,15 @@ itself (``model_index.json``, scheduler configs, tokenizer files). So:
    transformers patch's own URL path (:mod:`fastload.hf.front`), the weights streamed from the
    store into the allocated tensors, never written to disk.
 
+With ``process_group=`` (taken by fastload, never passed to diffusers) the ranks of the group
+load the pipeline together: each fetches the small files itself, and each component, diffusers'
+and transformers' alike, is a collective load (:mod:`fastload.distributed`): each rank fetches
+about 1/N of the weights' bytes and receives the rest from the others.
+
 The directory is removed once the pipeline is built; the pipeline's ``_name_or_path`` is the URL.
-A component fastload does not serve raises (``UnsupportedError``): diffusers' own loaders cannot
-read object storage. Not served: custom pipeline code in the bucket, ``revision``.
+A component fastload does not serve raises (``UnsupportedError`` naming the component, its URL
+and why, :func:`fastload.hf.remote_folders.not_served`): diffusers' and transformers' own loaders
+cannot read object storage. Not served: custom pipeline code in the bucket, ``revision``.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from fastload.core.basics.errors import (
     FastloadFileNotFoundError,
     UnsupportedError,
 )
+from fastload.core.plan.load_options import LoadOptions
 from fastload.core.store.object_store import download_files, fetch_files, is_url, open_store
 from fastload.core.store.store_config import check_storage_options
 from fastload.diffusion import files as filesmod
+from fastload.distributed.group import on_every_rank
 from fastload.hf.front import _name_the_url
 from fastload.hf.remote_folders import serving
 
@@ -142,15 +150,29 @@ def load_pipeline(load: Any, cls: type, url: str, kwargs: dict[str, Any]) -> Any
     ``url`` fetched as the module's docstring says."""
     kwargs = dict(kwargs)
     storage = check_storage_options(kwargs.pop("storage_options", None), url)
+    group = kwargs.pop("process_group", None)
     for name in ("revision", "custom_pipeline", "custom_revision"):
         if kwargs.get(name) not in (None, "main"):
             raise UnsupportedError(
                 f"{url}: {name}={kwargs[name]!r} is not served for a pipeline in object storage"
             )
+    if group is not None and kwargs.get("device_map") is not None:
+        raise UnsupportedError(
+            f"{url}: process_group (a collective load) and device_map={kwargs['device_map']!r} "
+            "cannot be combined; load on one device, then move the pipeline (pipe.to(...))"
+        )
+    # a collective load's options (the group checked here, before anything is fetched): the
+    # small files are fetched on every rank alike, a failure on one raised on all
+    options = LoadOptions.create("from_pretrained", process_group=group)
     with tempfile.TemporaryDirectory(prefix="fastload-pipeline-") as tmp:
         try:
-            fetch_pipeline(url, Path(tmp), variant=kwargs.get("variant"), storage_options=storage)
-            with serving(tmp, url, storage):
+            on_every_rank(
+                options,
+                lambda: fetch_pipeline(
+                    url, Path(tmp), variant=kwargs.get("variant"), storage_options=storage
+                ),
+            )
+            with serving(tmp, url, storage, group):
                 pipe = load(cls, tmp, **kwargs)
         except FastloadError as e:
             _name_the_url(e, tmp, url.split("?", 1)[0].rstrip("/") + "/")
@@ -164,26 +186,61 @@ def _from_pretrained(cls: type, pretrained_model_name_or_path: Any, **kwargs: An
     if original is None:  # unpatched meanwhile: the class's own method is diffusers'
         return cls.from_pretrained(pretrained_model_name_or_path, **kwargs)  # type: ignore[attr-defined]
     if not is_url(pretrained_model_name_or_path):
+        if kwargs.get("process_group") is not None:  # diffusers would ignore it, with a warning
+            raise UnsupportedError(
+                f"{cls.__name__}.from_pretrained({pretrained_model_name_or_path!r}): "
+                "process_group= is served for a pipeline read from object storage (a URL) only; "
+                "each rank loads a local pipeline itself"
+            )
+        kwargs.pop("process_group", None)
         return original.__func__(cls, pretrained_model_name_or_path, **kwargs)
     return load_pipeline(original.__func__, cls, pretrained_model_name_or_path, kwargs)
 
 
+def _extract_init_dict(cls: type, /, config_dict: Any, **kwargs: Any) -> Any:
+    """diffusers' ``extract_init_dict`` with the components in the order of their names.
+
+    diffusers builds a pipeline's ``init_dict`` by iterating a set of names, so each process
+    loads the components in an order of its own (string hashes differ between processes); the
+    ranks of a collective load must load them in one order, each component's load being a
+    collective step of its own. The pipeline built is the same in any order."""
+    original = _original_extract
+    if original is None:  # unpatched meanwhile
+        from diffusers.configuration_utils import ConfigMixin
+
+        original = ConfigMixin.extract_init_dict
+    init_dict, unused, hidden = original.__func__(cls, config_dict, **kwargs)
+    return dict(sorted(init_dict.items())), unused, hidden
+
+
+_original_extract: Any = None  # DiffusionPipeline's extract_init_dict (bound), while patched
+_own_extract: Any = None  # the one DiffusionPipeline defines itself, if it does
+
+
 def install() -> None:
     """Routes ``DiffusionPipeline.from_pretrained`` of a URL through :func:`load_pipeline`
-    (other names go to the method it replaces, unchanged)."""
-    global _original
+    (other names go to the method it replaces, unchanged), its components loaded in the order of
+    their names (:func:`_extract_init_dict`)."""
+    global _original, _original_extract, _own_extract
     from diffusers import DiffusionPipeline
 
     if _original is None:
         _original = DiffusionPipeline.__dict__["from_pretrained"]
+        _original_extract = DiffusionPipeline.extract_init_dict
+        _own_extract = DiffusionPipeline.__dict__.get("extract_init_dict")
         DiffusionPipeline.from_pretrained = classmethod(_from_pretrained)  # type: ignore[assignment, arg-type]
+        setattr(DiffusionPipeline, "extract_init_dict", classmethod(_extract_init_dict))  # noqa: B010
 
 
 def uninstall() -> None:
-    """Puts back the ``DiffusionPipeline.from_pretrained`` :func:`install` replaced."""
-    global _original
+    """Puts back the ``DiffusionPipeline`` methods :func:`install` replaced."""
+    global _original, _original_extract, _own_extract
     from diffusers import DiffusionPipeline
 
     if _original is not None:
         DiffusionPipeline.from_pretrained = _original  # type: ignore[method-assign]
-        _original = None
+        if _own_extract is not None:
+            setattr(DiffusionPipeline, "extract_init_dict", _own_extract)  # noqa: B010
+        else:  # inherited again
+            delattr(DiffusionPipeline, "extract_init_dict")
+        _original, _original_extract, _own_extract = None, None, None

@@ -111,6 +111,9 @@ def load_hf(
         path = remote.url
         if options.storage_options is None:
             options = dataclasses.replace(options, storage_options=remote.storage_options)
+        if remote.process_group is not None and not options.collective:
+            # the pipeline's collective load: each rank fetches about 1/N of this component
+            options = dataclasses.replace(options, process_group=remote.process_group)
     resolved = None
     # a checkpoint in object storage: its config files are fetched into a directory of their
     # own, removed once the load is over (its generation config is read at the end)

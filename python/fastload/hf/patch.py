@@ -15,7 +15,9 @@ patched load is in :data:`last_report` and logged at INFO level on the ``fastloa
 globals describe the latest patched call, never an earlier one: a call left to transformers sets
 :data:`last_report` to ``None`` and :data:`last_fallback` to the reason (also logged), a call
 fastload serves sets :data:`last_fallback` to ``None``, and a call whose load by fastload raises
-leaves both ``None``.
+leaves both ``None``. A component of a pipeline read from object storage
+(:mod:`fastload.hf.remote_folders`) is never left to transformers, which cannot read it:
+its call raises ``UnsupportedError`` naming the component, its URL and why.
 """
 
 from __future__ import annotations
@@ -171,6 +173,11 @@ def _from_pretrained(
             )
             last_report = report  # only once the call cannot raise any more
             return (model, loading_info) if info else model
+    from fastload.hf.remote_folders import lookup, not_served
+
+    remote = lookup(pretrained_model_name_or_path)
+    if remote is not None:  # a pipeline's component in object storage: its folder has no weights
+        raise not_served(cls, remote, reason, "transformers")
     logger.warning(
         "fastload: %s.from_pretrained(%r) is left to transformers: %s",
         cls.__name__,
