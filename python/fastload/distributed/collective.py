@@ -7,9 +7,11 @@ boundaries, and the chunks are dealt to the ranks in contiguous, balanced runs
 (:func:`deal`). Each rank reads only its own chunks, with positioned reads of exactly those
 bytes (no mapping, no read-ahead of the whole file), and broadcasts each one to the group in
 file order; every rank copies what it needs out of every chunk into its destinations. A rank's
-helper thread reads its next chunks while the group exchanges earlier ones, and staging stays
-bounded (a few chunks, plus the tensors that must be whole before they are converted or
-sliced).
+helper thread reads its next chunks while the group exchanges earlier ones. The bytes go
+straight where they belong on every rank (:mod:`fastload.distributed.landings`: a rank's own
+tensors, or the assembly of a tensor that must be whole before it is converted or sliced), and
+no chunk buffer holds them on their way (a local file's chunks are read into a few buffers:
+``O_DIRECT`` needs aligned memory).
 
 Each rank ends with exactly the tensors a single-process load gives it (its shards, under a
 tensor-parallel plan). The ranks may read different paths (each node's local copy of one
@@ -36,7 +38,6 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.basics.dtypes import to_st, to_torch
 from fastload.core.basics.errors import (
     CheckpointError,
     RequestError,
@@ -46,6 +47,16 @@ from fastload.core.checkpoint.opened import OpenCheckpoint, StoredTensor
 from fastload.distributed.destinations import check_destination
 from fastload.distributed.file_reads import PAGE, Chunk, FileReader
 from fastload.distributed.group import RankGroup, abandon, agree_on_plan, together
+from fastload.distributed.landings import (
+    SMALL_PIECE,
+    Piece,
+    Target,
+    pieces,
+    put,
+    scatter,
+    settle,
+    take,
+)
 from fastload.distributed.needs import Routes, need_of, pack, size, unpack
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
@@ -135,34 +146,6 @@ def pages(chunks: Sequence[Chunk]) -> int:
 
 
 @dataclass
-class _Target:
-    """A stored tensor the load needs, its place in its file, and the copies it feeds."""
-
-    stored: StoredTensor
-    start: int
-    fills: list[tuple[torch.Tensor, list[int] | None]] = field(default_factory=list)
-    whole: torch.Tensor | None = None  # assembled bytes, when a fill needs the whole tensor
-    received: int = 0
-
-    @property
-    def direct(self) -> torch.Tensor | None:
-        """The one destination the bytes can go to as they arrive: contiguous, on the CPU, the
-        stored dtype, the whole tensor."""
-        if len(self.fills) != 1:
-            return None
-        dest, selection = self.fills[0]
-        if (
-            selection is None
-            and dest.device.type == "cpu"
-            and dest.is_contiguous()
-            and to_st(dest.dtype) == self.stored.st_dtype
-            and dest.numel() * dest.element_size() == self.stored.nbytes
-        ):
-            return dest.view(-1).view(torch.uint8)
-        return None
-
-
-@dataclass
 class Exchange:
     """What one collective read did: bytes this rank read from storage (whole pages of a local
     file, exactly its chunks' bytes from object storage) and bytes it received from the
@@ -220,11 +203,11 @@ def read_collectively(
                 f"{file.path}: a collective load reads safetensors files from storage; load a "
                 "pickle checkpoint or a state dict on each rank without process_group"
             )
-    targets: dict[str, _Target] = {}
+    targets: dict[str, Target] = {}
     for name, dest, selection in fills:
         stored = ckpt.tensors[name]
         base = ckpt.files[stored.file].data_start  # type: ignore[union-attr]
-        target = targets.setdefault(name, _Target(stored, base + stored.begin))
+        target = targets.setdefault(name, Target(stored, base + stored.begin))
         target.fills.append((dest, selection))
     ordered = sorted(targets.values(), key=lambda t: (t.stored.file, t.start))
     extents = [
@@ -246,7 +229,7 @@ def read_collectively(
             "collective load: the ranks planned different reads (their models, options or "
             "checkpoints differ); every rank must load the same model the same way"
         )
-    by_file: dict[int, list[_Target]] = {}
+    by_file: dict[int, list[Target]] = {}
     for t in ordered:
         by_file.setdefault(t.stored.file, []).append(t)
     # what each rank keeps of each tensor: a chunk goes to each rank as those bytes only
@@ -265,7 +248,9 @@ def read_collectively(
     if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
         result.storage_bytes = sum(c.nbytes for c in mine)
         owned = [(c.file, c.start, c.stop) for c in mine]
-        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads)
+        # on the CPU, each chunk is fetched straight into the tensors it belongs to
+        land = partial(_pieces, by_file) if group.device.type == "cpu" else None
+        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land)
     else:
         result.storage_bytes = pages(mine)
         reader = FileReader(ckpt, mine, group.device, threads)
@@ -277,11 +262,17 @@ def read_collectively(
     return result
 
 
+def _pieces(
+    by_file: dict[int, list[Target]], file: int, start: int, stop: int
+) -> list[Piece] | None:
+    return pieces(start, stop, by_file.get(file, ()))
+
+
 def _exchange(
     group: RankGroup,
     chunks: Sequence[Chunk],
     reader: FileReader | ObjectReader,
-    by_file: dict[int, list[_Target]],
+    by_file: dict[int, list[Target]],
     routes: Routes,
     progress: _core.Progress | None = None,
 ) -> int:
@@ -290,15 +281,22 @@ def _exchange(
     the bytes this rank received. The owner first sends whether it has the chunk: a rank that
     could not read its chunk stops every rank (one error naming it and the cause:
     :func:`~fastload.distributed.group.together`), none is left waiting for a chunk that will
-    not come."""
-    spare = torch.empty(
-        max((c.nbytes for c in chunks), default=0), dtype=torch.uint8, device=group.device
-    )
+    not come.
+
+    On the CPU a chunk's bytes travel straight from and to where they land on each rank
+    (:mod:`fastload.distributed.landings`): the owner's fetched chunk is there already (object
+    storage) or copied there from its read buffer (a local file), and the others receive them
+    there; only a chunk that the tensors do not cover end to end goes through a buffer."""
+    spare: torch.Tensor | None = None
     status = torch.zeros(1, dtype=torch.int32, device=group.device)
     received = 0
+    on_cpu = group.device.type == "cpu"
+    lands = getattr(reader, "lands", False)
     for index, chunk in enumerate(chunks):
-        buffer, failure = spare[: chunk.nbytes], None
-        if chunk.owner == group.rank:
+        mine = chunk.owner == group.rank
+        parts = _pieces(by_file, chunk.file, chunk.start, chunk.stop) if on_cpu else None
+        buffer, failure = None, None
+        if mine:
             try:
                 buffer = reader.next()
             except Exception as e:  # the others must hear of it
@@ -307,74 +305,93 @@ def _exchange(
         group.broadcast(status, chunk.owner)
         if status.item():
             together(group, partial(_raise, failure), "reading its share of the checkpoint")
-        if routes.broadcast(chunk.file, chunk.start, chunk.stop):
-            group.broadcast(buffer, chunk.owner)
-            received += chunk.nbytes if chunk.owner != group.rank else 0
-        elif chunk.owner == group.rank:
-            sends = {
-                r: routes.of(r, chunk.file, chunk.start, chunk.stop)
-                for r in range(group.world_size)
-                if r != group.rank
-            }
-            group.send_each({r: pack(buffer, rs) for r, rs in sends.items() if rs}, tag=index)
+        if parts is None:  # through a buffer
+            if buffer is None:
+                if spare is None:
+                    spare = torch.empty(
+                        max(c.nbytes for c in chunks), dtype=torch.uint8, device=group.device
+                    )
+                buffer = spare[: chunk.nbytes]
+            received += _move(group, index, chunk, buffer, routes)
+            scatter(chunk.start, chunk.stop, buffer, by_file.get(chunk.file, ()))
         else:
-            ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
-            if ranges:
-                packed = torch.empty(size(ranges), dtype=torch.uint8, device=group.device)
-                group.receive(packed, chunk.owner, tag=index)
-                unpack(packed, buffer, ranges)
-                received += packed.numel()
-        # (bytes this rank does not keep are left as they were in the spare buffer: only the
-        # kept ones are read out of the assembled tensors)
-        _scatter(chunk, buffer, by_file.get(chunk.file, ()))
+            if mine and not lands:  # the bytes are in the read buffer: to their places first
+                assert buffer is not None
+                for lo, hi, target in parts:
+                    target.land(lo, hi).copy_(buffer[lo - chunk.start : hi - chunk.start])
+            received += _move_landed(group, index, chunk, parts, routes)
+            settle(parts)
         if progress is not None:
             progress.add(chunk.nbytes)
-        if chunk.owner == group.rank:
+        if mine and buffer is not None:
             reader.release(buffer)
     return received
+
+
+def _move(group: RankGroup, index: int, chunk: Chunk, buffer: torch.Tensor, routes: Routes) -> int:
+    """Chunk ``index`` from its owner's ``buffer`` into the others'; the bytes received."""
+    mine = chunk.owner == group.rank
+    if routes.broadcast(chunk.file, chunk.start, chunk.stop):
+        group.broadcast(buffer, chunk.owner)
+        return 0 if mine else chunk.nbytes
+    if mine:
+        sends = {
+            r: routes.of(r, chunk.file, chunk.start, chunk.stop)
+            for r in range(group.world_size)
+            if r != group.rank
+        }
+        group.send_each({r: pack(buffer, rs) for r, rs in sends.items() if rs}, tag=index)
+        return 0
+    # (bytes this rank does not keep are left as they were in the buffer: only the kept ones
+    # are read out of the assembled tensors)
+    ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
+    if not ranges:
+        return 0
+    packed = torch.empty(size(ranges), dtype=torch.uint8, device=group.device)
+    group.receive(packed, chunk.owner, tag=index)
+    unpack(packed, buffer, ranges)
+    return packed.numel()
+
+
+def _move_landed(
+    group: RankGroup, index: int, chunk: Chunk, parts: Sequence[Piece], routes: Routes
+) -> int:
+    """Chunk ``index`` from where its bytes landed on its owner to where they land on the
+    others: each large piece its own message, the small ones packed into one; under a
+    tensor-parallel plan each rank gets only its ranges, packed. The bytes received."""
+    mine, base = chunk.owner == group.rank, chunk.start
+    if routes.broadcast(chunk.file, chunk.start, chunk.stop):
+        small = []
+        for lo, hi, target in parts:
+            if hi - lo >= SMALL_PIECE:
+                group.broadcast(target.land(lo, hi), chunk.owner)
+            else:
+                small.append((lo - base, hi - base))
+        if small:
+            packed = (
+                take(parts, base, small) if mine else torch.empty(size(small), dtype=torch.uint8)
+            )
+            group.broadcast(packed, chunk.owner)
+            if not mine:
+                put(parts, base, small, packed)
+        return 0 if mine else chunk.nbytes
+    if mine:
+        sends = {
+            r: routes.of(r, chunk.file, chunk.start, chunk.stop)
+            for r in range(group.world_size)
+            if r != group.rank
+        }
+        group.send_each({r: take(parts, base, rs) for r, rs in sends.items() if rs}, tag=index)
+        return 0
+    ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
+    if not ranges:
+        return 0
+    packed = torch.empty(size(ranges), dtype=torch.uint8)
+    group.receive(packed, chunk.owner, tag=index)
+    put(parts, base, ranges, packed)
+    return packed.numel()
 
 
 def _raise(failure: BaseException | None) -> None:
     if failure is not None:
         raise failure
-
-
-def _scatter(chunk: Chunk, buffer: torch.Tensor, targets: Sequence[_Target]) -> None:
-    data = buffer.to("cpu") if buffer.device.type != "cpu" else buffer
-    for target in targets:
-        t_start, t_stop = target.start, target.start + target.stored.nbytes
-        lo, hi = max(t_start, chunk.start), min(t_stop, chunk.stop)
-        if lo >= hi:
-            continue
-        part = data[lo - chunk.start : hi - chunk.start]
-        direct = target.direct
-        if direct is not None:
-            direct[lo - t_start : hi - t_start].copy_(part)
-        else:
-            if target.whole is None:
-                target.whole = torch.empty(target.stored.nbytes, dtype=torch.uint8)
-            target.whole[lo - t_start : hi - t_start].copy_(part)
-        target.received += hi - lo
-        if target.received == target.stored.nbytes and target.whole is not None:
-            _finish(target)
-
-
-def _finish(target: _Target) -> None:
-    """Copies an assembled stored tensor into each destination (its selection, converted to the
-    destination's dtype), then drops it."""
-    stored = target.stored
-    assert target.whole is not None
-    dtype = to_torch(stored.st_dtype, where=f"tensor {stored.name!r}")
-    source = target.whole.view(dtype).view(stored.torch_shape)
-    for dest, selection in target.fills:
-        part = source
-        if hasattr(selection, "take"):  # a richer selection (several ranges of one dimension)
-            part = selection.take(source)
-        elif selection is not None and len(selection) == 2:
-            part = source.reshape(-1)[selection[0] : selection[1]]
-        elif selection is not None:
-            dim, start, stop = selection
-            part = source.narrow(dim, start, stop - start)
-        with torch.no_grad():
-            dest.copy_(part.reshape(dest.shape))
-    target.whole = None

@@ -11,13 +11,14 @@ local one is (:func:`fastload.distributed.collective.read_collectively`), with t
   ranks' links to the store are busy at once (:func:`deal_objects`).
 * A chunk is fetched by the engine's copy, the path a single-process load from object storage
   takes (parallel ranged GETs pinned to the version opened, their bytes written as they arrive,
-  the GIL released), into the chunk's buffer: each tensor's part of the chunk is one copy job
-  of that tensor's elements (:class:`ObjectReader`).
+  the GIL released), straight where the bytes land (the rank's tensors or their assembly,
+  :mod:`fastload.distributed.landings`; into a chunk buffer on a CUDA group): each tensor's part
+  of the chunk is one copy job of that tensor's elements (:class:`ObjectReader`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from fastload import _core
 from fastload.core.basics.engine import copy_into
 from fastload.core.basics.errors import LoadCancelledError
+from fastload.distributed.landings import Piece
 from fastload.distributed.read_ahead import ReadAhead
 
 #: bytes of one chunk from object storage (smaller when the checkpoint is small)
@@ -111,11 +113,34 @@ def chunk_jobs(
     return items
 
 
+def landed_jobs(parts: Sequence[Piece]) -> list[tuple[str, torch.Tensor, str, list[int] | None]]:
+    """The engine's copy items that fetch each piece of a chunk where it lands."""
+    bits = _core.dtype_bits()
+    items: list[tuple[str, torch.Tensor, str, list[int] | None]] = []
+    for lo, hi, target in parts:
+        stored, t_start = target.stored, target.start
+        dest = target.land(lo, hi)
+        if (lo, hi) == (t_start, t_start + stored.nbytes):
+            items.append((stored.name, dest, stored.st_dtype, None))
+        else:  # a part of the tensor: its elements (chunks are cut between elements)
+            item = bits[stored.st_dtype] // 8
+            items.append(
+                (
+                    stored.name,
+                    dest,
+                    stored.st_dtype,
+                    [(lo - t_start) // item, (hi - t_start) // item],
+                )
+            )
+    return items
+
+
 class ObjectReader(ReadAhead):
     """Fetches this rank's chunks in order on a helper thread, at most
     :data:`OBJECT_READ_AHEAD` ahead of the exchange, each with the engine's parallel ranged GETs
-    into a chunk buffer. A failure is handed to the exchange (:meth:`next` raises it), which
-    tells the other ranks; leaving the ``with`` block cancels a fetch under way."""
+    where its bytes land (``land``), else into a chunk buffer. A failure is handed to the
+    exchange (:meth:`next` raises it), which tells the other ranks; leaving the ``with`` block
+    cancels a fetch under way."""
 
     thread_name = "fastload-fleet"
 
@@ -126,17 +151,27 @@ class ObjectReader(ReadAhead):
         chunks: Sequence[tuple[int, int, int]],
         device: torch.device,
         threads: int | None,
+        land: Callable[[int, int, int], Sequence[Piece] | None] | None = None,
     ) -> None:
         self.files = files
+        #: where each chunk's bytes go (:func:`fastload.distributed.landings.pieces`): with it,
+        #: chunks are fetched there and the read-ahead holds no buffers
+        self.land = land
+        self.lands = land is not None
         self.extents = extents
         self.chunks = list(chunks)
         self.threads = threads
         self.progress = _core.Progress()
-        size = max((b - a for _, a, b in self.chunks), default=0)
+        size = 0 if self.lands else max((b - a for _, a, b in self.chunks), default=0)
         super().__init__(len(self.chunks), size, OBJECT_READ_AHEAD, device)
 
     def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
         file, start, stop = self.chunks[index]
+        parts = self.land(file, start, stop) if self.land is not None else None
+        if parts is not None:  # straight into the tensors; ``buffer`` is an empty token
+            items = landed_jobs(parts)
+            copy_into(self.files[file], items, self.threads, self.progress)
+            return buffer
         view = buffer[: stop - start]
         items = chunk_jobs(self.extents, file, start, stop, view)
         copy_into(self.files[file], items, self.threads, self.progress)
