@@ -134,7 +134,8 @@ def _load_dtypes(
 
 
 def _component_files(name: Any, kwargs: dict[str, Any]) -> list[tuple[str, list[Path]]]:
-    """:func:`pipeline_files` by component: ``(component, its files)`` in diffusers' order."""
+    """:func:`pipeline_files` by component: ``(component, its files)`` in the order of their
+    names, the order they load in under the patch."""
     if not isinstance(name, (str, os.PathLike)) or any(kwargs.get(k) for k in _NOT_SERVED):
         return []
     if kwargs.get("use_safetensors") is False or kwargs.get("custom_pipeline") is not None:
@@ -155,7 +156,9 @@ def _component_files(name: Any, kwargs: dict[str, Any]) -> list[tuple[str, list[
         return []
     out: list[tuple[str, list[Path]]] = []
     seen: set[Path] = set()
-    for component, value in config.items():
+    # the order the components load in under the patch: their names'
+    # (fastload.diffusion.remote_pipeline; diffusers alone iterates a set)
+    for component, value in sorted(config.items()):
         if component.startswith("_") or not isinstance(value, (list, tuple)) or len(value) != 2:
             continue
         if value[0] is None or component in kwargs or not (root / component).is_dir():
