@@ -35,12 +35,16 @@ if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
 from http_store import HttpStore  # noqa: E402
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server  # noqa: E402
-from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks  # noqa: E402
+from s3_server import S3Server, counting_proxies  # noqa: E402
+from s3_server import patient_options as _options  # noqa: E402
+from spawn_ranks import (  # noqa: E402
+    free_port,
+    init_store_rank,
+    leave_group,
+    rank_results,
+    run_ranks,
+)
 
-#: no retries (a retried range would be counted twice at a proxy), no time limit a busy machine
-#: can reach
-PATIENT = {"max_retries": "0", "connect_timeout": "60s", "timeout": "600s"}
 UNET = {
     "block_out_channels": (64, 128),
     "norm_num_groups": 8,
@@ -53,16 +57,6 @@ UNET = {
     "layers_per_block": 1,
     "sample_size": 8,
 }
-
-
-def _options(endpoint: str) -> dict[str, str]:
-    return {
-        "aws_endpoint": endpoint,
-        "aws_region": REGION,
-        "aws_access_key_id": ACCESS_KEY,
-        "aws_secret_access_key": SECRET_KEY,
-        **PATIENT,
-    }
 
 
 def _digests(model: torch.nn.Module) -> dict[str, str]:
@@ -134,9 +128,8 @@ def bucket(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture
 def proxy(bucket):
-    p = FaultProxy(bucket[0].port)
-    yield p
-    p.close()
+    with counting_proxies(bucket[0].port, 1) as (p,):
+        yield p
 
 
 @pytest.mark.parametrize(
@@ -365,8 +358,7 @@ def test_two_ranks_each_fetch_about_half_and_get_the_single_load(bucket, tmp_pat
         pytest.skip("torch.distributed with gloo is not available")
     s3, _, local = bucket
     single = _digests(fastload.from_pretrained(diffusers.UNet2DConditionModel, local / "sharded"))
-    proxies = [FaultProxy(s3.port) for _ in range(2)]
-    try:
+    with counting_proxies(s3.port, 2) as proxies:
         run_ranks(
             _rank,
             (2, free_port(), str(tmp_path), [p.endpoint for p in proxies]),
@@ -374,11 +366,7 @@ def test_two_ranks_each_fetch_about_half_and_get_the_single_load(bucket, tmp_pat
             timeout_s=300,
             what="diffusers",
         )
-    finally:
-        for p in proxies:
-            p.close()
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, got in enumerate(rank_results(tmp_path, 2)):
         assert got.get("digests") == single, (r, got.get("error"))
     total = _shard_bytes(local / "sharded")
     fetched = [p.sent for p in proxies]

@@ -33,24 +33,18 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server  # noqa: E402
-from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks  # noqa: E402
+from s3_server import S3Server, counting_proxies  # noqa: E402
+from s3_server import patient_options as _options  # noqa: E402
+from spawn_ranks import (  # noqa: E402
+    free_port,
+    init_store_rank,
+    leave_group,
+    rank_results,
+    run_ranks,
+)
 
-#: no retries (a retried range would be counted twice at a proxy), no time limit a busy machine
-#: can reach
-PATIENT = {"max_retries": "0", "connect_timeout": "60s", "timeout": "600s"}
 #: the components whose weights the ranks share
 MODELS = ("text_encoder", "unet", "vae")
-
-
-def _options(endpoint: str) -> dict[str, str]:
-    return {
-        "aws_endpoint": endpoint,
-        "aws_region": REGION,
-        "aws_access_key_id": ACCESS_KEY,
-        "aws_secret_access_key": SECRET_KEY,
-        **PATIENT,
-    }
 
 
 def _digests(pipe: Any) -> dict[str, Any]:
@@ -154,8 +148,7 @@ def test_two_ranks_each_fetch_about_half_of_a_pipeline_and_get_the_single_load(
         pytest.skip("torch.distributed with gloo is not available")
     s3, local = bucket
     single = _digests(diffusers.DiffusionPipeline.from_pretrained(local / "big"))
-    proxies = [FaultProxy(s3.port) for _ in range(2)]
-    try:
+    with counting_proxies(s3.port, 2) as proxies:
         run_ranks(
             _rank,
             (2, free_port(), str(tmp_path), [p.endpoint for p in proxies] + [s3.endpoint]),
@@ -163,11 +156,7 @@ def test_two_ranks_each_fetch_about_half_of_a_pipeline_and_get_the_single_load(
             timeout_s=300,
             what="diffusers pipeline",
         )
-    finally:
-        for p in proxies:
-            p.close()
-    for r in range(2):
-        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+    for r, got in enumerate(rank_results(tmp_path, 2)):
         assert got.get("digests") == single, (r, got.get("error"))
         assert got["name"] == "s3://models/big/"
         assert got["unet"] == {k: v for k, v in single.items() if k.startswith("unet")}
@@ -187,8 +176,7 @@ def test_a_text_encoder_fastload_does_not_serve_is_named_not_left_to_transformer
 ) -> None:
     """transformers' own loader would see the pipeline's temporary folder, without weights."""
     s3, _ = bucket
-    proxy = FaultProxy(s3.port)
-    try:
+    with counting_proxies(s3.port, 1) as (proxy,):
         with fastload.patch_diffusers(), pytest.raises(UnsupportedError) as caught:
             diffusers.DiffusionPipeline.from_pretrained(
                 "s3://models/quantized/", storage_options=_options(proxy.endpoint)
@@ -201,8 +189,6 @@ def test_a_text_encoder_fastload_does_not_serve_is_named_not_left_to_transformer
         assert "fastload-pipeline-" not in text, text  # the temporary folder is not named
         # refused from its config: not one byte of its weights was fetched
         assert proxy.sent < 256 << 10, proxy.sent
-    finally:
-        proxy.close()
     assert not fastload.diffusers_patched()
 
 
@@ -215,8 +201,7 @@ def test_process_group_for_a_local_pipeline_is_refused_by_name(bucket) -> None:
 
 def test_process_group_with_a_device_map_is_refused_before_anything_is_fetched(bucket) -> None:
     s3, _ = bucket
-    proxy = FaultProxy(s3.port)
-    try:
+    with counting_proxies(s3.port, 1) as (proxy,):
         with fastload.patch_diffusers(), pytest.raises(UnsupportedError, match="device_map"):
             diffusers.DiffusionPipeline.from_pretrained(
                 "s3://models/big/",
@@ -225,5 +210,3 @@ def test_process_group_with_a_device_map_is_refused_before_anything_is_fetched(b
                 device_map="balanced",
             )
         assert proxy.sent == 0
-    finally:
-        proxy.close()

@@ -24,8 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from s3_server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy, S3Server
-from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks
+from s3_server import SECRET_KEY, FaultProxy, S3Server, counting_proxies
+from s3_server import patient_options as _options
+from spawn_ranks import free_port, init_store_rank, leave_group, rank_results, run_ranks
 
 import fastload
 from fastload.distributed.object_reads import deal_objects
@@ -42,20 +43,9 @@ CONFIG = {
     "num_key_value_heads": 4,
     "vocab_size": 16384,
 }
-#: no retries (a fault is an error at once, and no range is counted twice at the proxies), and no
-#: time limit a busy machine can reach: every fault here is refused at once (a closed port, a
-#: wrong key, another revision) or ends a rank, never a slow response
-PATIENT = {"max_retries": "0", "connect_timeout": "60s", "timeout": "600s"}
-
-
-def _options(endpoint: str, secret: str = SECRET_KEY) -> dict[str, str]:
-    return {
-        "aws_endpoint": endpoint,
-        "aws_region": REGION,
-        "aws_access_key_id": ACCESS_KEY,
-        "aws_secret_access_key": secret,
-        **PATIENT,
-    }
+# _options: no retries (a fault is an error at once, and no range is counted twice at the
+# proxies), and no time limit a busy machine can reach: every fault here is refused at once (a
+# closed port, a wrong key, another revision) or ends a rank, never a slow response
 
 
 def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -154,7 +144,7 @@ def _spawn(tmp: Path, world: int, plan: list[dict[str, Any]]) -> list[dict[str, 
         pytest.skip("torch.distributed with gloo is not available")
     run_ranks(_rank, (world, free_port(), str(tmp), plan), world=world, timeout_s=TIMEOUT_S,
               what="fleet")  # fmt: skip
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(world)]
+    return rank_results(tmp, world)
 
 
 def _step(name: str, kind: str, world: int, url: str, proxies: list[FaultProxy], **per_rank: Any):
@@ -173,12 +163,8 @@ def test_each_rank_fetches_about_its_share_from_the_bucket_and_gets_the_single_p
     bucket, tmp_path: Path, world: int
 ) -> None:
     s3, urls, expected, _ = bucket
-    proxies = [FaultProxy(s3.port) for _ in range(world)]
-    try:
+    with counting_proxies(s3.port, world) as proxies:
         ranks = _spawn(tmp_path, world, [_step("full", "full", world, urls["one"], proxies)])
-    finally:
-        for p in proxies:
-            p.close()
     total = expected["sizes"]["one"]
     for rank, got in enumerate(ranks):
         assert got["full"].get("digests") == expected["one"], (rank, got["full"].get("error"))
@@ -361,7 +347,7 @@ def test_a_local_read_failing_on_one_rank_stops_every_rank_naming_it(
     mine = {"url": str(shard.parent), "endpoint": "", "secret": ""}
     plan = [{"name": "disk", "kind": "local", "ranks": [mine, mine]}]
     _spawn_faulty(_failing_disk_rank, tmp_path, plan)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(tmp_path, 2)
     errors = [got["disk"].get("error") for got in ranks]
     assert errors[0] is not None and errors[0] == errors[1], errors
     assert "reading its share of the checkpoint failed on rank 1" in errors[0]
@@ -396,7 +382,7 @@ def test_a_rank_failing_while_planning_stops_every_rank_naming_it(bucket, tmp_pa
         sent = [p.sent for p in proxies]
         for p in proxies:
             p.close()
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = rank_results(tmp_path, 2)
     errors = [got["plan"].get("error") for got in ranks]
     assert errors[0] is not None and errors[0] == errors[1], errors
     assert "planning the load failed on rank 1" in errors[0], errors

@@ -25,7 +25,8 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,21 @@ import pytest
 ACCESS_KEY = "fastload-test-key"
 SECRET_KEY = "fastload-test-secret"
 REGION = "us-east-1"
+#: no retries (a retried range would be counted twice at a proxy), no time limit a busy machine
+#: can reach
+PATIENT = {"max_retries": "0", "connect_timeout": "60s", "timeout": "600s"}
+
+
+def patient_options(endpoint: str, secret: str = SECRET_KEY) -> dict[str, str]:
+    """``storage_options`` reaching the test server (or a proxy) at ``endpoint``, with
+    :data:`PATIENT`'s settings (``secret``: a wrong one, to be denied)."""
+    return {
+        "aws_endpoint": endpoint,
+        "aws_region": REGION,
+        "aws_access_key_id": ACCESS_KEY,
+        "aws_secret_access_key": secret,
+        **PATIENT,
+    }
 
 
 def server_binary() -> str | None:
@@ -334,6 +350,18 @@ class FaultProxy:
     def close(self) -> None:
         self.closed = True
         _close(self.listener)
+
+
+@contextmanager
+def counting_proxies(port: int, count: int) -> Iterator[list[FaultProxy]]:
+    """``count`` unarmed :class:`FaultProxy` in front of ``port`` (one per rank: what each rank
+    fetched is counted apart), closed on the way out."""
+    proxies = [FaultProxy(port) for _ in range(count)]
+    try:
+        yield proxies
+    finally:
+        for proxy in proxies:
+            proxy.close()
 
 
 def client_pid(port: int, server_port: int) -> int | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
@@ -32,6 +34,12 @@ def run_ranks(
         for process in context.processes:
             if process.is_alive():
                 process.kill()
+
+
+def rank_results(root: str | Path, world: int) -> list[dict[str, object]]:
+    """What each rank wrote to ``rank{r}.json`` under ``root`` (the ranks' way of answering a
+    test: a rank's exception is written there as ``error``, for the test to show)."""
+    return [json.loads((Path(root) / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def tcp_bytes_received(pid: int | None = None) -> int | None:

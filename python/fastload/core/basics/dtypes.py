@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from fastload.core.basics.errors import RequestError, UnsupportedError
@@ -116,3 +118,13 @@ def conversion_dtype(value: str | torch.dtype) -> torch.dtype:
             f"dtype must be a floating-point type (float32/float16/bfloat16/float64), got {want}"
         )
     return want
+
+
+def main_floating_dtype(sizes: Iterable[tuple[str, int]]) -> torch.dtype | None:
+    """The floating dtype holding the most bytes among ``(safetensors dtype, nbytes)`` pairs
+    (``None``: none is floating): what a checkpoint, or one file of it, is stored in."""
+    totals: dict[str, int] = {}
+    for st_dtype, nbytes in sizes:
+        if st_dtype in CONVERTIBLE:
+            totals[st_dtype] = totals.get(st_dtype, 0) + nbytes
+    return parse_dtype(max(totals, key=totals.__getitem__)) if totals else None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.basics.dtypes import CONVERTIBLE, parse_dtype, to_torch, torch_shape
+from fastload.core.basics.dtypes import main_floating_dtype, to_torch, torch_shape
 from fastload.core.basics.engine import READ_MODES, TensorFile
 from fastload.core.basics.errors import CheckpointError, FastloadIOError, RequestError
 from fastload.core.checkpoint.files import ATTEMPTS, CheckpointFiles, resolve
@@ -147,10 +147,4 @@ def build_table(
 def main_dtype(ckpt: OpenCheckpoint) -> torch.dtype | None:
     """The checkpoint's floating dtype holding the most bytes (``None``: none is floating), which
     the skeleton is built under unless a dtype is asked for."""
-    totals: dict[str, int] = {}
-    for t in ckpt.tensors.values():
-        if t.st_dtype in CONVERTIBLE:
-            totals[t.st_dtype] = totals.get(t.st_dtype, 0) + t.nbytes
-    if not totals:
-        return None
-    return parse_dtype(max(totals, key=lambda k: totals[k]))
+    return main_floating_dtype((t.st_dtype, t.nbytes) for t in ckpt.tensors.values())

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from fastload import _core
-from fastload.core.basics.dtypes import CONVERTIBLE, parse_dtype
+from fastload.core.basics.dtypes import main_floating_dtype
 from fastload.core.basics.progress import bar_wanted, open_bar
 from fastload.core.memory.budget import MemoryBudget, memory_budget
 from fastload.core.memory.sharing import SharedMapping, WarmUp, file_sharing
@@ -188,11 +188,9 @@ class LoadSession:
 
 def _stored_dtype(file: _core.SafetensorsFile) -> torch.dtype | None:
     """The floating dtype holding most of ``file``'s bytes (``None``: none is floating)."""
-    totals: dict[str, int] = {}
-    for _, st_dtype, _, begin, end in file.tensors():
-        if st_dtype in CONVERTIBLE:
-            totals[st_dtype] = totals.get(st_dtype, 0) + end - begin
-    return parse_dtype(max(totals, key=totals.__getitem__)) if totals else None
+    return main_floating_dtype(
+        (st_dtype, end - begin) for _, st_dtype, _, begin, end in file.tensors()
+    )
 
 
 class SessionPart:
