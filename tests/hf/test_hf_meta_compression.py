@@ -2,7 +2,9 @@
 (:mod:`fastload.hf.meta_compression`): the compressor's own ``compress`` is counted from
 outside the wrapping (the count is installed before the load wraps it), the model stays
 transformers' own (tests/hf/test_hf_quantized.py compares every format), and tensors with data
-pass through untouched."""
+pass through untouched. Fresh skeleton layers are not cleared of quantization parameters they do
+not hold (compressed-tensors' ``clear_all_qparams``, counted from outside the same way); a
+layer that holds some is cleared by compressed-tensors itself."""
 
 from __future__ import annotations
 
@@ -176,3 +178,131 @@ def test_a_compress_replaced_meanwhile_is_left_as_it_was_replaced() -> None:
         assert NaiveQuantizationCompressor.__dict__["compress"] is other
     finally:
         NaiveQuantizationCompressor.compress = before
+
+
+def test_subclassed_meta_tensors_go_to_the_compressor_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The memo reads shapes with torch's function modes off, so it keys plain tensors only:
+    a subclass (its own ``__torch_function__`` may answer otherwise) is compressed each time."""
+    from compressed_tensors.compressors import NaiveQuantizationCompressor
+
+    calls = _counted(monkeypatch, NaiveQuantizationCompressor)
+    compressor, scheme = _int8_channel()
+    state = {
+        "weight": torch.nn.Parameter(torch.empty(8, 16, device="meta")),
+        "weight_scale": torch.empty(8, 1, device="meta"),
+    }
+    with compress_once_per_kind() as memo:
+        for _ in range(2):
+            compressor.compress(dict(state), scheme)
+    assert memo is not None and (memo.calls, memo.runs) == (2, 2)
+    assert calls == [True, True]
+
+
+# --- compressed-tensors' clearing of quantization parameters (no_clearing_of_fresh_modules) ---
+
+
+def _counted_clearing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each call of compressed-tensors' own ``clear_all_qparams``: the module's class name."""
+    from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
+
+    calls: list[str] = []
+    function = QuantizationMetadata.__dict__["clear_all_qparams"].__func__
+
+    def clear_all_qparams(klass: type, module: torch.nn.Module) -> None:
+        calls.append(type(module).__name__)
+        function(klass, module)
+
+    monkeypatch.setattr(QuantizationMetadata, "clear_all_qparams", classmethod(clear_all_qparams))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [f for f in COMPRESSED_TENSORS_FORMATS if f[0] in ("int8", "int4-packed", "nvfp4")],
+    ids=lambda f: f[0],
+)
+def test_fresh_layers_of_the_skeleton_are_not_cleared(
+    fmt: tuple[str, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers' load clears each of the 14 quantized layers before initializing it; the
+    skeleton's hold nothing to clear, so fastload's load never calls the clearing (the model
+    is transformers' own: tests/hf/test_hf_quantized.py)."""
+    from transformers import AutoModelForCausalLM
+
+    name, scheme, form = fmt
+    directory = compressed_tensors_checkpoint(tmp_path, scheme, form)
+    calls = _counted_clearing(monkeypatch)
+    AutoModelForCausalLM.from_pretrained(directory)
+    assert calls == ["Linear"] * 14  # the count sees transformers' clearing
+    calls.clear()
+    model = fastload.from_pretrained(directory)
+    assert calls == []
+    assert sum(hasattr(m, "quantization_scheme") for m in model.modules()) == 14
+
+
+def _holding() -> torch.nn.Module:
+    """A Linear holding quantization parameters as a parameter, a buffer and an attribute."""
+    module = torch.nn.Linear(16, 8, device="meta")
+    module.register_parameter("weight_scale", torch.nn.Parameter(torch.ones(8, 1)))
+    module.register_buffer("weight_zero_point", torch.zeros(8, 1))
+    module.input_scale = torch.ones(1)
+    return module
+
+
+class _ClassScale(torch.nn.Linear):
+    """A layer whose class defines one of the cleared names (compressed-tensors' clearing
+    then fails to delete it)."""
+
+    output_scale = None
+
+
+def _state(module: torch.nn.Module) -> tuple[set[str], set[str], set[str]]:
+    return set(module._parameters), set(module._buffers), set(vars(module))
+
+
+def test_layers_holding_quantization_parameters_are_cleared_as_compressed_tensors_clears(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
+
+    from fastload.hf.meta_compression import no_clearing_of_fresh_modules
+
+    want = _holding()
+    QuantizationMetadata.clear_all_qparams(want)
+    assert "weight_scale" not in want._parameters and "input_scale" not in vars(want)
+    with pytest.raises(AttributeError) as raised:
+        QuantizationMetadata.clear_all_qparams(_ClassScale(16, 8))
+    calls = _counted_clearing(monkeypatch)
+    got = _holding()
+    with no_clearing_of_fresh_modules():
+        QuantizationMetadata.clear_all_qparams(got)
+        QuantizationMetadata.clear_all_qparams(torch.nn.Linear(16, 8))
+        with pytest.raises(AttributeError, match=str(raised.value)):
+            QuantizationMetadata.clear_all_qparams(_ClassScale(16, 8))
+    assert _state(got) == _state(want)
+    assert calls == ["Linear", "_ClassScale"]  # the fresh Linear alone is skipped
+
+
+def test_the_clearing_from_another_thread_and_after_the_block_is_compressed_tensors_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
+
+    from fastload.hf.meta_compression import no_clearing_of_fresh_modules
+
+    calls = _counted_clearing(monkeypatch)
+    counted = QuantizationMetadata.__dict__["clear_all_qparams"]
+    with no_clearing_of_fresh_modules():
+        assert QuantizationMetadata.__dict__["clear_all_qparams"] is not counted
+        worker = threading.Thread(
+            target=QuantizationMetadata.clear_all_qparams, args=(torch.nn.Linear(4, 4),)
+        )
+        worker.start()
+        worker.join()
+    assert QuantizationMetadata.__dict__["clear_all_qparams"] is counted
+    QuantizationMetadata.clear_all_qparams(torch.nn.Linear(4, 4))
+    assert calls == ["Linear", "Linear"]

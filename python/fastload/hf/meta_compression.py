@@ -1,4 +1,5 @@
-"""compressed-tensors' compression of the meta skeleton, run once per kind of layer.
+"""compressed-tensors' preprocessing of the meta skeleton: compression run once per kind of
+layer, no clearing of layers that hold nothing to clear.
 
 transformers' compressed-tensors quantizer gives the skeleton the compressed layout before any
 tensor is read: ``preprocess_model`` runs compressed-tensors' ``compress_model``, which runs each
@@ -15,19 +16,33 @@ of the same shapes, strides and dtypes, and the very input objects where the com
 an input through (``replace_direct_state_dict`` keeps those). Anything else (a tensor with data,
 an output not on meta) goes to the compressor as it is. The method stays compressed-tensors':
 what each layer holds is what its compressor said for the first layer of its kind.
+
+The block also spares two costs of compressed-tensors' per-layer bookkeeping that give nothing
+on a skeleton:
+
+* ``initialize_module_for_quantization`` first clears the quantization parameters a layer may
+  hold from an earlier quantization (``QuantizationMetadata.clear_all_qparams``: 14 ``hasattr``,
+  each under an onloading switch, a quarter of ``preprocess_model``); a fresh skeleton layer
+  holds none. Where a module plainly holds none of those names (a plain ``nn.Module`` lookup: its
+  own dicts and its class) the clearing is skipped; any other module goes to compressed-tensors'.
+* the memo's own look-ups (shapes, strides, new meta tensors) run with torch's function modes
+  off: ``preprocess_model`` runs under ``torch.device("meta")``, which adds a Python call to every
+  tensor attribute read; the memo creates only meta tensors, with the device named.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
-#: one preprocess at a time wraps the compressors (the wrapping is process-wide)
-_LOCK = threading.Lock()
+#: one preprocess at a time wraps compressed-tensors' classes (the wrapping is process-wide); the
+#: preprocess's own thread enters both blocks
+_LOCK = threading.RLock()
 
 #: what a compressor returned for one kind of layer: per output name, the input name it passed
 #: through, the (shape, stride, dtype) of a new meta tensor, or None (an absent bias)
@@ -40,7 +55,7 @@ def _signature(tensors: dict[str, Any]) -> tuple[Any, ...] | None:
     for name, tensor in tensors.items():
         if tensor is None:  # an absent bias
             signature.append((name,))
-        elif isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+        elif type(tensor) is torch.Tensor and tensor.device.type == "meta":  # no subclass
             signature.append((name, tuple(tensor.shape), tensor.stride(), tensor.dtype))
         else:
             return None
@@ -87,7 +102,8 @@ class _Memo:
             return function(cls, *args, **kwargs)  # not the load's call: as it is
         state_dict, scheme = args
         self.calls += 1
-        signature = _signature(state_dict) if isinstance(state_dict, dict) else None
+        with torch._C.DisableTorchFunction():  # reads of shapes and dtypes, not the meta mode's
+            signature = _signature(state_dict) if isinstance(state_dict, dict) else None
         key = None
         if signature is not None:
             try:
@@ -97,7 +113,8 @@ class _Memo:
         if key is not None and self.outcomes.get(key) is not None:
             outcome = self.outcomes[key]
             assert outcome is not None
-            return {name: _made(how, state_dict) for name, how in outcome.items()}
+            with torch._C.DisableTorchFunction():  # every tensor made names its device
+                return {name: _made(how, state_dict) for name, how in outcome.items()}
         self.runs += 1
         outputs = function(cls, state_dict, scheme)
         if key is not None:
@@ -133,25 +150,86 @@ def compress_once_per_kind() -> Iterator[_Memo | None]:
         yield None
         return
     memo = _Memo()
-    with _LOCK:
-        originals = {cls: cls.__dict__["compress"] for cls in classes}
-        wrappers = {cls: classmethod(_wrapped(memo, o.__func__)) for cls, o in originals.items()}
-        for cls, wrapper in wrappers.items():
-            cls.compress = wrapper  # type: ignore[attr-defined]
-        try:
-            yield memo
-        finally:
-            for cls, original in originals.items():
-                if cls.__dict__.get("compress") is wrappers[cls]:
-                    cls.compress = original  # type: ignore[attr-defined]
+    with _LOCK, _replaced({cls: ("compress", lambda f: _wrapped(memo, f)) for cls in classes}):
+        yield memo
+
+
+@contextmanager
+def no_clearing_of_fresh_modules() -> Iterator[None]:
+    """Within the block, compressed-tensors' ``QuantizationMetadata.clear_all_qparams`` returns
+    at once for a module that plainly holds none of the names it clears (the module's
+    docstring), when called from this thread; any other call goes to compressed-tensors' own.
+    Restored on leaving, as :func:`compress_once_per_kind` restores the compressors."""
+    try:
+        from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
+    except ImportError:
+        yield
+        return
+    if not isinstance(QuantizationMetadata.__dict__.get("clear_all_qparams"), classmethod):
+        yield  # another compressed-tensors than the one this was written for: as it is
+        return
+    owner = threading.get_ident()
+
+    def clear(function: Any) -> Any:
+        def clear_all_qparams(cls: type, module: Any, *args: Any, **kwargs: Any) -> Any:
+            if not args and not kwargs and threading.get_ident() == owner:
+                names = cls.all_qparam_names()  # type: ignore[attr-defined]
+                if _holds_none(module, names):
+                    return None
+            return function(cls, module, *args, **kwargs)
+
+        return clear_all_qparams
+
+    with _LOCK, _replaced({QuantizationMetadata: ("clear_all_qparams", clear)}):
+        yield
+
+
+def _holds_none(module: Any, names: list[str]) -> bool:
+    """Whether ``hasattr(module, name)`` is false for every name, told from the module's own
+    dicts and its class's as ``nn.Module`` looks attributes up; false where it cannot be told
+    so (a class with its own attribute look-up, dicts that an offloading cache replaced)."""
+    cls = type(module)
+    if not isinstance(module, nn.Module) or cls.__getattr__ is not nn.Module.__getattr__:
+        return False
+    if cls.__getattribute__ is not object.__getattribute__:
+        return False
+    own = module.__dict__
+    tables: list[Mapping[str, Any]] = [own]
+    for key in ("_parameters", "_buffers", "_modules"):
+        table = own.get(key)
+        if type(table) is not dict:
+            return False
+        tables.append(table)
+    tables.extend(vars(c) for c in cls.__mro__)  # class attributes, properties
+    return not any(name in table for table in tables for name in names)
+
+
+@contextmanager
+def _replaced(changes: dict[type, tuple[str, Any]]) -> Iterator[None]:
+    """Each class's classmethod ``name`` replaced by ``make(its function)`` inside the block; on
+    leaving, the original is put back where the replacement is still in place (something
+    else that replaced it meanwhile stays)."""
+    originals = {cls: cls.__dict__[name] for cls, (name, _) in changes.items()}
+    replacements: dict[type, classmethod[Any, Any, Any]] = {}
+    for cls, (name, make) in changes.items():
+        function = originals[cls].__func__
+        replacement = make(function)
+        replacement.__wrapped__ = function
+        replacements[cls] = classmethod(replacement)
+        setattr(cls, name, replacements[cls])
+    try:
+        yield
+    finally:
+        for cls, (name, _) in changes.items():
+            if cls.__dict__.get(name) is replacements[cls]:
+                setattr(cls, name, originals[cls])
 
 
 def _wrapped(memo: _Memo, function: Any) -> Any:
     def compress(cls: type, *args: Any, **kwargs: Any) -> Any:
         return memo.compress(function, cls, args, kwargs)
 
-    compress.__wrapped__ = function  # type: ignore[attr-defined]
     return compress
 
 
-__all__ = ["compress_once_per_kind"]
+__all__ = ["compress_once_per_kind", "no_clearing_of_fresh_modules"]

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch import nn
 
 from fastload.core.basics.errors import CheckpointError, FastloadError, UnsupportedError, also_as
 from fastload.hf.context import quantization_method
-from fastload.hf.meta_compression import compress_once_per_kind
+from fastload.hf.meta_compression import compress_once_per_kind, no_clearing_of_fresh_modules
 
 #: the ``quant_method`` values fastload reads itself (stored as they run, without a load
 #: operation, checked against transformers by tests/hf/test_hf_quantized.py, test_hf_gptq_awq.py
@@ -88,12 +88,16 @@ class Quantization:
 
     def preprocess(self, model: nn.Module, dtype: torch.dtype | None) -> None:
         """``preprocess_model`` on the skeleton (the module swaps), on the meta device as
-        transformers runs it; compressed-tensors' compressors run once per kind of layer
+        transformers runs it; compressed-tensors' compressors run once per kind of layer, and
+        its layers, fresh, are not cleared of quantization parameters they do not hold
         (:mod:`fastload.hf.meta_compression`)."""
         start = time.perf_counter()
-        once = compress_once_per_kind() if self.method == "compressed-tensors" else nullcontext()
         try:
-            with once, torch.device("meta"):
+            with ExitStack() as stack:
+                if self.method == "compressed-tensors":
+                    stack.enter_context(compress_once_per_kind())
+                    stack.enter_context(no_clearing_of_fresh_modules())
+                stack.enter_context(torch.device("meta"))
                 self.quantizer.preprocess_model(
                     model=model,
                     dtype=dtype,
