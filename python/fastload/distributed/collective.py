@@ -293,9 +293,9 @@ def _land(
     stop: int,
 ) -> list[Run] | None:
     """Where this rank, the owner of the chunk ``[start, stop)`` of ``file``, fetches its bytes
-    (:func:`~fastload.distributed.landings.landing`): those it keeps to their places, those only
-    others keep to a scratch buffer, sent on and freed with the chunk; none where no rank keeps
-    them. ``None``: the chunk goes through a buffer."""
+    (:func:`~fastload.distributed.landings.landing`): those it keeps to their places; those only
+    other ranks keep to a scratch buffer (each rank's together), sent on and freed with the
+    chunk; none where no rank keeps them. ``None``: the chunk goes through a buffer."""
     parts = pieces(start, stop, by_file.get(file, ()))
     if parts is None:
         return None
@@ -305,7 +305,7 @@ def _land(
         for ranges in _sends(group, routes, Chunk(file, start, stop, group.rank)).values():
             forward.append(without(ranges, sent))  # each rank's together: sent as one view
             sent = merged([*sent, *ranges])
-    return landing(parts, forward, start)
+    return landing(parts, [f for f in forward if f], start)
 
 
 def _exchange(
@@ -357,21 +357,38 @@ def _exchange(
             received += _move(group, index, chunk, buffer, routes)
             scatter(chunk.start, chunk.stop, buffer, by_file.get(chunk.file, ()))
         else:
-            if isinstance(got, Fetched):  # fetched where the bytes are held
-                kept = held = got.held
-            else:
-                kept = held = landing(parts)
-                if mine:  # the bytes are in the read buffer: to their places, sent from there
-                    for run in kept:
-                        run.view.copy_(got[run.lo - chunk.start : run.hi - chunk.start])
-                    held = [Run(chunk.start, chunk.stop, got, parts[0][2], kept=False)]
-            received += _move_landed(group, index, chunk, parts, held, routes, len(chunks))
-            settle(kept)
+            received += _land_chunk(group, index, chunk, parts, got, routes, len(chunks))
         if progress is not None:
             progress.add(chunk.nbytes)
         if mine and got is not None:
-            reader.release(got)
-        got = None  # the scratch of the bytes sent on goes now, not after the next chunk
+            reader.release(got)  # (its scratch goes with it)
+        got = None
+    return received
+
+
+def _land_chunk(
+    group: RankGroup,
+    index: int,
+    chunk: Chunk,
+    parts: Sequence[Piece],
+    got: Any,
+    routes: Routes,
+    count: int,
+) -> int:
+    """Chunk ``index`` (of ``count``; ``parts``: its pieces) moved where its bytes land on
+    every rank (:func:`_move_landed`), and counted as arrived there; ``got``: what the owner's
+    reader gave it (the bytes already where they are held, or its read buffer). The bytes
+    received."""
+    if isinstance(got, Fetched):  # fetched where the bytes are held
+        kept = held = got.held
+    else:
+        kept = held = landing(parts)
+        if got is not None:  # the owner's read buffer: to their places, sent from there
+            for run in kept:
+                run.view.copy_(got[run.lo - chunk.start : run.hi - chunk.start])
+            held = [Run(chunk.start, chunk.stop, got, parts[0][2], kept=False)]
+    received = _move_landed(group, index, chunk, parts, held, routes, count)
+    settle(kept)
     return received
 
 

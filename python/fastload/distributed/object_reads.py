@@ -190,7 +190,10 @@ class ObjectReader(ReadAhead):
         return view
 
     def release(self, got: torch.Tensor | Fetched) -> None:
-        super().release(got.token if isinstance(got, Fetched) else got)
+        if isinstance(got, Fetched):
+            got.held = []  # the chunk is sent: its scratch goes now
+            got = got.token
+        super().release(got)
 
     def _abandoned(self, error: BaseException) -> bool:
         return isinstance(error, LoadCancelledError)  # the exchange is over: nobody waits
