@@ -9,9 +9,10 @@ bytes (no mapping, no read-ahead of the whole file), and broadcasts each one to 
 file order; every rank copies what it needs out of every chunk into its destinations. A rank's
 helper thread reads its next chunks while the group exchanges earlier ones. The bytes go
 straight where they belong on every rank (:mod:`fastload.distributed.landings`: a rank's own
-tensors, or the assembly of a tensor that must be whole before it is converted or sliced), and
-no chunk buffer holds them on their way (a local file's chunks are read into a few buffers:
-``O_DIRECT`` needs aligned memory).
+tensors, its slices of them under a tensor-parallel plan, or the assembly of a tensor that must
+be converted first), and no chunk buffer holds them on their way (a local file's chunks are read
+into a few buffers: ``O_DIRECT`` needs aligned memory; the owner of a chunk from object storage
+holds the bytes only other ranks keep in a scratch buffer until it has sent them).
 
 Each rank ends with exactly the tensors a single-process load gives it (its shards, under a
 tensor-parallel plan). The ranks may read different paths (each node's local copy of one

@@ -11,9 +11,10 @@ local one is (:func:`fastload.distributed.collective.read_collectively`), with t
   ranks' links to the store are busy at once (:func:`deal_objects`).
 * A chunk is fetched by the engine's copy, the path a single-process load from object storage
   takes (parallel ranged GETs pinned to the version opened, their bytes written as they arrive,
-  the GIL released), straight where the bytes land (the rank's tensors or their assembly,
-  :mod:`fastload.distributed.landings`; into a chunk buffer on a CUDA group): each tensor's part
-  of the chunk is one copy job of that tensor's elements (:class:`ObjectReader`).
+  the GIL released), straight where the bytes land (the rank's tensors, its slices or their
+  assembly, :mod:`fastload.distributed.landings`; the bytes only other ranks keep into a scratch
+  buffer; into a chunk buffer on a CUDA group): each run of the chunk's bytes is one copy job of
+  a tensor's elements (:class:`ObjectReader`).
 """
 
 from __future__ import annotations
