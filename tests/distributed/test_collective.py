@@ -424,7 +424,6 @@ def test_each_rank_lands_only_its_slice_and_the_owner_holds_only_what_it_sends(
     bitwise, and no tensor of a slice is assembled whole."""
     from fastload.core.checkpoint.opened import StoredTensor
     from fastload.distributed import landings
-    from fastload.distributed.collective import _messages
     from fastload.distributed.needs import Routes, need_of, size, without
 
     # a bf16 tensor at byte 1000 of its file, behind one every rank keeps whole
@@ -473,7 +472,7 @@ def test_each_rank_lands_only_its_slice_and_the_owner_holds_only_what_it_sends(
         for run in owner:  # the fetch, each run straight where it is held
             run.view.copy_(file[run.lo : run.hi])
         held = landings.landing(parts[1])
-        for message in _messages(parts[1], a, theirs):
+        for message in landings.messages(parts[1], a, theirs):
             landings.put(held, a, message, landings.take(owner, a, message))
         landings.settle(owner)
         landings.settle(held)

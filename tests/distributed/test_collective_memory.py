@@ -35,7 +35,7 @@ CONFIG = {
 MARGIN = 0.12
 #: the same under a tensor-parallel plan: a rank's slices land straight in its tensors, and the
 #: owner of a chunk holds the bytes it only sends on in a scratch buffer until it has (measured
-#: 0.095-0.14 over 3 runs, rank 1 the higher; 0.22-0.27 when the sliced tensors were assembled
+#: 0.095-0.15 over 4 runs, rank 1 the higher; 0.22-0.27 when the sliced tensors were assembled
 #: whole, 0.51 with the chunk buffers)
 TP_MARGIN = 0.2
 

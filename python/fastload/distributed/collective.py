@@ -55,6 +55,7 @@ from fastload.distributed.landings import (
     Target,
     into,
     landing,
+    messages,
     pieces,
     put,
     scatter,
@@ -446,7 +447,7 @@ def _move_landed(
         return 0 if mine else chunk.nbytes
     # message m of a chunk has its own tag: the receiver takes each where it goes
     if mine:
-        sends = {r: _messages(parts, base, rs) for r, rs in _sends(group, routes, chunk).items()}
+        sends = {r: messages(parts, base, rs) for r, rs in _sends(group, routes, chunk).items()}
         for m in range(max((len(ms) for ms in sends.values()), default=0)):
             group.send_each(
                 {r: take(held, base, ms[m]) for r, ms in sends.items() if m < len(ms)},
@@ -455,7 +456,7 @@ def _move_landed(
         return 0
     received = 0
     ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
-    for m, message in enumerate(_messages(parts, base, ranges)):
+    for m, message in enumerate(messages(parts, base, ranges)):
         place = into(held, base, message)
         if place is None:
             place = torch.empty(size(message), dtype=torch.uint8)
@@ -465,34 +466,6 @@ def _move_landed(
             group.receive(place, chunk.owner, tag=m * count + index)
         received += place.numel()
     return received
-
-
-def _messages(
-    parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]]
-) -> list[list[tuple[int, int]]]:
-    """``ranges`` (offsets from file byte ``base``, sorted) as the messages that carry them: the
-    ranges in each of ``parts`` with :data:`SMALL_PIECE` bytes or more one message, the rest
-    one more, last (alike on the sender and the receiver)."""
-    out: list[list[tuple[int, int]]] = []
-    small: list[tuple[int, int]] = []
-    i = 0
-    for lo, hi, _ in parts:
-        lo, hi = lo - base, hi - base
-        inside = []
-        while i < len(ranges) and ranges[i][0] < hi:
-            a, b = max(ranges[i][0], lo), min(ranges[i][1], hi)
-            if a < b:
-                inside.append((a, b))
-            if ranges[i][1] > hi:
-                break  # its rest lies in the next piece
-            i += 1
-        if size(inside) >= SMALL_PIECE:
-            out.append(inside)
-        else:
-            small.extend(inside)
-    if small:
-        out.append(small)
-    return out
 
 
 def _raise(failure: BaseException | None) -> None:

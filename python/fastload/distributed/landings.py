@@ -255,6 +255,34 @@ def _join(out: list[torch.Tensor], view: torch.Tensor) -> None:
     out.append(view)
 
 
+def messages(
+    parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]]
+) -> list[list[tuple[int, int]]]:
+    """``ranges`` (offsets from file byte ``base``, sorted) as the messages that carry them: the
+    ranges in each of ``parts`` with :data:`SMALL_PIECE` bytes or more one message, the rest
+    one more, last (alike on the sender and the receiver)."""
+    out: list[list[tuple[int, int]]] = []
+    small: list[tuple[int, int]] = []
+    i = 0
+    for lo, hi, _ in parts:
+        lo, hi = lo - base, hi - base
+        inside = []
+        while i < len(ranges) and ranges[i][0] < hi:
+            a, b = max(ranges[i][0], lo), min(ranges[i][1], hi)
+            if a < b:
+                inside.append((a, b))
+            if ranges[i][1] > hi:
+                break  # its rest lies in the next piece
+            i += 1
+        if size(inside) >= SMALL_PIECE:
+            out.append(inside)
+        else:
+            small.extend(inside)
+    if small:
+        out.append(small)
+    return out
+
+
 def settle(held: Sequence[Run]) -> None:
     """Counts the kept runs' bytes as arrived; a tensor whose kept bytes have all arrived in its
     assembly buffer is copied into its destinations (:func:`finish`)."""
@@ -316,6 +344,7 @@ __all__ = [
     "finish",
     "into",
     "landing",
+    "messages",
     "pieces",
     "put",
     "scatter",
