@@ -3,7 +3,7 @@ for collective loads from object storage with 2 and 4 ranks, against independent
 node's floor at the bucket's bandwidth, measured in the same run.
 
     python benches/fleet_bench.py [--gib 0.25] [--ranks 2,4] [--cap-mbps 60] [--repeats 2]
-        [--shared] [--workdir /tmp/fastload-fleet-bench] [--out benches/results/fleet-256MiB]
+        [--shared] [--tp] [--workdir /tmp/fastload-fleet-bench] [--out benches/results/fleet-256MiB]
 
 The benchmark Llama of ``fastload.tools.bench.run`` (bf16, one ``model.safetensors``) is served
 by the tests' S3-compatible server (s3s-fs on 127.0.0.1, tests/support/s3_server.py). Each rank (a
@@ -19,6 +19,9 @@ robin, ``--repeats`` times:
 * ``fastload(process_group), N ranks``: the same call with ``process_group=WORLD`` on N ranks;
 * ``independent, N ranks``: N ranks each loading alone at the same time (what a fleet does
   today);
+* ``fastload(tp_plan), N ranks`` (``--tp``): the same call with ``tp_plan="llama"`` on N ranks,
+  each keeping its shards (compared bitwise with the single-process load's tensors cut as the
+  plan cuts them);
 * ``share_fetch, N peers`` (``--shared``): N processes that are not one job (vLLM replicas)
   meeting at a rendezvous (``fastload.distributed.rendezvous``) and streaming the checkpoint's
   tensors as vLLM's ``--load-format fastload`` does with ``share_fetch``
@@ -141,8 +144,30 @@ def _digest(tensors: dict[str, Any]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
         h.update(name.encode())
-        h.update(tensors[name].detach().contiguous().view(-1).view(torch.uint8).numpy())
+        t = tensors[name]
+        t = t.to_local() if hasattr(t, "to_local") else t  # a tensor-parallel rank's shard
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest()
+
+
+def _shard_digests(model: Any, world: int) -> list[str]:
+    """The :func:`_digest` of each rank's shards of ``model`` (a full single-process load) under
+    the llama plan on ``world`` ranks."""
+    from fastload.distributed.tensor_parallel import LLAMA_TP_PLAN, TPLayout
+
+    state = dict(model.state_dict())
+    out = []
+    for rank in range(world):
+        layout = TPLayout(LLAMA_TP_PLAN, rank, world)
+        cut = {}
+        for name, t in state.items():
+            selection = layout.selection(name, t.shape)
+            if selection is not None:
+                dim, start, stop = selection
+                t = t.narrow(dim, start, stop - start)
+            cut[name] = t
+        out.append(_digest(cut))
+    return out
 
 
 def _rss() -> int:
@@ -160,12 +185,27 @@ def _peak() -> int:
     return int(line.split()[1]) * 1024
 
 
-def _result(seconds: float, digest: str | None, before: int) -> str:
+def _held(tensors: dict[str, Any]) -> int:
+    """Bytes of the storages under ``tensors`` (a tensor-parallel rank's: its shards')."""
+    storages = {}
+    for t in tensors.values():
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _result(seconds: float, digest: str | None, before: int, held: int | None = None) -> str:
     """A rank's figures: its time, its tensors' digest, and its peak resident memory, whole and
     above what it held when the load started."""
     peak = _peak()
     return json.dumps(
-        {"seconds": seconds, "digest": digest, "peak_rss": peak, "peak_over_start": peak - before}
+        {
+            "seconds": seconds,
+            "digest": digest,
+            "peak_rss": peak,
+            "peak_over_start": peak - before,
+            "held": held,
+        }
     )
 
 
@@ -183,13 +223,18 @@ def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: 
     import fastload.hf.front  # noqa: F401
 
     cls = transformers.LlamaForCausalLM
-    extra = {"process_group": dist.group.WORLD} if kind == "collective" else {}
+    extra: dict[str, Any] = {}
+    if kind == "collective":
+        extra = {"process_group": dist.group.WORLD}
+    elif kind == "tp":
+        extra = {"tp_plan": "llama"}
     dist.barrier()
     before, start = _rss(), time.perf_counter()
     model = fastload.from_pretrained(cls, url, progress=False, **extra)
     dist.barrier()  # the load ends when the slowest rank is done
     seconds = time.perf_counter() - start
-    result = _result(seconds, _digest(dict(model.state_dict())), before)
+    state = dict(model.state_dict())
+    result = _result(seconds, _digest(state), before, _held(state))
     Path(out, f"rank{rank}.json").write_text(result)
     dist.barrier()
     dist.destroy_process_group()
@@ -210,7 +255,8 @@ def _peer(rank: int, world: int, port: int, out: str, url: str, env: dict) -> No
     tensors = dict(RemoteWeights(url, group=group))
     group.gather(None)  # the load ends when the slowest peer is done
     seconds = time.perf_counter() - start
-    Path(out, f"rank{rank}.json").write_text(_result(seconds, _digest(tensors), before))
+    result = _result(seconds, _digest(tensors), before, _held(tensors))
+    Path(out, f"rank{rank}.json").write_text(result)
     group.gather(None)
     os._exit(0)  # no teardown of the peers' group
 
@@ -268,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     size = (checkpoint / "model.safetensors").stat().st_size
     local = fastload.from_pretrained(transformers.LlamaForCausalLM, checkpoint, progress=False)
     expected = _digest(dict(local.state_dict()))
+    shards = {w: _shard_digests(local, w) for w in args.ranks} if args.tp else {}
     stored = _digest(fastload.load_file(checkpoint / "model.safetensors"))  # the stream's
     del local
     root = Path(tempfile.mkdtemp(prefix="s3-root-", dir=work))
@@ -278,6 +325,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [("floor", 1), ("single", 1)]
     for world in args.ranks:
         configs += [("collective", world), ("independent", world)]
+        if args.tp:
+            configs.append(("tp", world))
         if args.shared:
             configs.append(("shared", world))
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -307,7 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 elif kind == "shared":
                     mp.spawn(_peer, args=(world, _free_port(), str(out), url, env), nprocs=world)
                 else:
-                    mode = "collective" if kind == "collective" else "alone"
+                    mode = kind if kind in ("collective", "tp") else "alone"
                     mp.spawn(_rank, args=(world, _free_port(), str(out), mode, url, env),
                              nprocs=world)  # fmt: skip
                 ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
@@ -318,12 +367,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "seconds": max(r["seconds"] for r in ranks),
                     "peak_over_start": max(r["peak_over_start"] for r in ranks),
                     "peak_rss": max(r["peak_rss"] for r in ranks),
+                    # the largest peak above the start over what that rank's tensors hold
+                    "peak_x_held": max(
+                        r["peak_over_start"] / r["held"] if r.get("held") else 0.0 for r in ranks
+                    ),
                     "store_bytes_per_rank": [p.sent for p in proxies],
                     "bitwise": None
                     if kind == "floor"
                     else all(
                         r["digest"] == (stored if kind == "shared" else expected) for r in ranks
-                    ),  # fmt: skip
+                    )
+                    if kind != "tp"
+                    else [r["digest"] for r in ranks] == shards[world],  # fmt: skip
                 }
                 label = _label(kind, world)
                 runs.setdefault(label, []).append(row)
@@ -341,6 +396,7 @@ def _label(kind: str, world: int) -> str:
         "collective": f"fastload(process_group), {world} ranks",
         "independent": f"independent loads, {world} ranks",
         "shared": f"share_fetch (vLLM's weight stream), {world} peers",
+        "tp": f"fastload(tp_plan), {world} ranks",
     }[kind]
 
 
@@ -358,6 +414,7 @@ def summarize(result: dict[str, Any], args: argparse.Namespace, command: str) ->
             "store_bytes_per_rank": per_rank,
             "peak_over_start": statistics.median(r["peak_over_start"] for r in runs),
             "peak_rss": statistics.median(r["peak_rss"] for r in runs),
+            "peak_x_held": statistics.median(r["peak_x_held"] for r in runs),
             "store_bytes_total": sum(per_rank),
             "bitwise": None if runs[0]["bitwise"] is None else all(r["bitwise"] for r in runs),
         }
@@ -393,17 +450,19 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "| run | seconds (slowest rank) | x floor | from the store per rank (MiB) | "
         "largest share | total (x checkpoint) | peak RSS above the start, largest rank (x "
-        "checkpoint) | bitwise |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "checkpoint) | peak above the start (x the rank's tensors) | bitwise |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, row in summary["rows"].items():
         per_rank = ", ".join(f"{b / (1 << 20):.1f}" for b in row["store_bytes_per_rank"])
         bitwise = {None: "", True: "equal", False: "DIFFERS"}[row["bitwise"]]
+        held = f"{row['peak_x_held']:.2f}x" if row["peak_x_held"] else ""
         lines.append(
             f"| {label} | {row['median_s']:.2f} | {row['x_floor']:.2f}x | {per_rank} | "
             f"{row['max_share_per_rank']:.3f} | {row['x_checkpoint_total']:.3f}x | "
             f"{row['peak_over_start'] / (1 << 20):.0f} MiB "
-            f"({row['peak_over_start'] / summary['object_bytes']:.2f}x) | {bitwise} |"
+            f"({row['peak_over_start'] / summary['object_bytes']:.2f}x) | "
+            f"{held} | {bitwise} |"
         )
     lines += ["", f"Command: `{summary['command']}`", ""]
     return "\n".join(lines) + "\n"
@@ -419,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--shared", action="store_true", help="also N peers sharing a fetch (share_fetch)"
+    )
+    parser.add_argument(
+        "--tp", action="store_true", help="also N tensor-parallel ranks (tp_plan='llama')"
     )
     args = parser.parse_args(argv)
     args.ranks = [int(r) for r in args.ranks.split(",") if r]

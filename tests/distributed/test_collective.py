@@ -400,3 +400,92 @@ def test_a_chunk_every_rank_keeps_whole_is_broadcast() -> None:
     assert routes.broadcast(0, 0, 256)  # only "a": kept whole by both
     assert not routes.broadcast(0, 200, 300)  # "b" too, of which rank 1 keeps half
     assert routes.of(1, 0, 200, 300) == [(0, 100)]  # a's last 56 bytes, b's first 44 (its rows 0-3)
+
+
+@pytest.mark.parametrize(
+    "shape,selections,dtype",
+    [
+        ((64, 48), ([0, 0, 32], [0, 32, 64]), torch.bfloat16),  # column-wise: rows
+        ((64, 48), ([1, 0, 24], [1, 24, 48]), torch.bfloat16),  # row-wise: a part of each row
+        ((4, 6, 10), ([1, 0, 3], [1, 3, 6]), torch.bfloat16),  # a middle dimension
+        ((64, 48), ([0, 1000], [1000, 3072]), torch.bfloat16),  # flat ranges
+        ((64, 48), ([1, 0, 24], None), torch.bfloat16),  # one rank keeps all of it
+        ((64, 48), ([1, 0, 24], [1, 24, 48]), torch.float32),  # converted: assembled
+    ],
+)
+def test_each_rank_lands_only_its_slice_and_the_owner_holds_only_what_it_sends(
+    shape: tuple[int, ...],
+    selections: tuple[Any, Any],
+    dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rank 0 fetches every chunk (its own slice to its tensor, rank 1's to a scratch buffer) and
+    sends rank 1 its ranges, in the messages of a chunk; each rank ends with its selection,
+    bitwise, and no tensor of a slice is assembled whole."""
+    from fastload.core.checkpoint.opened import StoredTensor
+    from fastload.distributed import landings
+    from fastload.distributed.needs import Routes, need_of, size, without
+
+    # a bf16 tensor at byte 1000 of its file, behind one every rank keeps whole
+    tensor = torch.randn(shape).to(torch.bfloat16)
+    raw = tensor.view(-1).view(torch.uint8)
+    start = 1000
+    file = torch.randint(0, 255, (start + raw.numel(),), dtype=torch.uint8)
+    file[start:] = raw
+    head = StoredTensor("u", 0, "U8", (start,), start, 0)
+    stored = StoredTensor("t", 0, "BF16", shape, raw.numel(), start)
+    assembled: dict[int, int] = {}  # id(target) -> bytes of its assembly when complete
+    finish = landings.finish
+
+    def finishing(target: Any) -> None:
+        assembled[id(target)] = target.whole.numel()
+        finish(target)
+
+    monkeypatch.setattr(landings, "finish", finishing)
+    ranks = []
+    for selection in selections:
+        if selection is None:
+            dest = torch.empty(shape, dtype=dtype)
+        elif len(selection) == 2:
+            dest = torch.empty(selection[1] - selection[0], dtype=dtype)
+        else:
+            dim, a, b = selection
+            dest = torch.empty(tensor.narrow(dim, a, b - a).shape, dtype=dtype)
+        target = landings.Target(stored, start, [(dest, selection)])
+        target.needs = need_of(shape, "BF16", [selection])
+        first = landings.Target(head, 0, [(torch.empty(start, dtype=torch.uint8), None)])
+        ranks.append(([first, target], dest))
+    routes = Routes(
+        [{"u": need_of((start,), "U8", [None]), "t": t.needs} for (_, t), _ in ranks],
+        {0: [("u", 0, start), ("t", start, file.numel())]},
+    )
+    cuts = [0, 700, 1333, 1501, 2100, 4000, 5555, file.numel()]
+    cuts = sorted({min(c, file.numel()) for c in cuts})
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        parts = [landings.pieces(a, b, targets) for targets, _ in ranks]
+        assert parts[0] is not None and parts[1] is not None
+        theirs = routes.of(1, 0, a, b)
+        forward = without(theirs, routes.of(0, 0, a, b))
+        owner = landings.landing(parts[0], [forward] if forward else [], a)
+        # the owner holds its own bytes where they land and rank 1's others in the scratch only
+        assert sum(r.hi - r.lo for r in owner if not r.kept) == size(forward)
+        for run in owner:  # the fetch, each run straight where it is held
+            run.view.copy_(file[run.lo : run.hi])
+        held = landings.landing(parts[1])
+        for message in landings.messages(parts[1], a, theirs):
+            landings.put(held, a, message, landings.take(owner, a, message))
+        landings.settle(owner)
+        landings.settle(held)
+    for (targets, dest), selection in zip(ranks, selections, strict=True):
+        target = targets[1]
+        assert target.received == target.kept and target.whole is None
+        want = tensor
+        if selection is not None and len(selection) == 2:
+            want = tensor.reshape(-1)[selection[0] : selection[1]]
+        elif selection is not None:
+            want = tensor.narrow(selection[0], selection[1], selection[2] - selection[1])
+        assert torch.equal(dest, want.to(dtype))
+        if dtype == torch.bfloat16:  # no assembly: the bytes went straight into the tensor
+            assert id(target) not in assembled
+        else:  # assembled (to be converted): of the slice's bytes only
+            assert assembled[id(target)] == want.numel() * 2

@@ -9,9 +9,10 @@ bytes (no mapping, no read-ahead of the whole file), and broadcasts each one to 
 file order; every rank copies what it needs out of every chunk into its destinations. A rank's
 helper thread reads its next chunks while the group exchanges earlier ones. The bytes go
 straight where they belong on every rank (:mod:`fastload.distributed.landings`: a rank's own
-tensors, or the assembly of a tensor that must be whole before it is converted or sliced), and
-no chunk buffer holds them on their way (a local file's chunks are read into a few buffers:
-``O_DIRECT`` needs aligned memory).
+tensors, its slices of them under a tensor-parallel plan, or the assembly of a tensor that must
+be converted first), and no chunk buffer holds them on their way (a local file's chunks are read
+into a few buffers: ``O_DIRECT`` needs aligned memory; the owner of a chunk from object storage
+holds the bytes only other ranks keep in a scratch buffer until it has sent them).
 
 Each rank ends with exactly the tensors a single-process load gives it (its shards, under a
 tensor-parallel plan). The ranks may read different paths (each node's local copy of one
@@ -50,15 +51,19 @@ from fastload.distributed.group import RankGroup, abandon, agree_on_plan, togeth
 from fastload.distributed.landings import (
     SMALL_PIECE,
     Piece,
+    Run,
     Target,
+    into,
+    landing,
+    messages,
     pieces,
     put,
     scatter,
     settle,
     take,
 )
-from fastload.distributed.needs import Routes, need_of, pack, size, unpack
-from fastload.distributed.object_reads import ObjectReader, deal_objects
+from fastload.distributed.needs import Routes, merged, need_of, pack, size, unpack, without
+from fastload.distributed.object_reads import Fetched, ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
 
 #: bytes of one exchanged chunk (smaller when the checkpoint is small, so every rank gets some)
@@ -241,6 +246,8 @@ def read_collectively(
         f: [(t.stored.name, t.start, t.start + t.stored.nbytes) for t in ts]
         for f, ts in by_file.items()
     }
+    for t in ordered:  # where its bytes land follows what this rank keeps of it
+        t.needs = kept[t.stored.name]
     routes = Routes(group.gather(kept), spans_by_file)
     mine = [c for c in chunks if c.owner == group.rank]
     result = Exchange(chunks=mine, dealt=list(chunks))
@@ -249,14 +256,14 @@ def read_collectively(
         result.storage_bytes = sum(c.nbytes for c in mine)
         owned = [(c.file, c.start, c.stop) for c in mine]
         # on the CPU, each chunk is fetched straight into the tensors it belongs to
-        land = partial(_pieces, by_file) if group.device.type == "cpu" else None
+        land = partial(_land, group, by_file, routes) if group.device.type == "cpu" else None
         reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land)
     else:
         result.storage_bytes = pages(mine)
         reader = FileReader(ckpt, mine, group.device, threads)
     with reader:
         result.received_bytes = _exchange(group, chunks, reader, by_file, routes, progress)
-    unfilled = [t.stored.name for t in targets.values() if t.received != t.stored.nbytes]
+    unfilled = [t.stored.name for t in targets.values() if t.received != t.kept]
     if unfilled:  # a bug, not bad input: every needed byte lies in some chunk
         raise AssertionError(f"collective load: bytes of {unfilled[:3]} never arrived")
     return result
@@ -266,6 +273,41 @@ def _pieces(
     by_file: dict[int, list[Target]], file: int, start: int, stop: int
 ) -> list[Piece] | None:
     return pieces(start, stop, by_file.get(file, ()))
+
+
+def _sends(group: RankGroup, routes: Routes, chunk: Chunk) -> dict[int, list[tuple[int, int]]]:
+    """The byte ranges of ``chunk`` (offsets in it) that each other rank keeps, where it keeps
+    some: what this rank, its owner, sends them."""
+    out = {}
+    for r in range(group.world_size):
+        ranges = routes.of(r, chunk.file, chunk.start, chunk.stop) if r != group.rank else []
+        if ranges:
+            out[r] = ranges
+    return out
+
+
+def _land(
+    group: RankGroup,
+    by_file: dict[int, list[Target]],
+    routes: Routes,
+    file: int,
+    start: int,
+    stop: int,
+) -> list[Run] | None:
+    """Where this rank, the owner of the chunk ``[start, stop)`` of ``file``, fetches its bytes
+    (:func:`~fastload.distributed.landings.landing`): those it keeps to their places; those only
+    other ranks keep to a scratch buffer (each rank's together), sent on and freed with the
+    chunk; none where no rank keeps them. ``None``: the chunk goes through a buffer."""
+    parts = pieces(start, stop, by_file.get(file, ()))
+    if parts is None:
+        return None
+    forward: list[list[tuple[int, int]]] = []
+    if not routes.broadcast(file, start, stop):
+        sent = routes.of(group.rank, file, start, stop)  # this rank's own bytes: in place
+        for ranges in _sends(group, routes, Chunk(file, start, stop, group.rank)).values():
+            forward.append(without(ranges, sent))  # each rank's together: sent as one view
+            sent = merged([*sent, *ranges])
+    return landing(parts, [f for f in forward if f], start)
 
 
 def _exchange(
@@ -285,20 +327,21 @@ def _exchange(
 
     On the CPU a chunk's bytes travel straight from and to where they land on each rank
     (:mod:`fastload.distributed.landings`): the owner's fetched chunk is there already (object
-    storage) or copied there from its read buffer (a local file), and the others receive them
-    there; only a chunk that the tensors do not cover end to end goes through a buffer."""
+    storage: the bytes it only sends on, in a scratch buffer of the chunk) or copied there from
+    its read buffer (a local file, sent from that buffer), and the others receive them there;
+    only a chunk that the tensors do not cover end to end goes through a buffer."""
     spare: torch.Tensor | None = None
     status = torch.zeros(1, dtype=torch.int32, device=group.device)
     received = 0
     on_cpu = group.device.type == "cpu"
-    lands = getattr(reader, "lands", False)
     for index, chunk in enumerate(chunks):
         mine = chunk.owner == group.rank
         parts = _pieces(by_file, chunk.file, chunk.start, chunk.stop) if on_cpu else None
-        buffer, failure = None, None
+        got: Any = None
+        failure = None
         if mine:
             try:
-                buffer = reader.next()
+                got = reader.next()
             except Exception as e:  # the others must hear of it
                 failure = e
             status.fill_(0 if failure is None else 1)
@@ -306,6 +349,7 @@ def _exchange(
         if status.item():
             together(group, partial(_raise, failure), "reading its share of the checkpoint")
         if parts is None:  # through a buffer
+            buffer = got
             if buffer is None:
                 if spare is None:
                     spare = torch.empty(
@@ -315,16 +359,38 @@ def _exchange(
             received += _move(group, index, chunk, buffer, routes)
             scatter(chunk.start, chunk.stop, buffer, by_file.get(chunk.file, ()))
         else:
-            if mine and not lands:  # the bytes are in the read buffer: to their places first
-                assert buffer is not None
-                for lo, hi, target in parts:
-                    target.land(lo, hi).copy_(buffer[lo - chunk.start : hi - chunk.start])
-            received += _move_landed(group, index, chunk, parts, routes)
-            settle(parts)
+            received += _land_chunk(group, index, chunk, parts, got, routes, len(chunks))
         if progress is not None:
             progress.add(chunk.nbytes)
-        if mine and buffer is not None:
-            reader.release(buffer)
+        if mine and got is not None:
+            reader.release(got)  # (its scratch goes with it)
+        got = None
+    return received
+
+
+def _land_chunk(
+    group: RankGroup,
+    index: int,
+    chunk: Chunk,
+    parts: Sequence[Piece],
+    got: Any,
+    routes: Routes,
+    count: int,
+) -> int:
+    """Chunk ``index`` (of ``count``; ``parts``: its pieces) moved where its bytes land on
+    every rank (:func:`_move_landed`), and counted as arrived there; ``got``: what the owner's
+    reader gave it (the bytes already where they are held, or its read buffer). The bytes
+    received."""
+    if isinstance(got, Fetched):  # fetched where the bytes are held
+        kept = held = got.held
+    else:
+        kept = held = landing(parts)
+        if got is not None:  # the owner's read buffer: to their places, sent from there
+            for run in kept:
+                run.view.copy_(got[run.lo - chunk.start : run.hi - chunk.start])
+            held = [Run(chunk.start, chunk.stop, got, parts[0][2], kept=False)]
+    received = _move_landed(group, index, chunk, parts, held, routes, count)
+    settle(kept)
     return received
 
 
@@ -335,15 +401,11 @@ def _move(group: RankGroup, index: int, chunk: Chunk, buffer: torch.Tensor, rout
         group.broadcast(buffer, chunk.owner)
         return 0 if mine else chunk.nbytes
     if mine:
-        sends = {
-            r: routes.of(r, chunk.file, chunk.start, chunk.stop)
-            for r in range(group.world_size)
-            if r != group.rank
-        }
-        group.send_each({r: pack(buffer, rs) for r, rs in sends.items() if rs}, tag=index)
+        sends = _sends(group, routes, chunk)
+        group.send_each({r: pack(buffer, rs) for r, rs in sends.items()}, tag=index)
         return 0
     # (bytes this rank does not keep are left as they were in the buffer: only the kept ones
-    # are read out of the assembled tensors)
+    # are copied out of it)
     ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
     if not ranges:
         return 0
@@ -354,42 +416,56 @@ def _move(group: RankGroup, index: int, chunk: Chunk, buffer: torch.Tensor, rout
 
 
 def _move_landed(
-    group: RankGroup, index: int, chunk: Chunk, parts: Sequence[Piece], routes: Routes
+    group: RankGroup,
+    index: int,
+    chunk: Chunk,
+    parts: Sequence[Piece],
+    held: Sequence[Run],
+    routes: Routes,
+    count: int,
 ) -> int:
-    """Chunk ``index`` from where its bytes landed on its owner to where they land on the
-    others: each large piece its own message, the small ones packed into one; under a
-    tensor-parallel plan each rank gets only its ranges, packed. The bytes received."""
+    """Chunk ``index`` (of ``count``) from where its bytes are held on its owner to where they
+    land on the others: each large piece its own message, the small ones packed into one; under
+    a tensor-parallel plan each rank gets only its ranges, so cut. A message whose bytes lie one
+    after the other where they are goes from and to there, with no copy on the way. The bytes
+    received."""
     mine, base = chunk.owner == group.rank, chunk.start
     if routes.broadcast(chunk.file, chunk.start, chunk.stop):
         small = []
-        for lo, hi, target in parts:
+        for lo, hi, _ in parts:
             if hi - lo >= SMALL_PIECE:
-                group.broadcast(target.land(lo, hi), chunk.owner)
+                group.broadcast(take(held, base, [(lo - base, hi - base)]), chunk.owner)
             else:
                 small.append((lo - base, hi - base))
         if small:
             packed = (
-                take(parts, base, small) if mine else torch.empty(size(small), dtype=torch.uint8)
+                take(held, base, small) if mine else torch.empty(size(small), dtype=torch.uint8)
             )
             group.broadcast(packed, chunk.owner)
             if not mine:
-                put(parts, base, small, packed)
+                put(held, base, small, packed)
         return 0 if mine else chunk.nbytes
+    # message m of a chunk has its own tag: the receiver takes each where it goes
     if mine:
-        sends = {
-            r: routes.of(r, chunk.file, chunk.start, chunk.stop)
-            for r in range(group.world_size)
-            if r != group.rank
-        }
-        group.send_each({r: take(parts, base, rs) for r, rs in sends.items() if rs}, tag=index)
+        sends = {r: messages(parts, base, rs) for r, rs in _sends(group, routes, chunk).items()}
+        for m in range(max((len(ms) for ms in sends.values()), default=0)):
+            group.send_each(
+                {r: take(held, base, ms[m]) for r, ms in sends.items() if m < len(ms)},
+                tag=m * count + index,
+            )
         return 0
+    received = 0
     ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
-    if not ranges:
-        return 0
-    packed = torch.empty(size(ranges), dtype=torch.uint8)
-    group.receive(packed, chunk.owner, tag=index)
-    put(parts, base, ranges, packed)
-    return packed.numel()
+    for m, message in enumerate(messages(parts, base, ranges)):
+        place = into(held, base, message)
+        if place is None:
+            place = torch.empty(size(message), dtype=torch.uint8)
+            group.receive(place, chunk.owner, tag=m * count + index)
+            put(held, base, message, place)
+        else:
+            group.receive(place, chunk.owner, tag=m * count + index)
+        received += place.numel()
+    return received
 
 
 def _raise(failure: BaseException | None) -> None:

@@ -1,28 +1,34 @@
 """Where the bytes of an exchanged chunk land: straight in the tensors they belong to.
 
 A chunk of a collective read (:func:`fastload.distributed.collective.read_collectively`) is a run
-of file bytes that tensors the load needs cover end to end. Each tensor's part of it has one
-place to go on every rank (:meth:`Target.land`): the destination itself where the bytes need no
-conversion (one contiguous CPU tensor of the stored dtype, the whole tensor), else the tensor's
-assembly buffer (converted or sliced once whole). So the owner fetches a chunk from object
-storage into those places, and the others receive it there, piece by piece
-(:func:`pieces`): no chunk buffer holds the bytes on their way, and a rank's memory during the
-load is its tensors plus the tensors being assembled. Small pieces travel packed, in one message
-per chunk (:func:`take`, :func:`put`), so a chunk of many small tensors is not many messages.
+of file bytes that tensors the load needs cover end to end. A rank keeps only some bytes of a
+tensor under a tensor-parallel plan (its slice: :mod:`fastload.distributed.needs`), and each byte
+it keeps has one place to go (:meth:`Target.place`): the destination itself where the bytes need
+no conversion (one contiguous CPU tensor of the stored dtype: the whole tensor, or its slice laid
+out as the slice is), else an assembly buffer (of the slice's bytes where a slice is all the
+destination takes; converted or sliced once complete). So the owner fetches a chunk from object
+storage into those places, and the others receive their bytes there, run by run
+(:func:`landing`): no chunk buffer holds the bytes on their way, and no tensor a rank keeps a
+slice of is assembled whole. The owner holds the bytes it fetched for the others only, until it
+has sent them, in a scratch buffer of the chunk (:func:`landing` with ``forward``). Small pieces
+travel packed, in one message per chunk (:func:`take`, :func:`put`), so a chunk of many small
+tensors is not many messages; bytes that lie one after the other in memory go as one view.
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from fastload.core.basics.dtypes import to_st, to_torch
 from fastload.core.checkpoint.opened import StoredTensor
+from fastload.distributed.needs import ALL, Need, kept_size, laid_at, laid_size, runs, size
 
 #: pieces below this many bytes are packed with the chunk's other small pieces into one message
 SMALL_PIECE = 1 << 20
@@ -31,45 +37,87 @@ SMALL_PIECE = 1 << 20
 Piece = tuple[int, int, "Target"]
 
 
+class Run(NamedTuple):
+    """File bytes ``[lo, hi)`` of ``target`` and where they are on this rank (``view``, bytes);
+    ``kept``: this rank keeps them (else they wait in the owner's scratch to be sent)."""
+
+    lo: int
+    hi: int
+    view: torch.Tensor
+    target: Target
+    kept: bool = True
+
+
 @dataclass
 class Target:
-    """A stored tensor the load needs, its place in its file, and the copies it feeds."""
+    """A stored tensor the load needs, its place in its file, the copies it feeds, and which of
+    its bytes this rank keeps (``needs``, as :func:`fastload.distributed.needs.need_of` describes
+    them; the whole tensor unless told)."""
 
     stored: StoredTensor
     start: int
     fills: list[tuple[torch.Tensor, Any]] = field(default_factory=list)
-    whole: torch.Tensor | None = None  # assembled bytes, when a fill needs the whole tensor
+    needs: list[Need] = field(default_factory=lambda: [ALL])
+    whole: torch.Tensor | None = None  # assembled bytes, when a fill needs them converted
     received: int = 0
     # the read-ahead thread lands bytes while the exchange finishes other targets
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @cached_property
+    def layout(self) -> Need:
+        """How the kept bytes lie where they land: as the one slice the one fill takes (its
+        destination's order), else as in the file (``ALL``: an assembly of the whole tensor's
+        size, of which only the kept bytes are written)."""
+        if len(self.fills) == 1 and len(self.needs) == 1 and _simple(self.fills[0][1]):
+            return self.needs[0]
+        return ALL
+
+    @cached_property
+    def kept(self) -> int:
+        """Bytes of the tensor this rank keeps."""
+        return kept_size(self.needs, self.stored.nbytes)
+
+    @cached_property
     def direct(self) -> torch.Tensor | None:
         """The one destination the bytes can go to as they arrive: contiguous, on the CPU, the
-        stored dtype, the whole tensor."""
+        stored dtype, the whole tensor or the slice its layout lays out."""
         if len(self.fills) != 1:
             return None
         dest, selection = self.fills[0]
         if (
-            selection is None
+            _simple(selection)
             and dest.device.type == "cpu"
             and dest.is_contiguous()
             and to_st(dest.dtype) == self.stored.st_dtype
-            and dest.numel() * dest.element_size() == self.stored.nbytes
+            and dest.numel() * dest.element_size() == laid_size(self.layout, self.stored.nbytes)
         ):
             return dest.view(-1).view(torch.uint8)
         return None
 
-    def land(self, lo: int, hi: int) -> torch.Tensor:
-        """Where file bytes ``[lo, hi)`` of this tensor go (bytes, on the CPU): its destination,
-        or its assembly buffer (made on first use; only the pages written become resident)."""
+    def place(self, lo: int, hi: int) -> torch.Tensor:
+        """Where file bytes ``[lo, hi)`` of this tensor go (bytes, on the CPU; one run of kept
+        bytes, :func:`runs`): its destination, or its assembly buffer (made on first use; only
+        the pages written become resident)."""
+        at = laid_at(self.layout, lo - self.start)
         direct = self.direct
         if direct is not None:
-            return direct[lo - self.start : hi - self.start]
+            return direct[at : at + hi - lo]
         with self.lock:
             if self.whole is None:
-                self.whole = torch.empty(self.stored.nbytes, dtype=torch.uint8)
-            return self.whole[lo - self.start : hi - self.start]
+                room = laid_size(self.layout, self.stored.nbytes)
+                self.whole = torch.empty(room, dtype=torch.uint8)
+            return self.whole[at : at + hi - lo]
+
+    def runs(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The file bytes within ``[lo, hi)`` this rank keeps, as runs that each lie in one
+        piece where they land."""
+        out = runs(self.needs, self.stored.nbytes, lo - self.start, hi - self.start)
+        return [(a + self.start, b + self.start) for a, b in out]
+
+
+def _simple(selection: Any) -> bool:
+    """Whether ``selection`` is the whole tensor, a flat range or a range of one dimension."""
+    return selection is None or (isinstance(selection, list | tuple) and len(selection) in (2, 3))
 
 
 def pieces(start: int, stop: int, targets: Sequence[Target]) -> list[Piece] | None:
@@ -90,68 +138,189 @@ def pieces(start: int, stop: int, targets: Sequence[Target]) -> list[Piece] | No
     return out if at == stop else None
 
 
-def take(parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """The bytes of ``ranges`` (offsets from file byte ``base``) from where ``parts`` landed,
-    one after the other."""
-    out = [view for _, _, view in _spread(parts, base, ranges)]
+def landing(
+    parts: Sequence[Piece], forward: Sequence[Sequence[tuple[int, int]]] = (), base: int = 0
+) -> list[Run]:
+    """Where the bytes of a chunk (its ``parts``) are on this rank: the runs it keeps, at their
+    places; and ``forward`` (lists of ranges, offsets from file byte ``base``: bytes this rank
+    fetches only to send them on, one list per rank it sends them to), in one scratch buffer,
+    list after list, so that each rank's lie one after the other. In file order."""
+    out = [
+        Run(a, b, target.place(a, b), target)
+        for lo, hi, target in parts
+        for a, b in target.runs(lo, hi)
+    ]
+    total = sum(size(ranges) for ranges in forward)
+    if total:
+        scratch = _mapped(total)
+        at = 0
+        for ranges in forward:
+            for a, b, target in _cut(parts, base, ranges):
+                out.append(Run(a, b, scratch[at : at + b - a], target, kept=False))
+                at += b - a
+        out.sort(key=lambda run: run.lo)
+    return out
+
+
+def _mapped(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh memory mapped for one chunk's scratch: given back to the system when
+    the tensor goes (a heap allocation, once freed, stayed resident in the heap to the end of
+    the load, which then peaked 0.1 of a rank's share higher)."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+
+
+def _cut(
+    parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]]
+) -> list[tuple[int, int, Target]]:
+    """``ranges`` (offsets from ``base``), as file bytes cut at the bounds of ``parts``."""
+    out = []
+    i = 0
+    for a, b in ranges:
+        lo_abs, hi_abs = base + a, base + b
+        while i < len(parts) and parts[i][1] <= lo_abs:
+            i += 1
+        j = i
+        while j < len(parts) and parts[j][0] < hi_abs:
+            lo, hi, target = parts[j]
+            x, y = max(lo, lo_abs), min(hi, hi_abs)
+            if x < y:
+                out.append((x, y, target))
+            j += 1
+    return out
+
+
+def take(held: Sequence[Run], base: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The bytes of ``ranges`` (offsets from file byte ``base``) from where they are (``held``),
+    one after the other (a view where they lie so in memory)."""
+    out = _spread(held, base, ranges)
     if len(out) == 1:
         return out[0]
     return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8)
 
 
 def put(
-    parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]], packed: torch.Tensor
+    held: Sequence[Run], base: int, ranges: Sequence[tuple[int, int]], packed: torch.Tensor
 ) -> None:
-    """Puts the bytes :func:`take` packed back where ``parts`` land."""
+    """Puts the bytes :func:`take` packed back where ``held`` says they go."""
     at = 0
-    for a, b, view in _spread(parts, base, ranges):
-        view.copy_(packed[at : at + b - a])
-        at += b - a
+    for view in _spread(held, base, ranges):
+        view.copy_(packed[at : at + view.numel()])
+        at += view.numel()
+
+
+def into(held: Sequence[Run], base: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor | None:
+    """The one view where the bytes of ``ranges`` go, where they lie one after the other in
+    memory (then they are received straight there); else ``None``."""
+    out = _spread(held, base, ranges)
+    return out[0] if len(out) == 1 else None
 
 
 def _spread(
-    parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]]
-) -> list[tuple[int, int, torch.Tensor]]:
-    """``ranges`` (offsets from ``base``, sorted) cut at the pieces' bounds, each with its
-    landing view."""
-    out = []
+    held: Sequence[Run], base: int, ranges: Sequence[tuple[int, int]]
+) -> list[torch.Tensor]:
+    """The views holding ``ranges`` (offsets from ``base``, sorted), in order, those that follow
+    each other in one buffer joined."""
+    out: list[torch.Tensor] = []
+    wanted = 0
+    i = 0
     for a, b in ranges:
         lo_abs, hi_abs = base + a, base + b
-        for lo, hi, target in parts:
-            x, y = max(lo, lo_abs), min(hi, hi_abs)
+        wanted += b - a
+        while i < len(held) and held[i].hi <= lo_abs:
+            i += 1
+        j = i
+        while j < len(held) and held[j].lo < hi_abs:
+            run = held[j]
+            x, y = max(run.lo, lo_abs), min(run.hi, hi_abs)
             if x < y:
-                out.append((x - base, y - base, target.land(x, y)))
+                _join(out, run.view[x - run.lo : y - run.lo])
+            j += 1
+    got = sum(v.numel() for v in out)
+    if got != wanted:  # a bug, not bad input: the owner holds every byte some rank keeps
+        raise AssertionError(f"collective load: {wanted - got} bytes to move are held nowhere")
     return out
 
 
-def settle(parts: Sequence[Piece]) -> None:
-    """Counts the pieces' bytes as arrived; a tensor whose bytes have all arrived in its assembly
-    buffer is copied into its destinations (:func:`finish`)."""
-    for lo, hi, target in parts:
-        target.received += hi - lo
-        if target.received == target.stored.nbytes and target.whole is not None:
+def _join(out: list[torch.Tensor], view: torch.Tensor) -> None:
+    """Appends ``view`` to ``out``, extending the last view instead where ``view`` follows it in
+    the same buffer."""
+    if out:
+        last = out[-1]
+        if (
+            last.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+            and last.storage_offset() + last.numel() == view.storage_offset()
+        ):
+            out[-1] = last.as_strided((last.numel() + view.numel(),), (1,), last.storage_offset())
+            return
+    out.append(view)
+
+
+def messages(
+    parts: Sequence[Piece], base: int, ranges: Sequence[tuple[int, int]]
+) -> list[list[tuple[int, int]]]:
+    """``ranges`` (offsets from file byte ``base``, sorted) as the messages that carry them: the
+    ranges in each of ``parts`` with :data:`SMALL_PIECE` bytes or more one message, the rest
+    one more, last (alike on the sender and the receiver)."""
+    out: list[list[tuple[int, int]]] = []
+    small: list[tuple[int, int]] = []
+    i = 0
+    for lo, hi, _ in parts:
+        lo, hi = lo - base, hi - base
+        inside = []
+        while i < len(ranges) and ranges[i][0] < hi:
+            a, b = max(ranges[i][0], lo), min(ranges[i][1], hi)
+            if a < b:
+                inside.append((a, b))
+            if ranges[i][1] > hi:
+                break  # its rest lies in the next piece
+            i += 1
+        if size(inside) >= SMALL_PIECE:
+            out.append(inside)
+        else:
+            small.extend(inside)
+    if small:
+        out.append(small)
+    return out
+
+
+def settle(held: Sequence[Run]) -> None:
+    """Counts the kept runs' bytes as arrived; a tensor whose kept bytes have all arrived in its
+    assembly buffer is copied into its destinations (:func:`finish`)."""
+    for run in held:
+        if not run.kept:
+            continue
+        target = run.target
+        target.received += run.hi - run.lo
+        if target.received == target.kept and target.whole is not None:
             finish(target)
 
 
 def scatter(start: int, stop: int, buffer: torch.Tensor, targets: Sequence[Target]) -> None:
-    """Copies file bytes ``[start, stop)`` (held in ``buffer``) where ``targets`` land them,
-    counting them as arrived."""
+    """Copies the kept bytes of file bytes ``[start, stop)`` (held in ``buffer``) where
+    ``targets`` land them, counting them as arrived."""
     data = buffer.to("cpu") if buffer.device.type != "cpu" else buffer
-    parts = []
+    held = []
     for target in targets:
         lo, hi = max(target.start, start), min(target.start + target.stored.nbytes, stop)
-        if lo < hi:
-            target.land(lo, hi).copy_(data[lo - start : hi - start])
-            parts.append((lo, hi, target))
-    settle(parts)
+        for a, b in target.runs(lo, hi) if lo < hi else ():
+            run = Run(a, b, target.place(a, b), target)
+            run.view.copy_(data[a - start : b - start])
+            held.append(run)
+    settle(held)
 
 
 def finish(target: Target) -> None:
-    """Copies an assembled stored tensor into each destination (its selection, converted to the
-    destination's dtype), then drops it."""
+    """Copies an assembled stored tensor (or the slice its one fill takes) into each destination
+    (its selection, converted to the destination's dtype), then drops it."""
     stored = target.stored
     assert target.whole is not None
     dtype = to_torch(stored.st_dtype, where=f"tensor {stored.name!r}")
+    if target.layout != ALL:  # the slice, laid out as it is
+        dest, _ = target.fills[0]
+        with torch.no_grad():
+            dest.copy_(target.whole.view(dtype).reshape(dest.shape))
+        target.whole = None
+        return
     source = target.whole.view(dtype).view(stored.torch_shape)
     for dest, selection in target.fills:
         part = source
@@ -167,4 +336,18 @@ def finish(target: Target) -> None:
     target.whole = None
 
 
-__all__ = ["SMALL_PIECE", "Piece", "Target", "finish", "pieces", "put", "scatter", "settle", "take"]
+__all__ = [
+    "SMALL_PIECE",
+    "Piece",
+    "Run",
+    "Target",
+    "finish",
+    "into",
+    "landing",
+    "messages",
+    "pieces",
+    "put",
+    "scatter",
+    "settle",
+    "take",
+]

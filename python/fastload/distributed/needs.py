@@ -75,6 +75,40 @@ def _ranges_of(need: Need, nbytes: int, lo: int, hi: int) -> list[tuple[int, int
     return out
 
 
+def runs(needs: Sequence[Need], nbytes: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The byte ranges that ``needs`` (of one tensor of ``nbytes`` bytes) keep within
+    ``[lo, hi)`` (offsets in the tensor), sorted and merged."""
+    return merged([r for need in needs for r in _ranges_of(need, nbytes, lo, hi)])
+
+
+def kept_size(needs: Sequence[Need], nbytes: int) -> int:
+    """Bytes of a tensor of ``nbytes`` bytes that ``needs`` keep."""
+    if len(needs) == 1:
+        return laid_size(needs[0], nbytes)
+    return size(runs(needs, nbytes, 0, nbytes))
+
+
+def laid_size(need: Need, nbytes: int) -> int:
+    """Bytes of the kept part of a tensor of ``nbytes`` bytes that ``need`` keeps."""
+    if need[0] == "all":
+        return nbytes
+    if need[0] == "flat":
+        return need[2] - need[1]
+    _, outer, _, first, stop = need
+    return outer * (stop - first)
+
+
+def laid_at(need: Need, offset: int) -> int:
+    """Where byte ``offset`` of a tensor (one ``need`` keeps) is in the kept part laid out on its
+    own, in order (the bytes of the selection ``need`` describes: a slice's destination)."""
+    if need[0] == "all":
+        return offset
+    if need[0] == "flat":
+        return offset - need[1]
+    _, _, row, first, stop = need
+    return offset // row * (stop - first) + offset % row - first
+
+
 def ranges_in(
     needs: dict[str, list[Need]],
     targets: Sequence[tuple[str, int, int]],
@@ -93,6 +127,11 @@ def ranges_in(
         for need in needs[name]:
             for a, b in _ranges_of(need, t_stop - t_start, lo - t_start, hi - t_start):
                 spans.append((a + t_start - chunk_start, b + t_start - chunk_start))
+    return merged(spans)
+
+
+def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, those that overlap or touch joined."""
     spans.sort()
     merged: list[tuple[int, int]] = []
     for a, b in spans:
@@ -101,6 +140,26 @@ def ranges_in(
         else:
             merged.append((a, b))
     return merged
+
+
+def without(
+    ranges: Sequence[tuple[int, int]], taken: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` outside ``taken`` (both sorted, merged)."""
+    out: list[tuple[int, int]] = []
+    i = 0
+    for a, b in ranges:
+        while i < len(taken) and taken[i][1] <= a:
+            i += 1
+        j, at = i, a
+        while j < len(taken) and taken[j][0] < b:
+            if taken[j][0] > at:
+                out.append((at, taken[j][0]))
+            at = max(at, taken[j][1])
+            j += 1
+        if at < b:
+            out.append((at, b))
+    return out
 
 
 class Routes:
@@ -169,4 +228,19 @@ def size(ranges: Sequence[tuple[int, int]]) -> int:
     return sum(b - a for a, b in ranges)
 
 
-__all__ = ["ALL", "Need", "Routes", "need_of", "pack", "ranges_in", "size", "unpack"]
+__all__ = [
+    "ALL",
+    "Need",
+    "Routes",
+    "kept_size",
+    "laid_at",
+    "laid_size",
+    "merged",
+    "need_of",
+    "pack",
+    "ranges_in",
+    "runs",
+    "size",
+    "unpack",
+    "without",
+]

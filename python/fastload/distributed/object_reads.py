@@ -11,14 +11,16 @@ local one is (:func:`fastload.distributed.collective.read_collectively`), with t
   ranks' links to the store are busy at once (:func:`deal_objects`).
 * A chunk is fetched by the engine's copy, the path a single-process load from object storage
   takes (parallel ranged GETs pinned to the version opened, their bytes written as they arrive,
-  the GIL released), straight where the bytes land (the rank's tensors or their assembly,
-  :mod:`fastload.distributed.landings`; into a chunk buffer on a CUDA group): each tensor's part
-  of the chunk is one copy job of that tensor's elements (:class:`ObjectReader`).
+  the GIL released), straight where the bytes land (the rank's tensors, its slices or their
+  assembly, :mod:`fastload.distributed.landings`; the bytes only other ranks keep into a scratch
+  buffer; into a chunk buffer on a CUDA group): each run of the chunk's bytes is one copy job of
+  a tensor's elements (:class:`ObjectReader`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,7 +28,7 @@ import torch
 from fastload import _core
 from fastload.core.basics.engine import copy_into
 from fastload.core.basics.errors import LoadCancelledError
-from fastload.distributed.landings import Piece
+from fastload.distributed.landings import Run
 from fastload.distributed.read_ahead import ReadAhead
 
 #: bytes of one chunk from object storage (smaller when the checkpoint is small)
@@ -113,16 +115,16 @@ def chunk_jobs(
     return items
 
 
-def landed_jobs(parts: Sequence[Piece]) -> list[tuple[str, torch.Tensor, str, list[int] | None]]:
-    """The engine's copy items that fetch each piece of a chunk where it lands."""
+def landed_jobs(held: Sequence[Run]) -> list[tuple[str, torch.Tensor, str, list[int] | None]]:
+    """The engine's copy items that fetch each run of a chunk where it is held (in file order:
+    runs that follow each other in the file are fetched by one ranged GET)."""
     bits = _core.dtype_bits()
     items: list[tuple[str, torch.Tensor, str, list[int] | None]] = []
-    for lo, hi, target in parts:
+    for lo, hi, dest, target, _ in held:
         stored, t_start = target.stored, target.start
-        dest = target.land(lo, hi)
         if (lo, hi) == (t_start, t_start + stored.nbytes):
             items.append((stored.name, dest, stored.st_dtype, None))
-        else:  # a part of the tensor: its elements (chunks are cut between elements)
+        else:  # a part of the tensor: its elements (chunks and slices are cut between elements)
             item = bits[stored.st_dtype] // 8
             items.append(
                 (
@@ -133,6 +135,16 @@ def landed_jobs(parts: Sequence[Piece]) -> list[tuple[str, torch.Tensor, str, li
                 )
             )
     return items
+
+
+@dataclass
+class Fetched:
+    """A chunk fetched where its bytes are held (:func:`fastload.distributed.landings.landing`:
+    the places of the bytes this rank keeps, and the scratch of those it only sends on), and the
+    read-ahead's token, given back once the chunk is sent."""
+
+    held: list[Run]
+    token: torch.Tensor
 
 
 class ObjectReader(ReadAhead):
@@ -151,11 +163,12 @@ class ObjectReader(ReadAhead):
         chunks: Sequence[tuple[int, int, int]],
         device: torch.device,
         threads: int | None,
-        land: Callable[[int, int, int], Sequence[Piece] | None] | None = None,
+        land: Callable[[int, int, int], list[Run] | None] | None = None,
     ) -> None:
         self.files = files
-        #: where each chunk's bytes go (:func:`fastload.distributed.landings.pieces`): with it,
-        #: chunks are fetched there and the read-ahead holds no buffers
+        #: where each chunk's bytes go (:func:`fastload.distributed.landings.landing`): with it,
+        #: chunks are fetched there and the read-ahead holds no chunk buffers (only the scratch
+        #: of bytes this rank sends on without keeping them)
         self.land = land
         self.lands = land is not None
         self.extents = extents
@@ -165,17 +178,23 @@ class ObjectReader(ReadAhead):
         size = 0 if self.lands else max((b - a for _, a, b in self.chunks), default=0)
         super().__init__(len(self.chunks), size, OBJECT_READ_AHEAD, device)
 
-    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
+    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor | Fetched:
         file, start, stop = self.chunks[index]
-        parts = self.land(file, start, stop) if self.land is not None else None
-        if parts is not None:  # straight into the tensors; ``buffer`` is an empty token
-            items = landed_jobs(parts)
+        held = self.land(file, start, stop) if self.land is not None else None
+        if held is not None:  # straight into the tensors; ``buffer`` is an empty token
+            items = landed_jobs(held)
             copy_into(self.files[file], items, self.threads, self.progress)
-            return buffer
+            return Fetched(held, buffer)
         view = buffer[: stop - start]
         items = chunk_jobs(self.extents, file, start, stop, view)
         copy_into(self.files[file], items, self.threads, self.progress)
         return view
+
+    def release(self, got: torch.Tensor | Fetched) -> None:
+        if isinstance(got, Fetched):
+            got.held = []  # the chunk is sent: its scratch goes now
+            got = got.token
+        super().release(got)
 
     def _abandoned(self, error: BaseException) -> bool:
         return isinstance(error, LoadCancelledError)  # the exchange is over: nobody waits
@@ -184,4 +203,4 @@ class ObjectReader(ReadAhead):
         self.progress.cancel()  # abandons the requests in flight
 
 
-__all__ = ["OBJECT_CHUNK_BYTES", "ObjectReader", "chunk_jobs", "deal_objects"]
+__all__ = ["OBJECT_CHUNK_BYTES", "Fetched", "ObjectReader", "chunk_jobs", "deal_objects"]

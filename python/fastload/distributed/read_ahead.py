@@ -30,15 +30,16 @@ class ReadAhead:
     def __init__(self, count: int, buffer_bytes: int, depth: int, device: torch.device) -> None:
         self.count = count
         self.device = device
-        self.ready: queue.Queue[torch.Tensor | BaseException] = queue.Queue()
+        self.ready: queue.Queue[Any] = queue.Queue()  # what _fill returned, or its failure
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(min(depth, count)):
             self.free.put(torch.empty(buffer_bytes, dtype=torch.uint8))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
 
-    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
-        """Fills chunk ``index`` into ``buffer``; returns the view of ``buffer`` holding it."""
+    def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> Any:
+        """Fills chunk ``index`` into ``buffer``; returns the view of ``buffer`` holding it (or,
+        on the CPU, what else holds it: a subclass that puts the bytes elsewhere)."""
         raise NotImplementedError
 
     def _session(self) -> contextlib.AbstractContextManager[Any]:
@@ -85,8 +86,9 @@ class ReadAhead:
             if not self._abandoned(e):
                 self.ready.put(e)
 
-    def next(self) -> torch.Tensor:
-        """The next chunk's bytes (on the group's device); raises what its fill raised."""
+    def next(self) -> Any:
+        """The next chunk's bytes (on the group's device), as :meth:`_fill` returned them;
+        raises what its fill raised."""
         got = self.ready.get()
         if isinstance(got, BaseException):
             raise got
