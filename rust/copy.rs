@@ -20,6 +20,8 @@ pub use planner::{plan, plan_for_threads, task_bytes, Plan, GETS_PER_TASK};
 #[cfg(test)]
 use planner::{DstPtr, Piece};
 #[cfg(test)]
+use runner::in_file_order;
+#[cfg(test)]
 use runner::Scatter;
 pub use runner::{copy, execute, execute_many};
 

@@ -157,18 +157,17 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
     let mut current_bytes = 0u64;
     // separate reads of the current task (pieces that do not follow the one before in the file)
     let mut current_gets = 0usize;
-    // From object storage each piece is a request over the network: in file order, so that the
-    // pieces of a task that follow each other in the file are read with one ranged GET.
+    // In file order: the runner's threads take tasks in order, so the reads in flight move
+    // through the file as one window (`runner::in_file_order`); from object storage, the pieces
+    // of a task that follow each other in the file are also read with one ranged GET.
     let mut order: Vec<usize> = (0..requests.len()).collect();
-    if file.is_remote() {
-        order.sort_by_key(|&i| {
-            let start = match requests[i].selection {
-                Selection::All | Selection::Slice { .. } => 0,
-                Selection::Elements { start, .. } => start,
-            };
-            (header.get(&requests[i].name).map(|t| t.begin), start)
-        });
-    }
+    order.sort_by_key(|&i| {
+        let start = match requests[i].selection {
+            Selection::All | Selection::Slice { .. } => 0,
+            Selection::Elements { start, .. } => start,
+        };
+        (header.get(&requests[i].name).map(|t| t.begin), start)
+    });
     for &index in &order {
         let r = &requests[index];
         let t = header.get(&r.name).ok_or_else(|| Error::UnknownTensor {

@@ -1,8 +1,6 @@
 //! Running a planned copy: the tasks on a pool, each piece read (pread or from the mapping) and
 //! converted into its destination.
 
-use rayon::prelude::*;
-
 use super::planner::{plan, Piece, Plan};
 use super::{Progress, Request};
 use crate::convert::convert;
@@ -185,14 +183,46 @@ pub unsafe fn execute_many(
     if threads == 1 || tasks.len() <= 1 {
         tasks.iter().try_for_each(task)?;
     } else {
-        pool(threads)
-            .map_err(first)?
-            .install(|| tasks.par_iter().try_for_each(task))?;
+        in_file_order(&*pool(threads).map_err(first)?, &tasks, task)?;
     }
     for (index, (file, _)) in work.iter().enumerate() {
         file.check_unchanged().map_err(|e| (index, e))?;
     }
     Ok(work.iter().map(|(_, plan)| plan.dst_bytes).sum())
+}
+
+/// Runs `task` on every item of `tasks` on every thread of `pool`, each thread taking the next
+/// item not yet taken, in order: the reads in flight stay next to each other in the file, one
+/// window moving through it, as a sequential reader's would (rayon's splitting instead starts
+/// each thread on a region of its own, as many scattered streams as threads: the storage's
+/// read-ahead, the kernel's and a virtual disk's host's, serves one stream better). The first
+/// error stops the threads at their next item and is returned.
+pub(super) fn in_file_order<T: Sync, E: Send>(
+    pool: &rayon::ThreadPool,
+    tasks: &[T],
+    task: impl Fn(&T) -> std::result::Result<(), E> + Sync,
+) -> std::result::Result<(), E> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let failed: Mutex<Option<E>> = Mutex::new(None);
+    pool.broadcast(|_| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(t) = tasks.get(i) else { break };
+        if let Err(e) = task(t) {
+            // no later item starts; the first error wins
+            next.store(tasks.len(), Ordering::Relaxed);
+            failed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
+            break;
+        }
+    });
+    match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Runs one task's pieces from object storage: each run of pieces that follow each other in the

@@ -311,3 +311,78 @@ fn planning_for_threads_cuts_the_same_bytes_into_more_tasks() {
     assert!(out == data);
     std::fs::remove_file(path).unwrap();
 }
+
+#[test]
+fn tasks_follow_the_file_whatever_the_order_of_the_requests() {
+    // the runner's threads take tasks in order: in file order, the reads in flight are one
+    // window moving through the file
+    let n = MIN_TASK as usize;
+    let tensors: Vec<(String, Vec<u8>)> = (0..6)
+        .map(|i| (format!("t{i}"), vec![i as u8; n]))
+        .collect();
+    let spec: Vec<(&str, Dtype, Vec<u64>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, d)| (name.as_str(), Dtype::U8, vec![n as u64], d.clone()))
+        .collect();
+    let path = write(&spec);
+    let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+    let mut outs: Vec<Vec<u8>> = (0..6).map(|_| vec![0u8; n]).collect();
+    let reqs: Vec<Request> = outs
+        .iter_mut()
+        .enumerate()
+        .rev()
+        .map(|(i, out)| req(&format!("t{i}"), out, Dtype::U8, Selection::All))
+        .collect();
+    let p = plan_for_threads(&f, &reqs, 6 * n as u64, 6).unwrap();
+    assert_eq!(p.tasks(), 6);
+    let starts: Vec<u64> = p.tasks.iter().map(|t| t[0].src).collect();
+    assert!(starts.windows(2).all(|w| w[0] < w[1]), "{starts:?}");
+    assert_eq!(
+        unsafe { execute(&f, &p, Some(3), None, None) }.unwrap(),
+        6 * n as u64
+    );
+    for (i, out) in outs.iter().enumerate() {
+        assert!(out.iter().all(|&b| b == i as u8), "t{i}");
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
+fn in_file_order_runs_every_task_once_and_stops_at_the_first_error() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(4)
+        .build()
+        .unwrap();
+    let tasks: Vec<usize> = (0..1000).collect();
+    let runs: Vec<AtomicUsize> = tasks.iter().map(|_| AtomicUsize::new(0)).collect();
+    let ok: std::result::Result<(), usize> = in_file_order(&pool, &tasks, |&i| {
+        runs[i].fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    });
+    assert_eq!(ok, Ok(()));
+    assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1));
+    // task 10 fails: the error comes back, and no task runs twice; on one thread, deterministically,
+    // none after it starts
+    for threads in [1, 4] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let runs: Vec<AtomicUsize> = tasks.iter().map(|_| AtomicUsize::new(0)).collect();
+        let failed = in_file_order(&pool, &tasks, |&i| {
+            runs[i].fetch_add(1, Ordering::Relaxed);
+            if i == 10 {
+                Err(i)
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!(failed, Err(10));
+        assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) <= 1));
+        if threads == 1 {
+            let ran: usize = runs.iter().map(|r| r.load(Ordering::Relaxed)).sum();
+            assert_eq!(ran, 11);
+        }
+    }
+}
