@@ -62,6 +62,11 @@ impl Plan {
     pub fn tasks(&self) -> usize {
         self.tasks.len()
     }
+
+    /// Whether any piece is converted to another dtype on the way.
+    pub fn converts(&self) -> bool {
+        self.tasks.iter().flatten().any(|p| p.from != p.to)
+    }
 }
 
 /// Runs of `(first element, element count)` that a selection takes from a tensor, merged where
