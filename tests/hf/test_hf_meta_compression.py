@@ -8,6 +8,7 @@ layer that holds some is cleared by compressed-tensors itself."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,17 +29,27 @@ from fastload.hf.meta_compression import compress_once_per_kind  # noqa: E402
 pytestmark = pytest.mark.usefixtures("unpatched")
 
 
+def _recording(
+    monkeypatch: pytest.MonkeyPatch, cls: type, name: str, record: Callable[..., Any]
+) -> list[Any]:
+    """Each call of the classmethod ``cls.name`` (its own, not a parent's), recorded as
+    ``record(*args)`` before the call goes on to it."""
+    calls: list[Any] = []
+    function = cls.__dict__[name].__func__
+
+    def recorded(klass: type, *args: Any) -> Any:
+        calls.append(record(*args))
+        return function(klass, *args)
+
+    monkeypatch.setattr(cls, name, classmethod(recorded))
+    return calls
+
+
 def _counted(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[bool]:
     """Each call of ``cls``' own ``compress``: whether its weight was on meta."""
-    calls: list[bool] = []
-    function = cls.__dict__["compress"].__func__
-
-    def compress(klass: type, state_dict: dict[str, Any], scheme: Any) -> Any:
-        calls.append(state_dict["weight"].device.type == "meta")
-        return function(klass, state_dict, scheme)
-
-    monkeypatch.setattr(cls, "compress", classmethod(compress))
-    return calls
+    return _recording(
+        monkeypatch, cls, "compress", lambda sd, _: sd["weight"].device.type == "meta"
+    )
 
 
 @pytest.mark.parametrize(
@@ -207,15 +218,9 @@ def _counted_clearing(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each call of compressed-tensors' own ``clear_all_qparams``: the module's class name."""
     from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
 
-    calls: list[str] = []
-    function = QuantizationMetadata.__dict__["clear_all_qparams"].__func__
-
-    def clear_all_qparams(klass: type, module: torch.nn.Module) -> None:
-        calls.append(type(module).__name__)
-        function(klass, module)
-
-    monkeypatch.setattr(QuantizationMetadata, "clear_all_qparams", classmethod(clear_all_qparams))
-    return calls
+    return _recording(
+        monkeypatch, QuantizationMetadata, "clear_all_qparams", lambda m: type(m).__name__
+    )
 
 
 @pytest.mark.parametrize(
