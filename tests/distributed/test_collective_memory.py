@@ -36,8 +36,11 @@ MARGIN = 0.12
 #: the same under a tensor-parallel plan: a rank's slices land straight in its tensors, and the
 #: owner of a chunk holds the bytes it only sends on in a scratch buffer until it has (measured
 #: 0.095-0.15 over 4 runs, rank 1 the higher; 0.22-0.27 when the sliced tensors were assembled
-#: whole, 0.51 with the chunk buffers)
-TP_MARGIN = 0.2
+#: whole, 0.51 with the chunk buffers). The single load's own overhead varies by 0.1 of a share
+#: between runs here, so the limit keeps that much headroom and catches the chunk buffers coming
+#: back, not the whole assembly: test_collective.py's
+#: test_each_rank_lands_only_its_slice_and_the_owner_holds_only_what_it_sends checks that exactly.
+TP_MARGIN = 0.25
 
 
 def _resident() -> int:
