@@ -252,8 +252,7 @@ def from_pretrained(
             converted, go to an accelerator or are sharded are always copies. The report's
             ``sharing`` says which way each file went; :mod:`fastload.core.memory.sharing` gives
             the rule and the SIGBUS hazard of files changed in place.
-        threads: copy threads (default: the CPU count for a conversion from the page cache,
-            at least 8 otherwise).
+        threads: copy threads (default: at least 8; a conversion from the page cache: the CPUs).
         config: a transformers config (or a path to one) to build the model from.
         device_map: instead of ``device``: ``"auto"`` (the GPUs, most free memory first, then the
             CPU; transformer blocks kept whole), ``"balanced"``, ``"balanced_low_0"``,

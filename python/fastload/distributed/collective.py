@@ -48,22 +48,10 @@ from fastload.core.checkpoint.opened import OpenCheckpoint, StoredTensor
 from fastload.distributed.destinations import check_destination
 from fastload.distributed.file_reads import PAGE, Chunk, FileReader
 from fastload.distributed.group import RankGroup, abandon, agree_on_plan, together
-from fastload.distributed.landings import (
-    SMALL_PIECE,
-    Piece,
-    Run,
-    Target,
-    into,
-    landing,
-    messages,
-    pieces,
-    put,
-    scatter,
-    settle,
-    take,
-)
-from fastload.distributed.needs import Routes, merged, need_of, pack, size, unpack, without
-from fastload.distributed.object_reads import Fetched, ObjectReader, deal_objects
+from fastload.distributed.landings import Piece, Target, pieces, scatter
+from fastload.distributed.moves import land_chunk, move_buffer, owner_landing
+from fastload.distributed.needs import Routes, need_of
+from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
 
 #: bytes of one exchanged chunk (smaller when the checkpoint is small, so every rank gets some)
@@ -256,7 +244,9 @@ def read_collectively(
         result.storage_bytes = sum(c.nbytes for c in mine)
         owned = [(c.file, c.start, c.stop) for c in mine]
         # on the CPU, each chunk is fetched straight into the tensors it belongs to
-        land = partial(_land, group, by_file, routes) if group.device.type == "cpu" else None
+        land = (
+            partial(owner_landing, group, by_file, routes) if group.device.type == "cpu" else None
+        )
         reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land)
     else:
         result.storage_bytes = pages(mine)
@@ -273,41 +263,6 @@ def _pieces(
     by_file: dict[int, list[Target]], file: int, start: int, stop: int
 ) -> list[Piece] | None:
     return pieces(start, stop, by_file.get(file, ()))
-
-
-def _sends(group: RankGroup, routes: Routes, chunk: Chunk) -> dict[int, list[tuple[int, int]]]:
-    """The byte ranges of ``chunk`` (offsets in it) that each other rank keeps, where it keeps
-    some: what this rank, its owner, sends them."""
-    out = {}
-    for r in range(group.world_size):
-        ranges = routes.of(r, chunk.file, chunk.start, chunk.stop) if r != group.rank else []
-        if ranges:
-            out[r] = ranges
-    return out
-
-
-def _land(
-    group: RankGroup,
-    by_file: dict[int, list[Target]],
-    routes: Routes,
-    file: int,
-    start: int,
-    stop: int,
-) -> list[Run] | None:
-    """Where this rank, the owner of the chunk ``[start, stop)`` of ``file``, fetches its bytes
-    (:func:`~fastload.distributed.landings.landing`): those it keeps to their places; those only
-    other ranks keep to a scratch buffer (each rank's together), sent on and freed with the
-    chunk; none where no rank keeps them. ``None``: the chunk goes through a buffer."""
-    parts = pieces(start, stop, by_file.get(file, ()))
-    if parts is None:
-        return None
-    forward: list[list[tuple[int, int]]] = []
-    if not routes.broadcast(file, start, stop):
-        sent = routes.of(group.rank, file, start, stop)  # this rank's own bytes: in place
-        for ranges in _sends(group, routes, Chunk(file, start, stop, group.rank)).values():
-            forward.append(without(ranges, sent))  # each rank's together: sent as one view
-            sent = merged([*sent, *ranges])
-    return landing(parts, [f for f in forward if f], start)
 
 
 def _exchange(
@@ -356,115 +311,15 @@ def _exchange(
                         max(c.nbytes for c in chunks), dtype=torch.uint8, device=group.device
                     )
                 buffer = spare[: chunk.nbytes]
-            received += _move(group, index, chunk, buffer, routes)
+            received += move_buffer(group, index, chunk, buffer, routes)
             scatter(chunk.start, chunk.stop, buffer, by_file.get(chunk.file, ()))
         else:
-            received += _land_chunk(group, index, chunk, parts, got, routes, len(chunks))
+            received += land_chunk(group, index, chunk, parts, got, routes, len(chunks))
         if progress is not None:
             progress.add(chunk.nbytes)
         if mine and got is not None:
             reader.release(got)  # (its scratch goes with it)
         got = None
-    return received
-
-
-def _land_chunk(
-    group: RankGroup,
-    index: int,
-    chunk: Chunk,
-    parts: Sequence[Piece],
-    got: Any,
-    routes: Routes,
-    count: int,
-) -> int:
-    """Chunk ``index`` (of ``count``; ``parts``: its pieces) moved where its bytes land on
-    every rank (:func:`_move_landed`), and counted as arrived there; ``got``: what the owner's
-    reader gave it (the bytes already where they are held, or its read buffer). The bytes
-    received."""
-    if isinstance(got, Fetched):  # fetched where the bytes are held
-        kept = held = got.held
-    else:
-        kept = held = landing(parts)
-        if got is not None:  # the owner's read buffer: to their places, sent from there
-            for run in kept:
-                run.view.copy_(got[run.lo - chunk.start : run.hi - chunk.start])
-            held = [Run(chunk.start, chunk.stop, got, parts[0][2], kept=False)]
-    received = _move_landed(group, index, chunk, parts, held, routes, count)
-    settle(kept)
-    return received
-
-
-def _move(group: RankGroup, index: int, chunk: Chunk, buffer: torch.Tensor, routes: Routes) -> int:
-    """Chunk ``index`` from its owner's ``buffer`` into the others'; the bytes received."""
-    mine = chunk.owner == group.rank
-    if routes.broadcast(chunk.file, chunk.start, chunk.stop):
-        group.broadcast(buffer, chunk.owner)
-        return 0 if mine else chunk.nbytes
-    if mine:
-        sends = _sends(group, routes, chunk)
-        group.send_each({r: pack(buffer, rs) for r, rs in sends.items()}, tag=index)
-        return 0
-    # (bytes this rank does not keep are left as they were in the buffer: only the kept ones
-    # are copied out of it)
-    ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
-    if not ranges:
-        return 0
-    packed = torch.empty(size(ranges), dtype=torch.uint8, device=group.device)
-    group.receive(packed, chunk.owner, tag=index)
-    unpack(packed, buffer, ranges)
-    return packed.numel()
-
-
-def _move_landed(
-    group: RankGroup,
-    index: int,
-    chunk: Chunk,
-    parts: Sequence[Piece],
-    held: Sequence[Run],
-    routes: Routes,
-    count: int,
-) -> int:
-    """Chunk ``index`` (of ``count``) from where its bytes are held on its owner to where they
-    land on the others: each large piece its own message, the small ones packed into one; under
-    a tensor-parallel plan each rank gets only its ranges, so cut. A message whose bytes lie one
-    after the other where they are goes from and to there, with no copy on the way. The bytes
-    received."""
-    mine, base = chunk.owner == group.rank, chunk.start
-    if routes.broadcast(chunk.file, chunk.start, chunk.stop):
-        small = []
-        for lo, hi, _ in parts:
-            if hi - lo >= SMALL_PIECE:
-                group.broadcast(take(held, base, [(lo - base, hi - base)]), chunk.owner)
-            else:
-                small.append((lo - base, hi - base))
-        if small:
-            packed = (
-                take(held, base, small) if mine else torch.empty(size(small), dtype=torch.uint8)
-            )
-            group.broadcast(packed, chunk.owner)
-            if not mine:
-                put(held, base, small, packed)
-        return 0 if mine else chunk.nbytes
-    # message m of a chunk has its own tag: the receiver takes each where it goes
-    if mine:
-        sends = {r: messages(parts, base, rs) for r, rs in _sends(group, routes, chunk).items()}
-        for m in range(max((len(ms) for ms in sends.values()), default=0)):
-            group.send_each(
-                {r: take(held, base, ms[m]) for r, ms in sends.items() if m < len(ms)},
-                tag=m * count + index,
-            )
-        return 0
-    received = 0
-    ranges = routes.of(group.rank, chunk.file, chunk.start, chunk.stop)
-    for m, message in enumerate(messages(parts, base, ranges)):
-        place = into(held, base, message)
-        if place is None:
-            place = torch.empty(size(message), dtype=torch.uint8)
-            group.receive(place, chunk.owner, tag=m * count + index)
-            put(held, base, message, place)
-        else:
-            group.receive(place, chunk.owner, tag=m * count + index)
-        received += place.numel()
     return received
 
 
