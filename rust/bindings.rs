@@ -203,14 +203,14 @@ impl PySafetensorsFile {
     }
 
     /// Whether most of the file's bytes `[offset, offset + length)` (default: the tensor data)
-    /// are not in the page cache (`cachestat(2)`; `False` for a file held in memory or where the
-    /// kernel cannot say).
+    /// are not in the page cache (`cachestat(2)`, of 32 evenly spread windows of a range over 8 MiB;
+    /// `False` for a file held in memory or where the kernel cannot say).
     #[pyo3(signature = (offset = None, length = None))]
     fn mostly_uncached(&self, py: Python<'_>, offset: Option<u64>, length: Option<u64>) -> bool {
         let start = offset.unwrap_or_else(|| self.inner.header().data_start());
         let len = length.unwrap_or_else(|| self.inner.len().saturating_sub(start));
         let file = &*self.inner;
-        // ~5 ms per GiB of 4 KiB folios: the warm-up's helper thread asks, beside the loader
+        // a sample of a large range (a bounded cost): the warm-up's helper thread asks, beside the loader
         py.detach(|| file.mostly_uncached((start, len)))
     }
 

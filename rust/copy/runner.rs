@@ -135,21 +135,22 @@ pub unsafe fn execute_many(
             None if work.iter().any(|(f, _)| f.is_remote()) => {
                 check_threads(None)?.max(REMOTE_THREADS)
             }
+            // Positioned reads without a conversion, from the page cache too: each thread waits
+            // in the kernel's copy, and more reads in flight than cores kept it busier (a warm
+            // 1 GiB reload into the model's memory, 2 cores: 0.118 s with 2 threads, 0.104 with
+            // 4, 0.102 with 8; a load into fresh memory took the same with 2 and 8). Asked first:
+            // it needs no look at the page cache.
+            None if work
+                .iter()
+                .all(|(f, p)| f.mode() == ReadMode::Pread && !p.converts()) =>
+            {
+                check_threads(None)?.max(READAHEAD_THREADS)
+            }
             // A file mostly not in the page cache: the copy waits on the disk, which wants more
             // requests in flight than there are cores (1 GiB bf16 -> f32 on 2 cores: 1.65 s with 2
             // threads, 1.06 s with 8; cached copies are CPU-bound and 8 were ~10% slower there).
             // Asked of the bytes this plan reads (a GPU load runs one plan per staging buffer).
             None if work.iter().any(|(f, p)| f.mostly_uncached(p.src_span())) => {
-                check_threads(None)?.max(READAHEAD_THREADS)
-            }
-            // Positioned reads without a conversion, from the page cache too: each thread waits
-            // in the kernel's copy, and more reads in flight than cores kept it busier (a warm
-            // 1 GiB reload into the model's memory, 2 cores: 0.118 s with 2 threads, 0.104 with
-            // 4, 0.102 with 8; a load into fresh memory took the same with 2 and 8).
-            None if work
-                .iter()
-                .all(|(f, p)| f.mode() == ReadMode::Pread && !p.converts()) =>
-            {
                 check_threads(None)?.max(READAHEAD_THREADS)
             }
             _ => check_threads(threads)?,
