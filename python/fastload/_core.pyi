@@ -84,8 +84,8 @@ class SafetensorsFile:
         memory)."""
     def mostly_uncached(self, offset: int | None = None, length: int | None = None) -> bool:
         """Whether most of the file's bytes [offset, offset + length) (default: the tensor data)
-        are not in the page cache (``cachestat``, of 32 evenly spread windows of a range over 8 MiB);
-        False for a file held in memory or where the kernel cannot say."""
+        are not in the page cache (``cachestat``, of 32 evenly spread windows of a range over
+        8 MiB); False for a file held in memory or where the kernel cannot say."""
     def fileno(self) -> int | None:
         """The open file descriptor (None for a file held in memory)."""
     def keys(self) -> list[str]: ...

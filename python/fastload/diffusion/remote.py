@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +38,7 @@ from fastload.core.basics.errors import (
 )
 from fastload.core.plan.load_options import LoadOptions
 from fastload.core.store.object_store import ObjectUrl, is_url
+from fastload.core.store.side_directory import side_files_directory
 from fastload.diffusion import files as filesmod
 from fastload.diffusion.options import DiffusersOptions
 from fastload.distributed.group import on_every_rank
@@ -153,7 +153,7 @@ def located(path: Any, options: LoadOptions, opts: DiffusersOptions) -> Iterator
     if remote is not None and remote.process_group is not None and not options.collective:
         # a component of a pipeline's collective load (fastload.diffusion.remote_pipeline)
         options = dataclasses.replace(options, process_group=remote.process_group)
-    with tempfile.TemporaryDirectory(prefix="fastload-side-files-") as side:
+    with side_files_directory() as side:
         files = on_every_rank(
             options,
             lambda: resolve(

@@ -41,6 +41,7 @@ from fastload.core.plan.report import LoadReport
 from fastload.core.plan.steps import LoadSteps
 from fastload.core.plan.target import Target, plain_target
 from fastload.core.store.object_store import is_url
+from fastload.core.store.side_directory import side_files_directory
 from fastload.distributed.group import on_every_rank, tell_every_rank
 from fastload.distributed.steps import RANK_STEPS
 from fastload.families import is_transformers_model
@@ -120,7 +121,7 @@ def load_hf(
     side_files: tempfile.TemporaryDirectory[str] | None = None
     if path is not None and is_url(path):
         assert isinstance(path, str)
-        side_files = tempfile.TemporaryDirectory(prefix="fastload-side-files-")
+        side_files = side_files_directory()
         resolved = on_every_rank(
             options,
             lambda: hubmod.resolve_remote(
