@@ -28,10 +28,18 @@ on a skeleton:
 * the memo's own look-ups (shapes, strides, new meta tensors) run with torch's function modes
   off: ``preprocess_model`` runs under ``torch.device("meta")``, which adds a Python call to every
   tensor attribute read; the memo creates only meta tensors, with the device named.
+* each compressed layer's tensors are then swapped in by ``replace_direct_state_dict``: a
+  ``delattr`` and a ``setattr`` per tensor, each through ``nn.Module``'s attribute hooks and
+  ``register_parameter`` (a third of ``compress_model``). Where the layer is a plain
+  ``nn.Module`` holding parameters only, every new tensor is a meta tensor and torch's
+  registration would do nothing but store it (no registration hook, no name it refuses),
+  the same entries go into the layer's ``_parameters`` directly, in the same order; any other
+  layer goes to compressed-tensors' own.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -39,6 +47,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fastload.core.model.skeleton import registers_as_torch
 
 #: one preprocess at a time wraps compressed-tensors' classes (the wrapping is process-wide); the
 #: preprocess's own thread enters both blocks
@@ -184,24 +194,108 @@ def no_clearing_of_fresh_modules() -> Iterator[None]:
         yield
 
 
-def _holds_none(module: Any, names: list[str]) -> bool:
-    """Whether ``hasattr(module, name)`` is false for every name, told from the module's own
-    dicts and its class's as ``nn.Module`` looks attributes up; false where it cannot be told
-    so (a class with its own attribute look-up, dicts that an offloading cache replaced)."""
+def _plain_lookup(module: Any) -> bool:
+    """Whether ``module``'s attributes are looked up and set as ``nn.Module``'s are, in plain
+    dicts (not a class with its own look-up, nor dicts an offloading cache replaced)."""
     cls = type(module)
     if not isinstance(module, nn.Module) or cls.__getattr__ is not nn.Module.__getattr__:
         return False
     if cls.__getattribute__ is not object.__getattribute__:
         return False
     own = module.__dict__
-    tables: list[Mapping[str, Any]] = [own]
-    for key in ("_parameters", "_buffers", "_modules"):
-        table = own.get(key)
-        if type(table) is not dict:
+    return all(type(own.get(key)) is dict for key in ("_parameters", "_buffers", "_modules"))
+
+
+def _holds_none(module: Any, names: list[str]) -> bool:
+    """Whether ``hasattr(module, name)`` is false for every name, told from the module's own
+    dicts and its class's as ``nn.Module`` looks attributes up; false where it cannot be told
+    so (:func:`_plain_lookup`)."""
+    if not _plain_lookup(module):
+        return False
+    own = module.__dict__
+    wanted = set(names)
+    tables: list[Mapping[str, Any]] = [own, own["_parameters"], own["_buffers"], own["_modules"]]
+    tables.extend(vars(c) for c in type(module).__mro__)  # class attributes, properties
+    return all(wanted.isdisjoint(table) for table in tables)
+
+
+@contextmanager
+def plain_replacement_of_layer_tensors() -> Iterator[None]:
+    """Within the block, compressed-tensors' ``replace_direct_state_dict``, as its compressors
+    call it, puts a plain layer's new meta tensors into its ``_parameters`` directly
+    (:func:`_replace_plainly`), when called from this thread; any other call goes to
+    compressed-tensors' own. Restored on leaving unless something else replaced it meanwhile."""
+    try:
+        base = importlib.import_module("compressed_tensors.compressors.base")
+    except ImportError:
+        yield
+        return
+    original = base.__dict__.get("replace_direct_state_dict")
+    if not callable(original):
+        yield  # another compressed-tensors than the one this was written for: as it is
+        return
+    owner = threading.get_ident()
+
+    def replace_direct_state_dict(module: Any, new_state_dict: Any) -> None:
+        if threading.get_ident() != owner or not _replace_plainly(module, new_state_dict):
+            original(module, new_state_dict)
+
+    replace_direct_state_dict.__wrapped__ = original  # type: ignore[attr-defined]
+    with _LOCK:
+        base.replace_direct_state_dict = replace_direct_state_dict
+        try:
+            yield
+        finally:
+            if base.__dict__.get("replace_direct_state_dict") is replace_direct_state_dict:
+                base.replace_direct_state_dict = original
+
+
+def _replace_plainly(module: Any, new: Any) -> bool:
+    """What compressed-tensors' ``replace_direct_state_dict(module, new)`` does, done on the
+    module's ``_parameters`` when that is plainly all it does; ``False``, with nothing done,
+    otherwise. It deletes each old tensor the new state lacks, then for each new entry in
+    order: an absent tensor that stays absent is kept, any other is deleted (an old tensor
+    is read as ``.data``, a new object, so never the new one) and set again as a frozen
+    ``Parameter`` through ``nn.Module.__setattr__``, which here only stores it: a plain module
+    (:func:`_plain_lookup`, ``nn.Module``'s own ``__setattr__``, ``__delattr__`` and
+    ``register_parameter``, no buffers), a name it accepts that nothing else holds, a plain
+    meta tensor, torch's registration (:func:`registers_as_torch`) without hooks."""
+    if type(new) is not dict or not _plain_lookup(module) or module._buffers:
+        return False
+    cls = type(module)
+    for name in ("__setattr__", "__delattr__", "register_parameter"):
+        if getattr(cls, name) is not getattr(nn.Module, name):
             return False
-        tables.append(table)
-    tables.extend(vars(c) for c in cls.__mro__)  # class attributes, properties
-    return not any(name in table for table in tables for name in names)
+    if not registers_as_torch() or _global_parameter_hooks():
+        return False
+    params = module._parameters
+    kept = {n for n, v in new.items() if v is None and n in params and params[n] is None}
+    with torch._C.DisableTorchFunction():  # reads of devices, not the meta mode's
+        for name, value in new.items():
+            if name in kept:
+                continue
+            if type(name) is not str or not name or "." in name:
+                return False
+            if type(value) is not torch.Tensor or value.device.type != "meta":
+                return False
+            if name in module.__dict__ or name in module._modules:
+                return False
+            if any(name in vars(c) for c in cls.__mro__):
+                return False
+    for name in [n for n in params if n not in new]:
+        del params[name]
+    for name, value in new.items():
+        if name not in kept:
+            params.pop(name, None)
+            params[name] = nn.Parameter(value, requires_grad=False)
+    return True
+
+
+def _global_parameter_hooks() -> bool:
+    """Whether torch has global parameter registration hooks (they may change what is stored)."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(getattr(torch_module, "_global_parameter_registration_hooks", True))
 
 
 @contextmanager
@@ -232,4 +326,8 @@ def _wrapped(memo: _Memo, function: Any) -> Any:
     return compress
 
 
-__all__ = ["compress_once_per_kind", "no_clearing_of_fresh_modules"]
+__all__ = [
+    "compress_once_per_kind",
+    "no_clearing_of_fresh_modules",
+    "plain_replacement_of_layer_tensors",
+]
