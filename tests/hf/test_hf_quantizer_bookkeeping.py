@@ -280,3 +280,41 @@ def test_the_plans_are_what_transformers_makes_of_them(
     assert got == want
     assert bool(calls) == renamed
     assert "update_parallel_plan" not in vars(quantizer)
+
+
+# --- the compression memo's key: a group's scheme serialized once while it is unchanged ---
+
+
+def test_a_scheme_is_serialized_again_only_once_changed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from fastload.hf.meta_compression import compress_once_per_kind
+
+    args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="int-quantized")
+    serialized: list[str] = []
+    function = QuantizationScheme.model_dump_json
+
+    def counted(self: Any, *a: Any, **k: Any) -> str:
+        serialized.append(self.weights.strategy)
+        return function(self, *a, **k)
+
+    monkeypatch.setattr(QuantizationScheme, "model_dump_json", counted)
+    state = {
+        "weight": torch.empty(8, 16, device="meta"),
+        "weight_scale": torch.empty(8, 1, device="meta"),
+    }
+    with compress_once_per_kind() as memo:
+        for _ in range(3):
+            IntQuantizationCompressor.compress(dict(state), scheme)
+        scheme.weights.strategy = "tensor"  # changed in place: a kind of its own
+        state["weight_scale"] = torch.empty(1, device="meta")
+        for _ in range(2):
+            got = IntQuantizationCompressor.compress(dict(state), scheme)
+    want = IntQuantizationCompressor.compress(dict(state), scheme)
+    assert memo is not None and (memo.calls, memo.runs) == (5, 2)
+    assert serialized == ["channel", "tensor"]
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {
+        k: (v.shape, v.dtype) for k, v in want.items()
+    }

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from fastload.core.model.skeleton import registers_as_torch
 
@@ -103,6 +104,9 @@ class _Memo:
 
     def __init__(self) -> None:
         self.outcomes: dict[tuple[Any, ...], _Outcome | None] = {}
+        #: id -> (scheme, a copy of it when serialized, its JSON): the layers of a group share
+        #: one scheme object, serialized again only where it no longer equals its copy
+        self.schemes: dict[int, tuple[Any, Any, str]] = {}
         self.calls = 0
         self.runs = 0
         self.owner = threading.get_ident()
@@ -117,7 +121,7 @@ class _Memo:
         key = None
         if signature is not None:
             try:
-                key = (cls, scheme.model_dump_json(), signature)
+                key = (cls, self._serialized(scheme), signature)
             except Exception:  # noqa: BLE001 - a scheme not to be keyed: not memoized
                 key = None
         if key is not None and self.outcomes.get(key) is not None:
@@ -130,6 +134,16 @@ class _Memo:
         if key is not None:
             self.outcomes[key] = _outcome(state_dict, outputs)
         return outputs
+
+    def _serialized(self, scheme: Any) -> str:
+        """``scheme.model_dump_json()``, or what it gave for this very scheme while it still
+        equals (pydantic's ``==``, a fifth of the cost) a copy taken then."""
+        known = self.schemes.get(id(scheme))
+        if known is not None and known[0] is scheme and scheme == known[1]:
+            return known[2]
+        text: str = scheme.model_dump_json()
+        self.schemes[id(scheme)] = (scheme, scheme.model_copy(deep=True), text)
+        return text
 
 
 def _compressors() -> list[type]:
@@ -260,15 +274,19 @@ def _replace_plainly(module: Any, new: Any) -> bool:
     (:func:`_plain_lookup`, ``nn.Module``'s own ``__setattr__``, ``__delattr__`` and
     ``register_parameter``, no buffers), a name it accepts that nothing else holds, a plain
     meta tensor, torch's registration (:func:`registers_as_torch`) without hooks."""
-    if type(new) is not dict or not _plain_lookup(module) or module._buffers:
+    if type(new) is not dict or not _plain_lookup(module) or module.__dict__["_buffers"]:
         return False
     cls = type(module)
-    for name in ("__setattr__", "__delattr__", "register_parameter"):
-        if getattr(cls, name) is not getattr(nn.Module, name):
-            return False
-    if not registers_as_torch() or _global_parameter_hooks():
+    if (
+        cls.__setattr__ is not nn.Module.__setattr__
+        or cls.__delattr__ is not nn.Module.__delattr__
+        or cls.register_parameter is not nn.Module.register_parameter
+        or _global_parameter_hooks()
+        or not registers_as_torch()
+    ):
         return False
-    params = module._parameters
+    own = module.__dict__
+    params, modules = own["_parameters"], own["_modules"]
     kept = {n for n, v in new.items() if v is None and n in params and params[n] is None}
     with torch._C.DisableTorchFunction():  # reads of devices, not the meta mode's
         for name, value in new.items():
@@ -278,9 +296,8 @@ def _replace_plainly(module: Any, new: Any) -> bool:
                 return False
             if type(value) is not torch.Tensor or value.device.type != "meta":
                 return False
-            if name in module.__dict__ or name in module._modules:
-                return False
-            if any(name in vars(c) for c in cls.__mro__):
+            # held otherwise: in the module's own dicts, or its class's (or metaclass's)
+            if name in own or name in modules or hasattr(cls, name):
                 return False
     for name in [n for n in params if n not in new]:
         del params[name]
@@ -292,10 +309,9 @@ def _replace_plainly(module: Any, new: Any) -> bool:
 
 
 def _global_parameter_hooks() -> bool:
-    """Whether torch has global parameter registration hooks (they may change what is stored)."""
-    from torch.nn.modules import module as torch_module
-
-    return bool(getattr(torch_module, "_global_parameter_registration_hooks", True))
+    """Whether torch has global parameter registration hooks (they may change what is stored);
+    true where this torch keeps none where this looks."""
+    return bool(getattr(_torch_module, "_global_parameter_registration_hooks", True))
 
 
 @contextmanager
