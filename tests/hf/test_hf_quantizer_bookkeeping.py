@@ -49,7 +49,7 @@ def _counted(monkeypatch: pytest.MonkeyPatch, module: str, name: str) -> list[st
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f[0])
-def test_compressed_layers_get_their_tensors_without_compressed_tensors_replacement(
+def test_compressed_layers_are_read_and_set_without_compressed_tensors_own(
     fmt: tuple[str, Any, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from test_hf_quantized import assert_same_quantized_model
@@ -57,14 +57,15 @@ def test_compressed_layers_get_their_tensors_without_compressed_tensors_replacem
 
     _, scheme, form = fmt
     directory = compressed_tensors_checkpoint(tmp_path, scheme, form)
-    calls = _counted(
-        monkeypatch, "compressed_tensors.compressors.base", "replace_direct_state_dict"
-    )
+    base = "compressed_tensors.compressors.base"
+    reads = _counted(monkeypatch, base, "get_direct_state_dict")
+    calls = _counted(monkeypatch, base, "replace_direct_state_dict")
     want = AutoModelForCausalLM.from_pretrained(directory)
-    assert calls == ["Linear"] * 14  # the count sees transformers' load
+    assert calls == reads == ["Linear"] * 14  # the counts see transformers' load
     calls.clear()
+    reads.clear()
     got = fastload.from_pretrained(directory)
-    assert calls == []
+    assert calls == reads == []
     assert_same_quantized_model(got, want)
 
 
@@ -175,6 +176,43 @@ def test_each_layer_is_left_as_compressed_tensors_leaves_it(
             assert outcome == (type(e), str(e))
     assert _layout(got) == _layout(want)
     assert calls == ([] if case == "plain" else [type(got).__name__])
+
+
+def _read(module: nn.Module) -> list[tuple[Any, ...]]:
+    """What a read of the layer's state gives: name, class, and for a tensor whether it is the
+    layer's own object, its storage, shape and trainability."""
+    state = _base().get_direct_state_dict(module)
+    own = {id(t) for t in [*module._parameters.values(), *module._buffers.values()]}
+    return [
+        (name, type(t))
+        + (
+            ()
+            if t is None
+            else (id(t) in own, t.untyped_storage().data_ptr(), tuple(t.shape), t.requires_grad)
+        )
+        for name, t in state.items()
+    ]
+
+
+def _buffered(kind: Any) -> nn.Module:
+    module = nn.Linear(4, 8, device="meta")
+    module.register_buffer("weight_zero_point", kind(torch.zeros(8, 1, dtype=torch.int8)))
+    return module
+
+
+@pytest.mark.parametrize(
+    "kind", [None, torch.Tensor, nn.Buffer], ids=["parameters", "a tensor", "an nn.Buffer"]
+)
+def test_each_layer_is_read_as_compressed_tensors_reads_it(
+    kind: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layer = nn.Linear(4, 8, device="meta") if kind is None else _buffered(kind)
+    want = _read(layer)
+    calls = _counted(monkeypatch, "compressed_tensors.compressors.base", "get_direct_state_dict")
+    with plain_replacement_of_layer_tensors(), torch.device("meta"):
+        got = _read(layer)
+    assert got == want
+    assert calls == ([] if kind is None else [type(layer).__name__])
 
 
 def test_a_registration_hook_sends_the_layer_to_compressed_tensors(

@@ -235,33 +235,65 @@ def _holds_none(module: Any, names: list[str]) -> bool:
 
 @contextmanager
 def plain_replacement_of_layer_tensors() -> Iterator[None]:
-    """Within the block, compressed-tensors' ``replace_direct_state_dict``, as its compressors
-    call it, puts a plain layer's new meta tensors into its ``_parameters`` directly
-    (:func:`_replace_plainly`), when called from this thread; any other call goes to
-    compressed-tensors' own. Restored on leaving unless something else replaced it meanwhile."""
+    """Within the block, compressed-tensors' ``get_direct_state_dict`` and
+    ``replace_direct_state_dict``, as its compressors call them, read a plain layer's tensors
+    (:func:`_read_plainly`) and put its new meta tensors into its ``_parameters``
+    (:func:`_replace_plainly`) directly, when called from this thread; any other call goes to
+    compressed-tensors' own. Restored on leaving unless something else replaced them meanwhile."""
     try:
         base = importlib.import_module("compressed_tensors.compressors.base")
     except ImportError:
         yield
         return
-    original = base.__dict__.get("replace_direct_state_dict")
-    if not callable(original):
+    originals = {
+        n: base.__dict__.get(n) for n in ("get_direct_state_dict", "replace_direct_state_dict")
+    }
+    if not all(callable(f) for f in originals.values()):
         yield  # another compressed-tensors than the one this was written for: as it is
         return
     owner = threading.get_ident()
+    read, replace = originals["get_direct_state_dict"], originals["replace_direct_state_dict"]
+
+    def get_direct_state_dict(module: Any) -> Any:
+        state = _read_plainly(module) if threading.get_ident() == owner else None
+        return read(module) if state is None else state
 
     def replace_direct_state_dict(module: Any, new_state_dict: Any) -> None:
         if threading.get_ident() != owner or not _replace_plainly(module, new_state_dict):
-            original(module, new_state_dict)
+            replace(module, new_state_dict)
 
-    replace_direct_state_dict.__wrapped__ = original  # type: ignore[attr-defined]
+    mine = {"get_direct_state_dict": get_direct_state_dict}
+    mine["replace_direct_state_dict"] = replace_direct_state_dict
     with _LOCK:
-        base.replace_direct_state_dict = replace_direct_state_dict
+        for name, function in mine.items():
+            function.__wrapped__ = originals[name]  # type: ignore[attr-defined]
+            setattr(base, name, function)
         try:
             yield
         finally:
-            if base.__dict__.get("replace_direct_state_dict") is replace_direct_state_dict:
-                base.replace_direct_state_dict = original
+            for name, function in mine.items():
+                if base.__dict__.get(name) is function:
+                    setattr(base, name, originals[name])
+
+
+def _read_plainly(module: Any) -> dict[str, Any] | None:
+    """What compressed-tensors' ``get_direct_state_dict(module)`` gives (each parameter's
+    ``.data``), read with torch's function modes off (the meta mode's Python call per
+    ``.data``) where the layer is plain (:func:`_plain_lookup`), holds no buffer and each of
+    its parameters is a plain ``Parameter`` or ``None``; ``None`` otherwise (torch's
+    ``isinstance`` checks for ``Parameter`` and ``Buffer`` also accept marked plain tensors)."""
+    if not _plain_lookup(module) or module.__dict__["_buffers"]:
+        return None
+    state: dict[str, Any] = {}
+    with torch._C.DisableTorchFunction():
+        for name, tensor in module.__dict__["_parameters"].items():
+            if type(tensor) is nn.Parameter:
+                state[name] = tensor.data
+            elif tensor is None:
+                state[name] = None
+            else:
+                return None
+    return state
 
 
 def _replace_plainly(module: Any, new: Any) -> bool:
