@@ -331,6 +331,8 @@ def _replace_plainly(module: Any, new: Any) -> bool:
             # held otherwise: in the module's own dicts, or its class's (or metaclass's)
             if name in own or name in modules or hasattr(cls, name):
                 return False
+            if name in own.get("_non_persistent_buffers_set", ()):
+                return False  # nn.Module.__setattr__ would discard it
     for name in [n for n in params if n not in new]:
         del params[name]
     for name, value in new.items():

@@ -154,7 +154,11 @@ def _no_empty_plan_updates(quantizer: Any) -> Iterator[None]:
         if not _adds_nothing(quantizer, model, plan):
             original(model, plan)
 
-    quantizer.update_parallel_plan = update_parallel_plan
+    try:
+        quantizer.update_parallel_plan = update_parallel_plan
+    except AttributeError:  # an object that takes no attribute: transformers' method as it is
+        yield
+        return
     try:
         yield
     finally:
