@@ -46,9 +46,9 @@ def _transformers(directory: Path, **kwargs: object) -> torch.nn.Module:
 
 def assert_same_quantized_model(got: torch.nn.Module, want: torch.nn.Module) -> None:
     """Module classes and attributes, parameters and buffers (names, dtypes, shapes, bytes,
-    trainability), the quantizer and the config's quantization config; then the logits of a
-    fixed input, or the same error from it (last: compressed-tensors changes its modules on the
-    first forward)."""
+    trainability), the quantizer, the parallel plans and the config's quantization config; then
+    the logits of a fixed input, or the same error from it (last: compressed-tensors changes its
+    modules on the first forward)."""
     assert type(got) is type(want)
     got_modules, want_modules = dict(got.named_modules()), dict(want.named_modules())
     assert list(got_modules) == list(want_modules)
@@ -65,6 +65,7 @@ def assert_same_quantized_model(got: torch.nn.Module, want: torch.nn.Module) -> 
             assert (g.dtype, g.shape, g.requires_grad) == (w.dtype, w.shape, w.requires_grad), name
             assert torch.equal(raw_bytes(g.detach()), raw_bytes(w.detach())), name
     assert type(got.hf_quantizer) is type(want.hf_quantizer)
+    assert (got.tp_plan, got.ep_plan) == (want.tp_plan, want.ep_plan)  # as the quantizer left them
     assert got.config.quantization_config.to_dict() == want.config.quantization_config.to_dict()
     assert got.training == want.training
     mine, theirs = _forward(got), _forward(want)

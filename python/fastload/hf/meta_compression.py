@@ -28,10 +28,18 @@ on a skeleton:
 * the memo's own look-ups (shapes, strides, new meta tensors) run with torch's function modes
   off: ``preprocess_model`` runs under ``torch.device("meta")``, which adds a Python call to every
   tensor attribute read; the memo creates only meta tensors, with the device named.
+* each compressed layer's tensors are then swapped in by ``replace_direct_state_dict``: a
+  ``delattr`` and a ``setattr`` per tensor, each through ``nn.Module``'s attribute hooks and
+  ``register_parameter`` (a third of ``compress_model``). Where the layer is a plain
+  ``nn.Module`` holding parameters only, every new tensor is a meta tensor and torch's
+  registration would do nothing but store it (no registration hook, no name it refuses),
+  the same entries go into the layer's ``_parameters`` directly, in the same order; any other
+  layer goes to compressed-tensors' own.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -39,6 +47,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
+
+from fastload.core.model.skeleton import registers_as_torch
 
 #: one preprocess at a time wraps compressed-tensors' classes (the wrapping is process-wide); the
 #: preprocess's own thread enters both blocks
@@ -93,6 +104,9 @@ class _Memo:
 
     def __init__(self) -> None:
         self.outcomes: dict[tuple[Any, ...], _Outcome | None] = {}
+        #: id -> (scheme, a copy of it when serialized, its JSON): the layers of a group share
+        #: one scheme object, serialized again only where it no longer equals its copy
+        self.schemes: dict[int, tuple[Any, Any, str]] = {}
         self.calls = 0
         self.runs = 0
         self.owner = threading.get_ident()
@@ -107,7 +121,7 @@ class _Memo:
         key = None
         if signature is not None:
             try:
-                key = (cls, scheme.model_dump_json(), signature)
+                key = (cls, self._serialized(scheme), signature)
             except Exception:  # noqa: BLE001 - a scheme not to be keyed: not memoized
                 key = None
         if key is not None and self.outcomes.get(key) is not None:
@@ -120,6 +134,16 @@ class _Memo:
         if key is not None:
             self.outcomes[key] = _outcome(state_dict, outputs)
         return outputs
+
+    def _serialized(self, scheme: Any) -> str:
+        """``scheme.model_dump_json()``, or what it gave for this very scheme while it still
+        equals (pydantic's ``==``, a fifth of the cost) a copy taken then."""
+        known = self.schemes.get(id(scheme))
+        if known is not None and known[0] is scheme and scheme == known[1]:
+            return known[2]
+        text: str = scheme.model_dump_json()
+        self.schemes[id(scheme)] = (scheme, scheme.model_copy(deep=True), text)
+        return text
 
 
 def _compressors() -> list[type]:
@@ -184,24 +208,144 @@ def no_clearing_of_fresh_modules() -> Iterator[None]:
         yield
 
 
-def _holds_none(module: Any, names: list[str]) -> bool:
-    """Whether ``hasattr(module, name)`` is false for every name, told from the module's own
-    dicts and its class's as ``nn.Module`` looks attributes up; false where it cannot be told
-    so (a class with its own attribute look-up, dicts that an offloading cache replaced)."""
+def _plain_lookup(module: Any) -> bool:
+    """Whether ``module``'s attributes are looked up and set as ``nn.Module``'s are, in plain
+    dicts (not a class with its own look-up, nor dicts an offloading cache replaced)."""
     cls = type(module)
     if not isinstance(module, nn.Module) or cls.__getattr__ is not nn.Module.__getattr__:
         return False
     if cls.__getattribute__ is not object.__getattribute__:
         return False
     own = module.__dict__
-    tables: list[Mapping[str, Any]] = [own]
-    for key in ("_parameters", "_buffers", "_modules"):
-        table = own.get(key)
-        if type(table) is not dict:
-            return False
-        tables.append(table)
-    tables.extend(vars(c) for c in cls.__mro__)  # class attributes, properties
-    return not any(name in table for table in tables for name in names)
+    return all(type(own.get(key)) is dict for key in ("_parameters", "_buffers", "_modules"))
+
+
+def _holds_none(module: Any, names: list[str]) -> bool:
+    """Whether ``hasattr(module, name)`` is false for every name, told from the module's own
+    dicts and its class's as ``nn.Module`` looks attributes up; false where it cannot be told
+    so (:func:`_plain_lookup`)."""
+    if not _plain_lookup(module):
+        return False
+    own = module.__dict__
+    wanted = set(names)
+    tables: list[Mapping[str, Any]] = [own, own["_parameters"], own["_buffers"], own["_modules"]]
+    tables.extend(vars(c) for c in type(module).__mro__)  # class attributes, properties
+    return all(wanted.isdisjoint(table) for table in tables)
+
+
+@contextmanager
+def plain_replacement_of_layer_tensors() -> Iterator[None]:
+    """Within the block, compressed-tensors' ``get_direct_state_dict`` and
+    ``replace_direct_state_dict``, as its compressors call them, read a plain layer's tensors
+    (:func:`_read_plainly`) and put its new meta tensors into its ``_parameters``
+    (:func:`_replace_plainly`) directly, when called from this thread; any other call goes to
+    compressed-tensors' own. Restored on leaving unless something else replaced them meanwhile."""
+    try:
+        base = importlib.import_module("compressed_tensors.compressors.base")
+    except ImportError:
+        yield
+        return
+    originals = {
+        n: base.__dict__.get(n) for n in ("get_direct_state_dict", "replace_direct_state_dict")
+    }
+    if not all(callable(f) for f in originals.values()):
+        yield  # another compressed-tensors than the one this was written for: as it is
+        return
+    owner = threading.get_ident()
+    read, replace = originals["get_direct_state_dict"], originals["replace_direct_state_dict"]
+
+    def get_direct_state_dict(module: Any) -> Any:
+        state = _read_plainly(module) if threading.get_ident() == owner else None
+        return read(module) if state is None else state
+
+    def replace_direct_state_dict(module: Any, new_state_dict: Any) -> None:
+        if threading.get_ident() != owner or not _replace_plainly(module, new_state_dict):
+            replace(module, new_state_dict)
+
+    mine = {"get_direct_state_dict": get_direct_state_dict}
+    mine["replace_direct_state_dict"] = replace_direct_state_dict
+    with _LOCK:
+        for name, function in mine.items():
+            function.__wrapped__ = originals[name]  # type: ignore[attr-defined]
+            setattr(base, name, function)
+        try:
+            yield
+        finally:
+            for name, function in mine.items():
+                if base.__dict__.get(name) is function:
+                    setattr(base, name, originals[name])
+
+
+def _read_plainly(module: Any) -> dict[str, Any] | None:
+    """What compressed-tensors' ``get_direct_state_dict(module)`` gives (each parameter's
+    ``.data``), read with torch's function modes off (the meta mode's Python call per
+    ``.data``) where the layer is plain (:func:`_plain_lookup`), holds no buffer and each of
+    its parameters is a plain ``Parameter`` or ``None``; ``None`` otherwise (torch's
+    ``isinstance`` checks for ``Parameter`` and ``Buffer`` also accept marked plain tensors)."""
+    if not _plain_lookup(module) or module.__dict__["_buffers"]:
+        return None
+    state: dict[str, Any] = {}
+    with torch._C.DisableTorchFunction():
+        for name, tensor in module.__dict__["_parameters"].items():
+            if type(tensor) is nn.Parameter:
+                state[name] = tensor.data
+            elif tensor is None:
+                state[name] = None
+            else:
+                return None
+    return state
+
+
+def _replace_plainly(module: Any, new: Any) -> bool:
+    """What compressed-tensors' ``replace_direct_state_dict(module, new)`` does, done on the
+    module's ``_parameters`` when that is plainly all it does; ``False``, with nothing done,
+    otherwise. It deletes each old tensor the new state lacks, then for each new entry in
+    order: an absent tensor that stays absent is kept, any other is deleted (an old tensor
+    is read as ``.data``, a new object, so never the new one) and set again as a frozen
+    ``Parameter`` through ``nn.Module.__setattr__``, which here only stores it: a plain module
+    (:func:`_plain_lookup`, ``nn.Module``'s own ``__setattr__``, ``__delattr__`` and
+    ``register_parameter``, no buffers), a name it accepts that nothing else holds, a plain
+    meta tensor, torch's registration (:func:`registers_as_torch`) without hooks."""
+    if type(new) is not dict or not _plain_lookup(module) or module.__dict__["_buffers"]:
+        return False
+    cls = type(module)
+    if (
+        cls.__setattr__ is not nn.Module.__setattr__
+        or cls.__delattr__ is not nn.Module.__delattr__
+        or cls.register_parameter is not nn.Module.register_parameter
+        or _global_parameter_hooks()
+        or not registers_as_torch()
+    ):
+        return False
+    own = module.__dict__
+    params, modules = own["_parameters"], own["_modules"]
+    kept = {n for n, v in new.items() if v is None and n in params and params[n] is None}
+    with torch._C.DisableTorchFunction():  # reads of devices, not the meta mode's
+        for name, value in new.items():
+            if name in kept:
+                continue
+            if type(name) is not str or not name or "." in name:
+                return False
+            if type(value) is not torch.Tensor or value.device.type != "meta":
+                return False
+            # held otherwise: in the module's own dicts, or its class's (or metaclass's)
+            if name in own or name in modules or hasattr(cls, name):
+                return False
+            if name in own.get("_non_persistent_buffers_set", ()):
+                return False  # nn.Module.__setattr__ would discard it
+    for name in [n for n in params if n not in new]:
+        del params[name]
+    for name, value in new.items():
+        if name not in kept:
+            params.pop(name, None)
+            params[name] = nn.Parameter(value, requires_grad=False)
+    return True
+
+
+def _global_parameter_hooks() -> bool:
+    """Whether torch has global parameter registration hooks (they may change what is stored);
+    true where this torch keeps none where this looks."""
+    return bool(getattr(_torch_module, "_global_parameter_registration_hooks", True))
 
 
 @contextmanager
@@ -232,4 +376,8 @@ def _wrapped(memo: _Memo, function: Any) -> Any:
     return compress
 
 
-__all__ = ["compress_once_per_kind", "no_clearing_of_fresh_modules"]
+__all__ = [
+    "compress_once_per_kind",
+    "no_clearing_of_fresh_modules",
+    "plain_replacement_of_layer_tensors",
+]

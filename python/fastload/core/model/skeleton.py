@@ -68,6 +68,9 @@ def parameters_on_meta() -> Iterator[None]:
             moved = cls(registered.to("meta"), **kwargs)
         module._parameters[name] = moved
 
+    # what it wraps: for a parameter on meta it does nothing more (registers_as_torch)
+    register_parameter._fastload_wraps = original  # type: ignore[attr-defined]
+
     # Large Linear and Embedding weights are created on meta outright: allocating them on the CPU
     # first costs an mmap/munmap pair each, which a concurrent read-ahead into the same address
     # space (WarmUp) slowed 3-5x. Nothing changes for the module: registration would move the
@@ -103,6 +106,18 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
         for cls, init in inits.items():
             cls.__init__ = init  # type: ignore[method-assign]
+
+
+def registers_as_torch() -> bool:
+    """Whether ``nn.Module.register_parameter`` now registers a parameter on meta as torch's own
+    does: it is torch's, or :func:`parameters_on_meta`'s around torch's (which adds nothing for
+    a parameter already on meta)."""
+    function = nn.Module.register_parameter
+    function = getattr(function, "_fastload_wraps", function)
+    return (
+        getattr(function, "__module__", None) == "torch.nn.modules.module"
+        and getattr(function, "__qualname__", None) == "Module.register_parameter"
+    )
 
 
 @contextlib.contextmanager
