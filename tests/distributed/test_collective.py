@@ -489,3 +489,26 @@ def test_each_rank_lands_only_its_slice_and_the_owner_holds_only_what_it_sends(
             assert id(target) not in assembled
         else:  # assembled (to be converted): of the slice's bytes only
             assert assembled[id(target)] == want.numel() * 2
+
+
+def test_the_ranges_one_rank_alone_keeps_are_column_wise_slices_alike_on_every_rank() -> None:
+    from fastload.distributed.needs import need_of, sole_keepers
+
+    shape, nbytes = (64, 48), 64 * 48 * 2  # bf16: rows of 96 bytes
+
+    def everyone(*selections: Any) -> list[dict[str, Any]]:
+        return [{"t": need_of(shape, "BF16", [s])} for s in selections]
+
+    # column-wise: each rank's rows, one run of bytes no other rank keeps
+    assert sole_keepers(everyone([0, 0, 32], [0, 32, 64]), "t", nbytes) == [
+        (0, 3072, 0),
+        (3072, nbytes, 1),
+    ]
+    assert sole_keepers(everyone([0, 1000], [1000, 3072]), "t", nbytes) == [
+        (0, 2000, 0),
+        (2000, nbytes, 1),
+    ]
+    assert sole_keepers(everyone([1, 0, 24], [1, 24, 48]), "t", nbytes) == []  # a part of each row
+    assert sole_keepers(everyone(None, None), "t", nbytes) == []  # replicated
+    assert sole_keepers(everyone([0, 0, 40], [0, 24, 64]), "t", nbytes) == []  # rows 24-39 twice
+    assert sole_keepers(everyone([0, 0, 32], None), "t", nbytes) == []  # rank 1 keeps it all

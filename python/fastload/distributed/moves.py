@@ -34,7 +34,7 @@ from fastload.distributed.landings import (
 from fastload.distributed.needs import Routes, merged, pack, size, unpack, without
 from fastload.distributed.object_reads import Fetched
 
-__all__ = ["land_chunk", "move_buffer", "owner_landing", "sends_of"]
+__all__ = ["alone", "land_chunk", "move_buffer", "owner_landing", "sends_of"]
 
 
 def sends_of(group: RankGroup, routes: Routes, chunk: Chunk) -> dict[int, list[tuple[int, int]]]:
@@ -46,6 +46,18 @@ def sends_of(group: RankGroup, routes: Routes, chunk: Chunk) -> dict[int, list[t
         if ranges:
             out[r] = ranges
     return out
+
+
+def alone(group: RankGroup, routes: Routes, chunk: Chunk) -> bool:
+    """Whether no rank but its owner keeps a byte of ``chunk`` (then nothing of it crosses the
+    group): decided from every rank's needs, alike on every rank."""
+    if routes.broadcast(chunk.file, chunk.start, chunk.stop):
+        return group.world_size == 1
+    return not any(
+        routes.of(r, chunk.file, chunk.start, chunk.stop)
+        for r in range(group.world_size)
+        if r != chunk.owner
+    )
 
 
 def owner_landing(
