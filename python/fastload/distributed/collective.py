@@ -302,10 +302,10 @@ def _exchange(
     for index, chunk in enumerate(chunks):
         mine = chunk.owner == group.rank
         solo = alone(group, routes, chunk)
-        if progress is not None:
-            progress.add(chunk.nbytes)
-        if solo and not mine:
-            continue  # nothing of it comes here, nor must this rank wait for it
+        if solo and not mine:  # nothing of it comes here, nor must this rank wait for it
+            if progress is not None:
+                progress.add(chunk.nbytes)
+            continue
         got: Any = None
         if mine and failure is None:
             try:
@@ -329,6 +329,8 @@ def _exchange(
             scatter(chunk.start, chunk.stop, buffer, by_file.get(chunk.file, ()))
         else:
             received += land_chunk(group, index, chunk, parts, got, routes, len(chunks))
+        if progress is not None:
+            progress.add(chunk.nbytes)
         if mine:
             reader.release(got)  # (its scratch goes with it)
         got = None
