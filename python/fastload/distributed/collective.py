@@ -241,7 +241,7 @@ def read_collectively(
     if any(remote):  # a range one rank alone keeps is that rank's to fetch (alike everywhere)
         keepers = {t.stored.name: sole_keepers(everyone, t.stored.name, t.stored.nbytes)
                    for t in ordered if t.stored.name in routes.partial}  # fmt: skip
-        dealt = deal_objects(extents, group.world_size, turn, keepers)
+        dealt = deal_objects(extents, group.world_size, turn, keepers, routes.partial)
         chunks = [Chunk(*c) for c in dealt]
     mine = [c for c in chunks if c.owner == group.rank]
     result = Exchange(chunks=mine, dealt=list(chunks))

@@ -30,6 +30,7 @@ from fastload.distributed.landings import (
     put,
     settle,
     take,
+    transit,
 )
 from fastload.distributed.needs import Routes, merged, pack, size, unpack, without
 from fastload.distributed.object_reads import Fetched
@@ -156,9 +157,7 @@ def move_landed(
             else:
                 small.append((lo - base, hi - base))
         if small:
-            packed = (
-                take(held, base, small) if mine else torch.empty(size(small), dtype=torch.uint8)
-            )
+            packed = take(held, base, small) if mine else transit(size(small))
             group.broadcast(packed, chunk.owner)
             if not mine:
                 put(held, base, small, packed)
@@ -177,7 +176,7 @@ def move_landed(
     for m, message in enumerate(messages(parts, base, ranges)):
         place = into(held, base, message)
         if place is None:
-            place = torch.empty(size(message), dtype=torch.uint8)
+            place = transit(size(message))
             group.receive(place, chunk.owner, tag=m * count + index)
             put(held, base, message, place)
         else:

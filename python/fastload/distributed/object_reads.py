@@ -19,7 +19,7 @@ local one is (:func:`fastload.distributed.collective.read_collectively`), with t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,9 @@ OBJECT_CHUNK_BYTES = 16 << 20
 #: the fewest bytes a chunk from object storage is cut to: below this the requests' round trips,
 #: not the bytes, set a fetch's time
 MIN_OBJECT_CHUNK = 1 << 20
+#: bytes of one chunk of tensors that some rank keeps a part of (row-wise shards): its owner
+#: holds what it fetches only for the others in a scratch buffer until it has sent them
+FORWARD_CHUNK_BYTES = 4 << 20
 #: chunks a rank may fetch ahead of the exchange
 OBJECT_READ_AHEAD = 3
 
@@ -49,6 +52,7 @@ def deal_objects(
     world_size: int,
     turn: int = 0,
     keepers: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+    forwarded: Collection[str] = (),
 ) -> list[tuple[int, int, int, int]]:
     """``(file, start, stop, owner)`` chunks of the bytes of ``extents`` (sorted by file and
     place, not overlapping): about :data:`OBJECT_CHUNK_BYTES` each (at least
@@ -61,7 +65,10 @@ def deal_objects(
     one rank alone keeps (:func:`~fastload.distributed.needs.sole_keepers`: a column-wise slice
     under a tensor-parallel plan). Each such range of :data:`MIN_OBJECT_CHUNK` bytes or more is
     chunked on its own and dealt to that rank, which fetches it straight into its slice: those
-    bytes cross no link between the ranks, and no rank fetches them only to send them on."""
+    bytes cross no link between the ranks, and no rank fetches them only to send them on.
+    ``forwarded``: the tensors some rank keeps a part of; where no one rank alone keeps their
+    bytes (row-wise slices), their chunks are of at most :data:`FORWARD_CHUNK_BYTES`, which bounds
+    the scratch their owner holds for the others."""
     total = sum(stop - start for _, start, stop, _, _ in extents)
     size = max(MIN_OBJECT_CHUNK, min(OBJECT_CHUNK_BYTES, total // max(1, world_size * 8)))
     bits = _core.dtype_bits()
@@ -70,6 +77,8 @@ def deal_objects(
     for file, start, stop, name, st_dtype in extents:
         item = bits[st_dtype] // 8 if bits[st_dtype] % 8 == 0 else 0
         for lo, hi, keeper in _segments(start, stop, (keepers or {}).get(name, ())):
+            # where the owner fetches bytes for others only: its scratch, smaller chunks
+            limit = min(size, FORWARD_CHUNK_BYTES) if keeper is None and name in forwarded else size
             if open_chunk is not None and (open_chunk[0], open_chunk[2], open_chunk[3]) != (
                 file,
                 lo,
@@ -79,9 +88,12 @@ def deal_objects(
                 open_chunk = None
             at = lo
             while at < hi:
+                if open_chunk is not None and open_chunk[2] - open_chunk[1] >= limit:
+                    out.append((open_chunk[0], open_chunk[1], open_chunk[2], open_chunk[3]))
+                    open_chunk = None
                 if open_chunk is None:
                     open_chunk = [file, at, at, keeper]
-                room = open_chunk[1] + size - at
+                room = open_chunk[1] + limit - at
                 if item == 0:  # packed: whole, into this chunk or the next
                     if at > open_chunk[1] and hi - at > room:
                         out.append((open_chunk[0], open_chunk[1], at, keeper))
@@ -91,7 +103,7 @@ def deal_objects(
                     end = min(hi, at + max(item, room // item * item))
                 open_chunk[2] = end
                 at = end
-                if open_chunk[2] - open_chunk[1] >= size:
+                if open_chunk[2] - open_chunk[1] >= limit:
                     out.append((open_chunk[0], open_chunk[1], open_chunk[2], keeper))
                     open_chunk = None
     if open_chunk is not None:
