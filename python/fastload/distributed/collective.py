@@ -239,8 +239,11 @@ def read_collectively(
     everyone = group.gather(kept)
     routes = Routes(everyone, spans_by_file)
     if any(remote):  # a range one rank alone keeps is that rank's to fetch (alike everywhere)
-        keepers = {t.stored.name: sole_keepers(everyone, t.stored.name, t.stored.nbytes)
-                   for t in ordered if t.stored.name in routes.partial}  # fmt: skip
+        keepers = {
+            t.stored.name: sole_keepers(everyone, t.stored.name, t.stored.nbytes)
+            for t in ordered
+            if t.stored.name in routes.partial
+        }
         dealt = deal_objects(extents, group.world_size, turn, keepers, routes.partial)
         chunks = [Chunk(*c) for c in dealt]
     mine = [c for c in chunks if c.owner == group.rank]
