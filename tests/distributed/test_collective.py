@@ -489,3 +489,108 @@ def test_each_rank_lands_only_its_slice_and_the_owner_holds_only_what_it_sends(
             assert id(target) not in assembled
         else:  # assembled (to be converted): of the slice's bytes only
             assert assembled[id(target)] == want.numel() * 2
+
+
+def test_the_ranges_one_rank_alone_keeps_are_column_wise_slices_alike_on_every_rank() -> None:
+    from fastload.distributed.needs import need_of, sole_keepers
+
+    shape, nbytes = (64, 48), 64 * 48 * 2  # bf16: rows of 96 bytes
+
+    def everyone(*selections: Any) -> list[dict[str, Any]]:
+        return [{"t": need_of(shape, "BF16", [s])} for s in selections]
+
+    # column-wise: each rank's rows, one run of bytes no other rank keeps
+    assert sole_keepers(everyone([0, 0, 32], [0, 32, 64]), "t", nbytes) == [
+        (0, 3072, 0),
+        (3072, nbytes, 1),
+    ]
+    assert sole_keepers(everyone([0, 1000], [1000, 3072]), "t", nbytes) == [
+        (0, 2000, 0),
+        (2000, nbytes, 1),
+    ]
+    assert sole_keepers(everyone([1, 0, 24], [1, 24, 48]), "t", nbytes) == []  # a part of each row
+    assert sole_keepers(everyone(None, None), "t", nbytes) == []  # replicated
+    assert sole_keepers(everyone([0, 0, 40], [0, 24, 64]), "t", nbytes) == []  # rows 24-39 twice
+    assert sole_keepers(everyone([0, 0, 32], None), "t", nbytes) == []  # rank 1 keeps it all
+
+
+class _Alone:
+    """Rank 0 of 2 whose collective calls are recorded (the other rank's answers: nothing
+    failed there); a chunk this rank alone keeps must need none but the read's last check."""
+
+    rank, world_size, device = 0, 2, torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def largest(self, flag: torch.Tensor) -> None:
+        self.calls.append("largest")
+
+    def gather(self, value: Any) -> list[Any]:
+        self.calls.append("gather")
+        return [value, None]
+
+    def __getattr__(self, name: str) -> Any:  # broadcast, send_each, receive: not for these
+        raise AssertionError(f"{name}: a chunk only its owner keeps crossed the group")
+
+
+class _Fetching:
+    """Rank 0's reader of a read whose chunks are column-wise slices: fetches each of its
+    chunks where it lands (or fails the first, ``fail``), counting the fetches."""
+
+    def __init__(self, group: Any, by_file: Any, routes: Any, raw: torch.Tensor, mine: list[Any],
+                 fail: bool) -> None:  # fmt: skip
+        self.args, self.raw, self.mine, self.fail, self.fetched = (
+            (group, by_file, routes), raw, list(mine), fail, 0)  # fmt: skip
+
+    def next(self) -> Any:
+        from fastload.distributed.moves import owner_landing
+        from fastload.distributed.object_reads import Fetched
+
+        self.fetched += 1
+        if self.fail:
+            raise OSError("connection cut under the fetch")
+        chunk = self.mine.pop(0)
+        held = owner_landing(*self.args, chunk.file, chunk.start, chunk.stop)
+        for run in held:
+            run.view.copy_(self.raw[run.lo : run.hi])
+        return Fetched(held, torch.empty(0, dtype=torch.uint8))
+
+    def release(self, got: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_chunk_only_its_owner_keeps_crosses_nothing_and_a_failed_fetch_of_it_stops_the_read(
+    fail: bool,
+) -> None:
+    """Rank 0 fetches its rows of a column-wise weight into its tensor and skips rank 1's, with
+    no collective call but the read's last check; a fetch of its rows that fails is told there
+    (every rank raises one error naming it), and nothing more is fetched after it."""
+    from fastload.core.basics.errors import FastloadIOError
+    from fastload.core.checkpoint.opened import StoredTensor
+    from fastload.distributed.collective import _exchange
+    from fastload.distributed.landings import Target
+    from fastload.distributed.needs import Routes, need_of
+
+    shape = (64, 48)
+    tensor = torch.randn(shape).to(torch.bfloat16)
+    raw = tensor.view(-1).view(torch.uint8)
+    stored = StoredTensor("t", 0, "BF16", shape, raw.numel(), 0)
+    selections = [[0, 0, 32], [0, 32, 64]]
+    dest = torch.empty(32, 48, dtype=torch.bfloat16)
+    target = Target(stored, 0, [(dest, selections[0])])
+    target.needs = need_of(shape, "BF16", [selections[0]])
+    routes = Routes([{"t": need_of(shape, "BF16", [s])} for s in selections],
+                    {0: [("t", 0, raw.numel())]})  # fmt: skip
+    chunks = [Chunk(0, 0, 2048, 0), Chunk(0, 2048, 3072, 0), Chunk(0, 3072, raw.numel(), 1)]
+    group = _Alone()
+    reader = _Fetching(group, {0: [target]}, routes, raw, chunks[:2], fail)
+    if not fail:
+        assert _exchange(group, chunks, reader, {0: [target]}, routes) == 0  # nothing received
+        assert torch.equal(dest, tensor[:32]) and target.received == target.kept
+        assert group.calls == ["largest"] and reader.fetched == 2
+        return
+    with pytest.raises(FastloadIOError, match="rank 0: .*connection cut under the fetch"):
+        _exchange(group, chunks, reader, {0: [target]}, routes)
+    assert group.calls == ["largest", "gather"] and reader.fetched == 1

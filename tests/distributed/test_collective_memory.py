@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from s3_server import ACCESS_KEY, REGION, SECRET_KEY, S3Server
-from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks
+from spawn_ranks import free_port, init_store_rank, leave_group, run_ranks, tcp_connections
 
 pytest.importorskip("transformers")
 
@@ -54,6 +54,13 @@ def _peak() -> int:
     return int(line.split()[1]) * 1024
 
 
+def _gloo_received(endpoint: str) -> dict[tuple[str, str], int]:
+    """Bytes received so far on each TCP connection of this process but those to the store at
+    ``endpoint`` (the kernel's count): the group's traffic."""
+    store = endpoint.rsplit(":", 1)[1]
+    return {(a, b): n for a, b, n in tcp_connections() if b.rsplit(":", 1)[1] != store}
+
+
 def _rank(rank: int, world: int, port: int, root: str, kind: str, url: str, endpoint: str) -> None:
     import transformers
 
@@ -81,15 +88,18 @@ def _rank(rank: int, world: int, port: int, root: str, kind: str, url: str, endp
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-    start = _resident()
+    start, sockets = _resident(), _gloo_received(endpoint)
     model = fastload.from_pretrained(cls, url, storage_options=options, progress=False, **extra)
     peak = _peak() - start
+    received = sum(n - sockets.get(ends, 0) for ends, n in _gloo_received(endpoint).items())
     storages = {}
     for t in model.state_dict().values():
         local = t.to_local() if hasattr(t, "to_local") else t
         storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
     share = sum(storages.values())
-    Path(root, f"{kind}-rank{rank}.json").write_text(json.dumps({"peak": peak, "share": share}))
+    Path(root, f"{kind}-rank{rank}.json").write_text(
+        json.dumps({"peak": peak, "share": share, "received": received})
+    )
     leave_group()
 
 
@@ -143,3 +153,44 @@ def test_a_tensor_parallel_rank_holds_about_its_share(store, tmp_path: Path) -> 
     for g in got:
         assert g["share"] < alone["share"]
         assert g["peak"] <= g["share"] + fixed + TP_MARGIN * g["share"], (g, alone)
+
+
+def test_a_tensor_parallel_rank_fetches_its_column_wise_slices_itself(
+    store, tmp_path: Path
+) -> None:
+    """A column-wise slice (a range of rows: one run of bytes that one rank alone keeps) is
+    fetched by the rank that keeps it, straight into its tensor: it crosses no link between the
+    ranks. Counted by the kernel at the ranks' sockets (all but those to the store), against what
+    the checkpoint's layout allows: each replicated byte reaches every other rank once, a
+    row-wise weight's bytes reach (N-1)/N of it (each rank keeps 1/N of every row), a small
+    column-wise slice (fetched with its neighbours) at most once, and a column-wise slice of
+    MIN_OBJECT_CHUNK bytes or more never (before, (N-1)/N of them crossed)."""
+    import fastload
+    from fastload.distributed.object_reads import MIN_OBJECT_CHUNK
+    from fastload.distributed.tensor_parallel import LLAMA_TP_PLAN, TPLayout
+
+    s3, url, local = store
+    world = 2
+    got = _load(tmp_path, "tp", world, url, s3.endpoint)
+    if any(g["received"] == 0 for g in got):
+        pytest.skip("ss (iproute2) is needed to count the bytes at the sockets")
+    layout = TPLayout(dict(LLAMA_TP_PLAN), 0, world)
+    allowed = big = 0
+    with fastload.safe_open(local / "model.safetensors") as f:
+        for name in f.offset_keys():
+            tensor = f.get_tensor(name)
+            shape, nbytes = tensor.shape, tensor.nbytes
+            style, sliced = layout.style(name), layout.selection(name, shape)
+            if sliced is None:
+                allowed += (world - 1) * nbytes
+            elif style == "rowwise":
+                allowed += (world - 1) * nbytes // world
+            elif nbytes // world < MIN_OBJECT_CHUNK:
+                allowed += nbytes
+            else:
+                big += nbytes
+    received = sum(g["received"] for g in got)
+    print(f"received {received / 2**20:.1f} MiB; allowed {allowed / 2**20:.1f} MiB; column-wise "
+          f"slices of a chunk's size {big / 2**20:.1f} MiB")  # fmt: skip
+    assert big >= 8 << 20  # (the model has such slices: the check can fail)
+    assert received <= allowed + (1 << 20), (received, allowed)

@@ -452,3 +452,40 @@ def test_the_ranks_agree_on_one_version_of_each_object_or_all_refuse() -> None:
         with pytest.raises(CheckpointError, match=r"\[version-mismatch\]") as caught:
             agree_on_versions(_Gathered(everyone), [])  # type: ignore[arg-type]
         assert words in str(caught.value) and "rank 1: " in str(caught.value)
+
+
+def test_a_column_wise_slice_is_dealt_to_the_rank_that_keeps_it_cut_at_its_bounds() -> None:
+    from fastload.distributed.object_reads import FORWARD_CHUNK_BYTES, MIN_OBJECT_CHUNK
+
+    mib = 1 << 20
+    extents = [
+        (0, 0, 8 * mib, "replicated", "BF16"),
+        (0, 8 * mib, 16 * mib, "colwise", "BF16"),
+        (0, 16 * mib, 16 * mib + 2 * (MIN_OBJECT_CHUNK // 2), "small", "BF16"),
+        (0, 20 * mib, 26 * mib, "rowwise", "BF16"),
+    ]
+    half = MIN_OBJECT_CHUNK // 2
+    keepers = {
+        "colwise": [(0, 4 * mib, 1), (4 * mib, 8 * mib, 0)],
+        "small": [(0, half, 0), (half, 2 * half, 1)],  # below a request's worth: not cut out
+    }
+    chunks = deal_objects(extents, 2, 0, keepers, forwarded={"colwise", "small", "rowwise"})
+    assert sum(b - a for _, a, b, _ in chunks) == sum(b - a for _, a, b, _, _ in extents)
+    # a row-wise weight's chunks are small (their owner holds the others' parts until it has
+    # sent them), the others' as large as a checkpoint of that size has them
+    big = [(0, 0, 96 * mib, "replicated", "BF16"), (0, 96 * mib, 108 * mib, "rowwise", "BF16")]
+    dealt = deal_objects(big, 2, 0, {}, forwarded={"rowwise"})
+    rows = [(a, b) for _, a, b, _ in dealt if b > 96 * mib]  # those holding some of its bytes
+    assert all(b - a <= FORWARD_CHUNK_BYTES for a, b in rows) and len(rows) >= 3, rows
+    assert max(b - a for _, a, b, _ in dealt) > FORWARD_CHUNK_BYTES
+    for _, a, b, owner in chunks:
+        for lo, hi, keeper in [(8 * mib, 12 * mib, 1), (12 * mib, 16 * mib, 0)]:
+            if a < hi and lo < b:  # within the slice, whole, and its keeper's
+                assert lo <= a and b <= hi and owner == keeper, (a, b, owner)
+    small = [c for c in chunks if c[1] < 16 * mib + 2 * half and 16 * mib < c[2]]
+    assert all(c[1] <= 16 * mib < 16 * mib + half < c[2] for c in small), small
+    shares = [sum(b - a for _, a, b, o in chunks if o == r) for r in range(2)]
+    assert max(shares) - min(shares) <= max(b - a for _, a, b, _ in chunks)
+    # without keepers, the same bytes as before
+    assert [c[:3] for c in deal_objects(extents, 2)] != [c[:3] for c in chunks]
+    assert sum(b - a for _, a, b, _ in deal_objects(extents, 2)) == sum(shares)

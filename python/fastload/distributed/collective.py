@@ -49,8 +49,8 @@ from fastload.distributed.destinations import check_destination
 from fastload.distributed.file_reads import PAGE, Chunk, FileReader
 from fastload.distributed.group import RankGroup, abandon, agree_on_plan, together
 from fastload.distributed.landings import Piece, Target, pieces, scatter
-from fastload.distributed.moves import land_chunk, move_buffer, owner_landing
-from fastload.distributed.needs import Routes, need_of
+from fastload.distributed.moves import alone, land_chunk, move_buffer, owner_landing
+from fastload.distributed.needs import Routes, need_of, sole_keepers
 from fastload.distributed.object_reads import ObjectReader, deal_objects
 from fastload.distributed.pinning import agree_on_versions
 
@@ -208,15 +208,15 @@ def read_collectively(
         for t in ordered
         if t.stored.nbytes
     ]
+    chunks: list[Chunk] = []
     if any(remote):  # every file: the ranks agreed on one version of each, all from the store
-        chunks = [Chunk(*c) for c in deal_objects(extents, group.world_size, turn)]
+        # dealt below, once every rank's needs are known: the plan is what the deal comes from
+        plan = repr((turn, [e[:3] for e in extents]))
     else:
         needed = [(t.stored, t.start - t.stored.begin) for t in ordered]
         chunks = deal(spans(needed), group.world_size)
-    plans = agree_on_plan(
-        group,
-        hashlib.sha256(repr([(c.file, c.start, c.stop) for c in chunks]).encode()).hexdigest(),
-    )
+        plan = repr([(c.file, c.start, c.stop) for c in chunks])
+    plans = agree_on_plan(group, hashlib.sha256(plan.encode()).hexdigest())
     if len(set(plans)) != 1:
         raise RequestError(
             "collective load: the ranks planned different reads (their models, options or "
@@ -236,7 +236,16 @@ def read_collectively(
     }
     for t in ordered:  # where its bytes land follows what this rank keeps of it
         t.needs = kept[t.stored.name]
-    routes = Routes(group.gather(kept), spans_by_file)
+    everyone = group.gather(kept)
+    routes = Routes(everyone, spans_by_file)
+    if any(remote):  # a range one rank alone keeps is that rank's to fetch (alike everywhere)
+        keepers = {
+            t.stored.name: sole_keepers(everyone, t.stored.name, t.stored.nbytes)
+            for t in ordered
+            if t.stored.name in routes.partial
+        }
+        dealt = deal_objects(extents, group.world_size, turn, keepers, routes.partial)
+        chunks = [Chunk(*c) for c in dealt]
     mine = [c for c in chunks if c.owner == group.rank]
     result = Exchange(chunks=mine, dealt=list(chunks))
     reader: FileReader | ObjectReader
@@ -247,7 +256,8 @@ def read_collectively(
         land = (
             partial(owner_landing, group, by_file, routes) if group.device.type == "cpu" else None
         )
-        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land)
+        solo = [alone(group, routes, c) for c in mine]
+        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land, solo)
     else:
         result.storage_bytes = pages(mine)
         reader = FileReader(ckpt, mine, group.device, threads)
@@ -275,10 +285,12 @@ def _exchange(
 ) -> int:
     """Each chunk in turn, from its owner to every rank that keeps some of it (broadcast where
     every rank keeps all of it, else each rank sent only its bytes), into the targets; returns
-    the bytes this rank received. The owner first sends whether it has the chunk: a rank that
-    could not read its chunk stops every rank (one error naming it and the cause:
-    :func:`~fastload.distributed.group.together`), none is left waiting for a chunk that will
-    not come.
+    the bytes this rank received. Before each chunk that crosses the group every rank says
+    whether it has read all its chunks so far: a rank that could not read one stops every rank
+    (one error naming it and the cause: :func:`~fastload.distributed.group.together`), none is
+    left waiting for a chunk that will not come. A chunk that no rank but its owner keeps a byte
+    of (a column-wise slice, dealt to the rank that keeps it) crosses nothing: its owner lands it
+    alone and the others go on without waiting for it.
 
     On the CPU a chunk's bytes travel straight from and to where they land on each rank
     (:mod:`fastload.distributed.landings`): the owner's fetched chunk is there already (object
@@ -289,20 +301,25 @@ def _exchange(
     status = torch.zeros(1, dtype=torch.int32, device=group.device)
     received = 0
     on_cpu = group.device.type == "cpu"
+    failure: BaseException | None = None  # this rank's failed read, told at the next check
     for index, chunk in enumerate(chunks):
         mine = chunk.owner == group.rank
-        parts = _pieces(by_file, chunk.file, chunk.start, chunk.stop) if on_cpu else None
+        solo = alone(group, routes, chunk)
+        if solo and not mine:  # nothing of it comes here, nor must this rank wait for it
+            if progress is not None:
+                progress.add(chunk.nbytes)
+            continue
         got: Any = None
-        failure = None
-        if mine:
+        if mine and failure is None:
             try:
                 got = reader.next()
             except Exception as e:  # the others must hear of it
                 failure = e
-            status.fill_(0 if failure is None else 1)
-        group.broadcast(status, chunk.owner)
-        if status.item():
-            together(group, partial(_raise, failure), "reading its share of the checkpoint")
+        if not solo:
+            _check(group, status, failure)
+        if mine and got is None:
+            continue  # its read failed: told at the next check
+        parts = _pieces(by_file, chunk.file, chunk.start, chunk.stop) if on_cpu else None
         if parts is None:  # through a buffer
             buffer = got
             if buffer is None:
@@ -317,10 +334,20 @@ def _exchange(
             received += land_chunk(group, index, chunk, parts, got, routes, len(chunks))
         if progress is not None:
             progress.add(chunk.nbytes)
-        if mine and got is not None:
+        if mine:
             reader.release(got)  # (its scratch goes with it)
         got = None
+    _check(group, status, failure)  # a failed read of a chunk that crossed nothing
     return received
+
+
+def _check(group: RankGroup, status: torch.Tensor, failure: BaseException | None) -> None:
+    """Every rank says whether a read of its failed; if one did, every rank raises one error
+    naming it (:func:`~fastload.distributed.group.together`)."""
+    status.fill_(0 if failure is None else 1)
+    group.largest(status)
+    if status.item():
+        together(group, partial(_raise, failure), "reading its share of the checkpoint")
 
 
 def _raise(failure: BaseException | None) -> None:

@@ -70,6 +70,13 @@ class RankGroup:
         except RuntimeError as e:
             raise self.lost(e, f"rank {owner} sent a chunk") from e
 
+    def largest(self, flag: torch.Tensor) -> None:
+        """``flag`` (on the group's device) becomes the largest of every rank's, in place."""
+        try:
+            self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            raise self.lost(e, "the ranks said whether they had read their chunks") from e
+
     def send_each(self, parts: dict[int, torch.Tensor], tag: int) -> None:
         """Sends ``parts[r]`` to each rank ``r``, all at once."""
         try:

@@ -30,11 +30,12 @@ from fastload.distributed.landings import (
     put,
     settle,
     take,
+    transit,
 )
 from fastload.distributed.needs import Routes, merged, pack, size, unpack, without
 from fastload.distributed.object_reads import Fetched
 
-__all__ = ["land_chunk", "move_buffer", "owner_landing", "sends_of"]
+__all__ = ["alone", "land_chunk", "move_buffer", "owner_landing", "sends_of"]
 
 
 def sends_of(group: RankGroup, routes: Routes, chunk: Chunk) -> dict[int, list[tuple[int, int]]]:
@@ -46,6 +47,18 @@ def sends_of(group: RankGroup, routes: Routes, chunk: Chunk) -> dict[int, list[t
         if ranges:
             out[r] = ranges
     return out
+
+
+def alone(group: RankGroup, routes: Routes, chunk: Chunk) -> bool:
+    """Whether no rank but its owner keeps a byte of ``chunk`` (then nothing of it crosses the
+    group): decided from every rank's needs, alike on every rank."""
+    if routes.broadcast(chunk.file, chunk.start, chunk.stop):
+        return group.world_size == 1
+    return not any(
+        routes.of(r, chunk.file, chunk.start, chunk.stop)
+        for r in range(group.world_size)
+        if r != chunk.owner
+    )
 
 
 def owner_landing(
@@ -144,9 +157,7 @@ def move_landed(
             else:
                 small.append((lo - base, hi - base))
         if small:
-            packed = (
-                take(held, base, small) if mine else torch.empty(size(small), dtype=torch.uint8)
-            )
+            packed = take(held, base, small) if mine else transit(size(small))
             group.broadcast(packed, chunk.owner)
             if not mine:
                 put(held, base, small, packed)
@@ -165,7 +176,7 @@ def move_landed(
     for m, message in enumerate(messages(parts, base, ranges)):
         place = into(held, base, message)
         if place is None:
-            place = torch.empty(size(message), dtype=torch.uint8)
+            place = transit(size(message))
             group.receive(place, chunk.owner, tag=m * count + index)
             put(held, base, message, place)
         else:

@@ -162,6 +162,43 @@ def without(
     return out
 
 
+def _one_range(need: Need, nbytes: int) -> tuple[int, int] | None:
+    """The one byte range of a tensor of ``nbytes`` bytes that ``need`` keeps, or ``None``
+    where its bytes are not one range (a range of each row)."""
+    if need[0] == "all":
+        return 0, nbytes
+    if need[0] == "flat":
+        return need[1], need[2]
+    _, outer, row, first, stop = need
+    if outer == 1:
+        return first, stop
+    return (0, nbytes) if (first, stop) == (0, row) else None
+
+
+def sole_keepers(
+    everyone: Sequence[dict[str, list[Need]]], name: str, nbytes: int
+) -> list[tuple[int, int, int]]:
+    """``(lo, hi, rank)``: the byte ranges of tensor ``name`` (``nbytes`` bytes; offsets in it,
+    sorted) that one rank alone keeps, each one range that rank keeps whole and no other rank
+    keeps a byte of (a column-wise slice). None where a rank keeps more than one range of it (a
+    row-wise slice: a range of every row) or the ranks' ranges overlap (a replicated tensor).
+    Alike on every rank: derived from ``everyone``'s needs alone."""
+    spans = []
+    for rank, needs in enumerate(everyone):
+        got = needs.get(name)
+        if not got:
+            continue  # this rank keeps none of it
+        span = _one_range(got[0], nbytes) if len(got) == 1 else None
+        if span is None:
+            return []
+        spans.append((*span, rank))
+    spans.sort()
+    for (_, b, _), (a, _, _) in zip(spans, spans[1:], strict=False):
+        if a < b:  # two ranks keep some bytes alike
+            return []
+    return [s for s in spans if s[0] < s[1]]
+
+
 class Routes:
     """Who keeps which bytes of each chunk of a read: ``everyone``, each rank's needs (tensor
     name -> its :data:`Need` list, as :func:`need_of` describes them); ``tensors``, file index ->
@@ -241,6 +278,7 @@ __all__ = [
     "ranges_in",
     "runs",
     "size",
+    "sole_keepers",
     "unpack",
     "without",
 ]

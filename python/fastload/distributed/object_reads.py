@@ -19,7 +19,7 @@ local one is (:func:`fastload.distributed.collective.read_collectively`), with t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,9 @@ OBJECT_CHUNK_BYTES = 16 << 20
 #: the fewest bytes a chunk from object storage is cut to: below this the requests' round trips,
 #: not the bytes, set a fetch's time
 MIN_OBJECT_CHUNK = 1 << 20
+#: bytes of one chunk of tensors that some rank keeps a part of (row-wise shards): its owner
+#: holds what it fetches only for the others in a scratch buffer until it has sent them
+FORWARD_CHUNK_BYTES = 4 << 20
 #: chunks a rank may fetch ahead of the exchange
 OBJECT_READ_AHEAD = 3
 
@@ -45,53 +48,99 @@ Extent = tuple[int, int, int, str, str]
 
 
 def deal_objects(
-    extents: Sequence[Extent], world_size: int, turn: int = 0
+    extents: Sequence[Extent],
+    world_size: int,
+    turn: int = 0,
+    keepers: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
+    forwarded: Collection[str] = (),
 ) -> list[tuple[int, int, int, int]]:
     """``(file, start, stop, owner)`` chunks of the bytes of ``extents`` (sorted by file and
     place, not overlapping): about :data:`OBJECT_CHUNK_BYTES` each (at least
     :data:`MIN_OBJECT_CHUNK`, fewer bytes where the checkpoint is small, so that every rank has
     several), in file order, cut only where an element of a tensor ends (a packed sub-byte tensor
     is never cut), and dealt round robin, balanced by bytes, from rank ``turn % world_size``
-    on (a caller making many small reads turns it, so that their first chunks spread)."""
+    on (a caller making many small reads turns it, so that their first chunks spread).
+
+    ``keepers``: by tensor name, ``(lo, hi, rank)`` ranges of it (offsets in the tensor) that
+    one rank alone keeps (:func:`~fastload.distributed.needs.sole_keepers`: a column-wise slice
+    under a tensor-parallel plan). Each such range of :data:`MIN_OBJECT_CHUNK` bytes or more is
+    chunked on its own and dealt to that rank, which fetches it straight into its slice: those
+    bytes cross no link between the ranks, and no rank fetches them only to send them on.
+    ``forwarded``: the tensors some rank keeps a part of; where no one rank alone keeps their
+    bytes (row-wise slices), their chunks are of at most :data:`FORWARD_CHUNK_BYTES`, which bounds
+    the scratch their owner holds for the others."""
     total = sum(stop - start for _, start, stop, _, _ in extents)
     size = max(MIN_OBJECT_CHUNK, min(OBJECT_CHUNK_BYTES, total // max(1, world_size * 8)))
     bits = _core.dtype_bits()
-    out: list[tuple[int, int, int]] = []
-    open_chunk: list[int] | None = None  # [file, start, stop] being filled
-    for file, start, stop, _, st_dtype in extents:
-        if open_chunk is not None and (open_chunk[0] != file or open_chunk[2] != start):
-            out.append((open_chunk[0], open_chunk[1], open_chunk[2]))
-            open_chunk = None
+    out: list[tuple[int, int, int, int | None]] = []
+    open_chunk: list[Any] | None = None  # [file, start, stop, sole keeper or None] being filled
+    for file, start, stop, name, st_dtype in extents:
         item = bits[st_dtype] // 8 if bits[st_dtype] % 8 == 0 else 0
-        at = start
-        while at < stop:
-            if open_chunk is None:
-                open_chunk = [file, at, at]
-            room = open_chunk[1] + size - at
-            if item == 0:  # packed: whole, into this chunk or the next
-                if at > open_chunk[1] and stop - at > room:
-                    out.append((open_chunk[0], open_chunk[1], at))
-                    open_chunk = [file, at, at]
-                end = stop
-            else:
-                end = min(stop, at + max(item, room // item * item))
-            open_chunk[2] = end
-            at = end
-            if open_chunk[2] - open_chunk[1] >= size:
-                out.append((open_chunk[0], open_chunk[1], open_chunk[2]))
+        for lo, hi, keeper in _segments(start, stop, (keepers or {}).get(name, ())):
+            # where the owner fetches bytes for others only: its scratch, smaller chunks
+            limit = min(size, FORWARD_CHUNK_BYTES) if keeper is None and name in forwarded else size
+            if open_chunk is not None and (open_chunk[0], open_chunk[2], open_chunk[3]) != (
+                file,
+                lo,
+                keeper,
+            ):
+                out.append((open_chunk[0], open_chunk[1], open_chunk[2], open_chunk[3]))
                 open_chunk = None
+            at = lo
+            while at < hi:
+                if open_chunk is not None and open_chunk[2] - open_chunk[1] >= limit:
+                    out.append((open_chunk[0], open_chunk[1], open_chunk[2], open_chunk[3]))
+                    open_chunk = None
+                if open_chunk is None:
+                    open_chunk = [file, at, at, keeper]
+                room = open_chunk[1] + limit - at
+                if item == 0:  # packed: whole, into this chunk or the next
+                    if at > open_chunk[1] and hi - at > room:
+                        out.append((open_chunk[0], open_chunk[1], at, keeper))
+                        open_chunk = [file, at, at, keeper]
+                    end = hi
+                else:
+                    end = min(hi, at + max(item, room // item * item))
+                open_chunk[2] = end
+                at = end
+                if open_chunk[2] - open_chunk[1] >= limit:
+                    out.append((open_chunk[0], open_chunk[1], open_chunk[2], keeper))
+                    open_chunk = None
     if open_chunk is not None:
-        out.append((open_chunk[0], open_chunk[1], open_chunk[2]))
+        out.append((open_chunk[0], open_chunk[1], open_chunk[2], open_chunk[3]))
     # round robin, each chunk to the rank with the fewest bytes so far (the next in turn among
     # equals): chunks of equal size go 0, 1, ..., N-1, 0, ...; a short one (a file's last) does
-    # not leave one rank a chunk ahead for the rest of the load
+    # not leave one rank a chunk ahead for the rest of the load. A chunk one rank alone keeps
+    # is that rank's (counted, so that the others take more of the rest).
     dealt = [0] * world_size
     chunks = []
-    for f, a, b in out:
-        owner = min(range(world_size), key=lambda r: (dealt[r], (r - turn) % world_size))
+    for f, a, b, keeper in out:
+        owner = keeper
+        if owner is None:
+            owner = min(range(world_size), key=lambda r: (dealt[r], (r - turn) % world_size))
         dealt[owner] += b - a
         chunks.append((f, a, b, owner))
     return chunks
+
+
+def _segments(
+    start: int, stop: int, keepers: Sequence[tuple[int, int, int]]
+) -> list[tuple[int, int, int | None]]:
+    """File bytes ``[start, stop)`` of one tensor as ``(lo, hi, rank)`` runs: those of
+    ``keepers`` (offsets in the tensor) of :data:`MIN_OBJECT_CHUNK` bytes or more with the rank
+    that alone keeps them, the rest with ``None``."""
+    out: list[tuple[int, int, int | None]] = []
+    at = start
+    for lo, hi, rank in keepers:
+        if hi - lo < MIN_OBJECT_CHUNK:
+            continue  # fetched with its neighbours: a request of its own would cost more
+        if start + lo > at:
+            out.append((at, start + lo, None))
+        out.append((start + lo, start + hi, rank))
+        at = start + hi
+    if at < stop:
+        out.append((at, stop, None))
+    return out
 
 
 def chunk_jobs(
@@ -141,10 +190,11 @@ def landed_jobs(held: Sequence[Run]) -> list[tuple[str, torch.Tensor, str, list[
 class Fetched:
     """A chunk fetched where its bytes are held (:func:`fastload.distributed.landings.landing`:
     the places of the bytes this rank keeps, and the scratch of those it only sends on), and the
-    read-ahead's token, given back once the chunk is sent."""
+    read-ahead's token, given back once the chunk is sent (``None``: fetched with the chunk
+    before it, whose token it shares)."""
 
     held: list[Run]
-    token: torch.Tensor
+    token: torch.Tensor | None
 
 
 class ObjectReader(ReadAhead):
@@ -164,6 +214,7 @@ class ObjectReader(ReadAhead):
         device: torch.device,
         threads: int | None,
         land: Callable[[int, int, int], list[Run] | None] | None = None,
+        alone: Sequence[bool] = (),
     ) -> None:
         self.files = files
         #: where each chunk's bytes go (:func:`fastload.distributed.landings.landing`): with it,
@@ -171,12 +222,44 @@ class ObjectReader(ReadAhead):
         #: of bytes this rank sends on without keeping them)
         self.land = land
         self.lands = land is not None
+        #: by chunk: whether no other rank keeps a byte of it (nothing to send on: no scratch)
+        self.alone = list(alone) or [False] * len(chunks)
         self.extents = extents
         self.chunks = list(chunks)
         self.threads = threads
         self.progress = _core.Progress()
         size = 0 if self.lands else max((b - a for _, a, b in self.chunks), default=0)
         super().__init__(len(self.chunks), size, OBJECT_READ_AHEAD, device)
+
+    def _fills(self, index: int, buffer: torch.Tensor, session: Any) -> list[Any]:
+        """Chunk ``index``, and with it the next chunks of the file that no other rank keeps a
+        byte of (a rank's column-wise slices, chunks of a few MiB), up to
+        :data:`OBJECT_CHUNK_BYTES` in all: fetched with one call of the engine's copy, their
+        ranged GETs in parallel as one chunk's are, not one small chunk after the other. The
+        bytes land where they stay, so the others need no token of the read-ahead."""
+        if self.land is None:
+            return [self._fill(index, buffer, session)]
+        file, start, stop = self.chunks[index]
+        batch = [index]
+        nbytes = stop - start
+        while (
+            batch[-1] + 1 < self.count
+            and self.alone[batch[-1] + 1]
+            and self.chunks[batch[-1] + 1][0] == file
+            and nbytes < OBJECT_CHUNK_BYTES
+        ):
+            batch.append(batch[-1] + 1)
+            _, a, b = self.chunks[batch[-1]]
+            nbytes += b - a
+        helds = []
+        for i in batch:
+            held = self.land(*self.chunks[i])
+            if held is None:  # through a buffer: alone, as it was dealt
+                return [self._fill(index, buffer, session)]
+            helds.append(held)
+        items = [item for held in helds for item in landed_jobs(held)]
+        copy_into(self.files[file], items, self.threads, self.progress)
+        return [Fetched(held, buffer if n == 0 else None) for n, held in enumerate(helds)]
 
     def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor | Fetched:
         file, start, stop = self.chunks[index]
@@ -193,6 +276,8 @@ class ObjectReader(ReadAhead):
     def release(self, got: torch.Tensor | Fetched) -> None:
         if isinstance(got, Fetched):
             got.held = []  # the chunk is sent: its scratch goes now
+            if got.token is None:  # fetched with the chunk before it, which holds the token
+                return
             got = got.token
         super().release(got)
 

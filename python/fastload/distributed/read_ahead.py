@@ -42,6 +42,11 @@ class ReadAhead:
         on the CPU, what else holds it: a subclass that puts the bytes elsewhere)."""
         raise NotImplementedError
 
+    def _fills(self, index: int, buffer: torch.Tensor, session: Any) -> list[Any]:
+        """Fills chunk ``index`` (and, where a subclass joins them to it, the next ones) with
+        ``buffer``; what :meth:`_fill` returned for each, in order."""
+        return [self._fill(index, buffer, session)]
+
     def _session(self) -> contextlib.AbstractContextManager[Any]:
         """What the helper thread holds while it fills (a thread pool); none by default."""
         return contextlib.nullcontext()
@@ -72,16 +77,19 @@ class ReadAhead:
     def _run(self) -> None:
         try:
             with self._session() as session:
-                for index in range(self.count):
+                index = 0
+                while index < self.count:
                     buffer = self.free.get()
                     if self.stop.is_set():
                         return
-                    view = self._fill(index, buffer, session)
-                    if self.device.type == "cpu":
-                        self.ready.put(view)
-                    else:  # NCCL exchanges device memory; the host buffer is free again
-                        self.ready.put(view.to(self.device))
-                        self.free.put(buffer)
+                    filled = self._fills(index, buffer, session)
+                    for view in filled:
+                        if self.device.type == "cpu":
+                            self.ready.put(view)
+                        else:  # NCCL exchanges device memory; the host buffer is free again
+                            self.ready.put(view.to(self.device))
+                            self.free.put(buffer)
+                    index += len(filled)
         except BaseException as e:  # handed to the exchange, which tells the group
             if not self._abandoned(e):
                 self.ready.put(e)

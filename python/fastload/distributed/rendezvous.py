@@ -340,6 +340,16 @@ class SharedGroup(RankGroup):
         except RuntimeError as e:
             raise self.lost(e, f"peer {owner} sent a chunk") from e
 
+    def largest(self, flag: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MAX
+        try:
+            self.group.allreduce([flag], options).wait()
+        except RuntimeError as e:
+            raise self.lost(e, "the peers said whether they had read their chunks") from e
+
     def broadcast(self, buffer: torch.Tensor, owner: int) -> None:
         import torch.distributed as dist
 
