@@ -274,8 +274,9 @@ fn touch(s: usize, l: usize) {
 }
 
 /// Windows of a large range that [`mostly_uncached`] asks about, and their size: `cachestat(2)`
-/// walks every page it is asked about (20-36 ms for 1 GiB here, a quarter of a warm 1 GiB reload),
-/// where a majority needs a sample: 32 evenly spread windows of 256 KiB cost the same at any size.
+/// walks every page it is asked about (12-15 ms for 1 GiB here, 20-36 ms beside other work: a
+/// tenth of a warm 1 GiB reload), where a majority needs a sample: 32 evenly spread windows of
+/// 256 KiB cost the same at any size.
 const UNCACHED_SAMPLES: u64 = 32;
 const UNCACHED_WINDOW: u64 = 256 << 10;
 
