@@ -174,7 +174,7 @@ def compress_once_per_kind() -> Iterator[_Memo | None]:
         yield None
         return
     memo = _Memo()
-    with _LOCK, _replaced({cls: ("compress", lambda f: _wrapped(memo, f)) for cls in classes}):
+    with _LOCK, _replaced([(cls, "compress", lambda f: _wrapped(memo, f)) for cls in classes]):
         yield memo
 
 
@@ -204,7 +204,7 @@ def no_clearing_of_fresh_modules() -> Iterator[None]:
 
         return clear_all_qparams
 
-    with _LOCK, _replaced({QuantizationMetadata: ("clear_all_qparams", clear)}):
+    with _LOCK, _replaced([(QuantizationMetadata, "clear_all_qparams", clear)]):
         yield
 
 
@@ -245,35 +245,32 @@ def plain_replacement_of_layer_tensors() -> Iterator[None]:
     except ImportError:
         yield
         return
-    originals = {
-        n: base.__dict__.get(n) for n in ("get_direct_state_dict", "replace_direct_state_dict")
-    }
-    if not all(callable(f) for f in originals.values()):
+    names = ("get_direct_state_dict", "replace_direct_state_dict")
+    if not all(callable(base.__dict__.get(n)) for n in names):
         yield  # another compressed-tensors than the one this was written for: as it is
         return
     owner = threading.get_ident()
-    read, replace = originals["get_direct_state_dict"], originals["replace_direct_state_dict"]
 
-    def get_direct_state_dict(module: Any) -> Any:
-        state = _read_plainly(module) if threading.get_ident() == owner else None
-        return read(module) if state is None else state
+    def reading(read: Any) -> Any:
+        def get_direct_state_dict(module: Any) -> Any:
+            state = _read_plainly(module) if threading.get_ident() == owner else None
+            return read(module) if state is None else state
 
-    def replace_direct_state_dict(module: Any, new_state_dict: Any) -> None:
-        if threading.get_ident() != owner or not _replace_plainly(module, new_state_dict):
-            replace(module, new_state_dict)
+        return get_direct_state_dict
 
-    mine = {"get_direct_state_dict": get_direct_state_dict}
-    mine["replace_direct_state_dict"] = replace_direct_state_dict
-    with _LOCK:
-        for name, function in mine.items():
-            function.__wrapped__ = originals[name]  # type: ignore[attr-defined]
-            setattr(base, name, function)
-        try:
-            yield
-        finally:
-            for name, function in mine.items():
-                if base.__dict__.get(name) is function:
-                    setattr(base, name, originals[name])
+    def replacing(replace: Any) -> Any:
+        def replace_direct_state_dict(module: Any, new_state_dict: Any) -> None:
+            if threading.get_ident() != owner or not _replace_plainly(module, new_state_dict):
+                replace(module, new_state_dict)
+
+        return replace_direct_state_dict
+
+    changes = [
+        (base, "get_direct_state_dict", reading),
+        (base, "replace_direct_state_dict", replacing),
+    ]
+    with _LOCK, _replaced(changes):
+        yield
 
 
 def _read_plainly(module: Any) -> dict[str, Any] | None:
@@ -349,24 +346,28 @@ def _global_parameter_hooks() -> bool:
 
 
 @contextmanager
-def _replaced(changes: dict[type, tuple[str, Any]]) -> Iterator[None]:
-    """Each class's classmethod ``name`` replaced by ``make(its function)`` inside the block; on
-    leaving, the original is put back where the replacement is still in place (something
-    else that replaced it meanwhile stays)."""
-    originals = {cls: cls.__dict__[name] for cls, (name, _) in changes.items()}
-    replacements: dict[type, classmethod[Any, Any, Any]] = {}
-    for cls, (name, make) in changes.items():
-        function = originals[cls].__func__
+def _replaced(changes: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each ``(owner, name, make)``: the owner's ``name`` (a class's classmethod or a module's
+    function) replaced by ``make(its function)`` inside the block; on leaving, the original is
+    put back where the replacement is still in place (something else that replaced it meanwhile
+    stays)."""
+    originals = [owner.__dict__[name] for owner, name, _ in changes]
+    replacements = []
+    for (owner, name, make), original in zip(changes, originals, strict=True):
+        method = isinstance(original, classmethod)
+        function = original.__func__ if method else original
         replacement = make(function)
         replacement.__wrapped__ = function
-        replacements[cls] = classmethod(replacement)
-        setattr(cls, name, replacements[cls])
+        replacements.append(classmethod(replacement) if method else replacement)
+        setattr(owner, name, replacements[-1])
     try:
         yield
     finally:
-        for cls, (name, _) in changes.items():
-            if cls.__dict__.get(name) is replacements[cls]:
-                setattr(cls, name, originals[cls])
+        for (owner, name, _), original, replacement in zip(
+            changes, originals, replacements, strict=True
+        ):
+            if owner.__dict__.get(name) is replacement:
+                setattr(owner, name, original)
 
 
 def _wrapped(memo: _Memo, function: Any) -> Any:
