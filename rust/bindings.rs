@@ -40,8 +40,16 @@ fn parse_selection(name: &str, sel: Option<Vec<u64>>) -> PyResult<Selection> {
             start: *start,
             stop: *stop,
         }),
+        Some([first, count, row, start, stop]) => Ok(Selection::Rows {
+            first: *first,
+            count: *count,
+            row: *row,
+            start: *start,
+            stop: *stop,
+        }),
         Some(other) => Err(PyValueError::new_err(format!(
-            "tensor '{name}': selection must be [start, stop] or [dim, start, stop], got {other:?}"
+            "tensor '{name}': selection must be [start, stop], [dim, start, stop] or [first row, \
+             rows, row length, start, stop], got {other:?}"
         ))),
     }
 }

@@ -87,6 +87,17 @@ pub enum Selection {
     Elements { start: u64, stop: u64 },
     /// Indices `[start, stop)` along dimension `dim`, all of the others (tensor-parallel shards).
     Slice { dim: usize, start: u64, stop: u64 },
+    /// Elements `o * row + [start, stop)` of the flattened tensor for each `o` in
+    /// `[first, first + count)`: a block of rows of `row` elements, the same part of each (the
+    /// rows of a row-wise shard that one exchanged chunk holds, as one request instead of one per
+    /// row).
+    Rows {
+        first: u64,
+        count: u64,
+        row: u64,
+        start: u64,
+        stop: u64,
+    },
 }
 
 /// A destination to fill: `len` writable bytes at `ptr`, owned by the caller.

@@ -12,6 +12,10 @@ STAGE_ALIGN: int
 
 # (name, data pointer, byte length, safetensors dtype, selection)
 # selection: None (whole tensor), [start, stop] (flat elements) or [dim, start, stop] (a slice).
+#: (name, destination address, its byte length, dtype wanted, selection): ``None`` the whole
+#: tensor, ``[start, stop]`` a flat range of elements, ``[dim, start, stop]`` a range of one
+#: dimension, ``[first row, rows, row length, start, stop]`` elements ``[start, stop)`` of each of
+#: ``rows`` rows of ``row length`` elements from ``first row`` (the flattened tensor as rows)
 _Job = tuple[str, int, int, str, list[int] | None]
 
 class SafetensorsFile:

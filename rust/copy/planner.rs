@@ -115,6 +115,40 @@ fn runs(t: &TensorInfo, sel: Selection) -> Result<Vec<(u64, u64)>> {
                 .map(|o| ((o * size + start) * inner, count))
                 .collect())
         }
+        Selection::Rows {
+            first,
+            count,
+            row,
+            start,
+            stop,
+        } => {
+            // the last element read: (first + count - 1) * row + stop, which must be in the tensor
+            let last = first
+                .checked_add(count)
+                .and_then(|n| n.checked_sub(1))
+                .and_then(|n| n.checked_mul(row))
+                .and_then(|n| n.checked_add(stop));
+            if row == 0
+                || start > stop
+                || stop > row
+                || (count > 0 && last.is_none_or(|l| l > numel))
+            {
+                return Err(bad(format!(
+                    "elements [{start}, {stop}) of {count} rows of {row} from row {first} of a \
+                     tensor with {numel}"
+                )));
+            }
+            if count == 0 || start == stop {
+                return Ok(vec![]);
+            }
+            // checked above: every product and sum here is at most numel
+            if stop - start == row {
+                return Ok(vec![(first * row, count * row)]);
+            }
+            Ok((first..first + count)
+                .map(|o| (o * row + start, stop - start))
+                .collect())
+        }
     }
 }
 
@@ -162,14 +196,19 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
     let mut current_bytes = 0u64;
     // separate reads of the current task (pieces that do not follow the one before in the file)
     let mut current_gets = 0usize;
+    let mut pieces: Vec<Piece> = Vec::new();
     // In file order: the runner's threads take tasks in order, so the reads in flight move
     // through the file as one window (`runner::in_file_order`); from object storage, the pieces
-    // of a task that follow each other in the file are also read with one ranged GET.
+    // of a task that follow each other in the file are also read with one ranged GET. (The
+    // requests are checked in file order, so the first bad one in the file is the one named.)
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by_key(|&i| {
         let start = match requests[i].selection {
             Selection::All | Selection::Slice { .. } => 0,
             Selection::Elements { start, .. } => start,
+            Selection::Rows {
+                first, row, start, ..
+            } => first.saturating_mul(row).saturating_add(start),
         };
         (header.get(&requests[i].name).map(|t| t.begin), start)
     });
@@ -238,21 +277,28 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
                 done += k;
                 plan.src_bytes += piece.src_len;
                 plan.dst_bytes += piece.dst_len as u64;
-                let follows = current
-                    .last()
-                    .is_some_and(|p| p.src + p.src_len == piece.src);
-                if file.is_remote() && !follows && current_gets == GETS_PER_TASK {
-                    plan.tasks.push(std::mem::take(&mut current));
-                    (current_bytes, current_gets) = (0, 0);
-                }
-                current_gets += usize::from(!follows);
-                current_bytes += piece.src_len.max(1);
-                current.push(piece);
-                if current_bytes >= chunk {
-                    plan.tasks.push(std::mem::take(&mut current));
-                    (current_bytes, current_gets) = (0, 0);
-                }
+                pieces.push(piece);
             }
+        }
+    }
+    // The pieces in file order, whatever requests they come from: a block of rows of a shard
+    // (`Selection::Rows`) interleaves in the file with the blocks of the other ranks' shards,
+    // and pieces that follow each other in the file are read with one ranged GET.
+    pieces.sort_by_key(|p| p.src);
+    for piece in pieces {
+        let follows = current
+            .last()
+            .is_some_and(|p| p.src + p.src_len == piece.src);
+        if file.is_remote() && !follows && current_gets == GETS_PER_TASK {
+            plan.tasks.push(std::mem::take(&mut current));
+            (current_bytes, current_gets) = (0, 0);
+        }
+        current_gets += usize::from(!follows);
+        current_bytes += piece.src_len.max(1);
+        current.push(piece);
+        if current_bytes >= chunk {
+            plan.tasks.push(std::mem::take(&mut current));
+            (current_bytes, current_gets) = (0, 0);
         }
     }
     if !current.is_empty() {

@@ -133,6 +133,53 @@ fn slices_rows_and_columns_and_element_ranges() {
 }
 
 #[test]
+fn a_block_of_rows_reads_the_same_part_of_each_row() {
+    // 3 x 4 matrix of u16 0..12, seen as rows of 4 (and as rows of 2)
+    let raw: Vec<u8> = (0u16..12).flat_map(|v| v.to_le_bytes()).collect();
+    let path = write(&[("m", Dtype::U16, vec![3, 4], raw)]);
+    let f = SafetensorsFile::open(&path, ReadMode::Pread).unwrap();
+    let rows = |first, count, row, start, stop| Selection::Rows {
+        first,
+        count,
+        row,
+        start,
+        stop,
+    };
+    let read = |sel: Selection, n: usize| {
+        let mut out = vec![0u8; n * 2];
+        unsafe { copy(&f, &[req("m", &mut out, Dtype::U16, sel)], Some(2)) }.map(|_| {
+            out.chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect::<Vec<_>>()
+        })
+    };
+    assert_eq!(read(rows(1, 2, 4, 1, 3), 4).unwrap(), vec![5, 6, 9, 10]);
+    assert_eq!(read(rows(0, 3, 4, 3, 4), 3).unwrap(), vec![3, 7, 11]);
+    assert_eq!(
+        read(rows(1, 4, 2, 0, 2), 8).unwrap(),
+        (2u16..10).collect::<Vec<_>>()
+    );
+    assert!(read(rows(2, 0, 4, 0, 4), 0).unwrap().is_empty());
+    // the last row may end before the tensor's end, never after it
+    assert_eq!(read(rows(1, 2, 5, 0, 2), 4).unwrap(), vec![5, 6, 10, 11]);
+    for bad in [
+        rows(1, 3, 4, 0, 1), // row 3 of 3
+        rows(0, 1, 4, 2, 5), // past the row
+        rows(0, 1, 4, 3, 2), // backwards
+        rows(0, 1, 0, 0, 0), // rows of nothing
+        rows(u64::MAX, 2, 4, 0, 1),
+        rows(1, u64::MAX, u64::MAX, 0, 1),
+    ] {
+        let err = read(bad, 1).unwrap_err();
+        assert!(
+            matches!(err, crate::error::Error::InvalidSelection { ref tensor, .. } if tensor == "m"),
+            "{bad:?}: {err:?}"
+        );
+    }
+    std::fs::remove_file(path).unwrap();
+}
+
+#[test]
 fn slices_of_an_empty_tensor_with_huge_dimensions_read_nothing() {
     // Found by the copy_plan fuzzer: the products of the other dimensions overflowed (with
     // [0, 2^33, 2^33], which the header now refuses; these still multiply to 2^62).

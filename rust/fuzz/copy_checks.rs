@@ -192,6 +192,28 @@ fn expected_runs(h: &Header, name: &str, to: Dtype, sel: Selection) -> Option<Ve
                     .collect(),
             )
         }
+        Selection::Rows {
+            first,
+            count,
+            row,
+            start,
+            stop,
+        } => {
+            let (first, count, row) = (first as u128, count as u128, row as u128);
+            let (start, stop) = (start as u128, stop as u128);
+            if row == 0 || start > stop || stop > row {
+                return None;
+            }
+            if count > 0 && (first + count - 1) * row + stop > numel {
+                return None;
+            }
+            Some(
+                (first..first + count)
+                    .filter(|_| start < stop)
+                    .map(|o| (o * row + start, stop - start))
+                    .collect(),
+            )
+        }
     }
 }
 
@@ -273,7 +295,18 @@ pub fn check_copy_plan(bytes: &[u8]) {
             .try_fold(1u64, |a, &d| a.checked_mul(d))
             .unwrap_or(u64::MAX);
         let selection = match s.u8() % 4 {
-            0 | 1 => Selection::All,
+            0 => Selection::All,
+            1 => {
+                let row = index(&mut s, numel);
+                let rows = numel.checked_div(row).unwrap_or(1);
+                Selection::Rows {
+                    first: index(&mut s, rows),
+                    count: index(&mut s, rows),
+                    row,
+                    start: index(&mut s, row),
+                    stop: index(&mut s, row),
+                }
+            }
             2 => Selection::Elements {
                 start: index(&mut s, numel),
                 stop: index(&mut s, numel),

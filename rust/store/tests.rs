@@ -145,6 +145,55 @@ fn a_slice_along_the_columns_is_one_get_per_row_spread_over_tasks() {
 }
 
 #[test]
+fn blocks_of_rows_that_meet_in_the_file_are_one_get_whatever_request_they_come_from() {
+    // an exchanged chunk of a row-parallel weight: the owner's half of each row and the half it
+    // fetches for the other rank, each one request of rows, interleaved in the file
+    let (rows, cols) = (100u64, 64u64);
+    let spec = vec![("w".to_string(), Dtype::U8, vec![rows, cols])];
+    let (mut buf, _) = build_header(&spec, None).unwrap();
+    buf.extend((0..rows * cols).map(|i| (i % 251) as u8));
+    let store = memory_store();
+    put(&store, "w.safetensors", buf);
+    let file = SafetensorsFile::open_object(store.open("w.safetensors").unwrap()).unwrap();
+    let (first, count) = (10u64, 80u64);
+    let mut halves = [
+        vec![0u8; (count * cols / 2) as usize],
+        vec![0u8; (count * cols / 2) as usize],
+    ];
+    let requests: Vec<Request> = halves
+        .iter_mut()
+        .enumerate()
+        .map(|(i, dst)| Request {
+            name: "w".into(),
+            ptr: dst.as_mut_ptr(),
+            len: dst.len(),
+            dtype: Dtype::U8,
+            selection: Selection::Rows {
+                first,
+                count,
+                row: cols,
+                start: i as u64 * cols / 2,
+                stop: (i as u64 + 1) * cols / 2,
+            },
+        })
+        .collect();
+    let plan = copy::plan(&file, &requests).unwrap();
+    // 160 pieces, one after the other in the file: one task, one ranged GET
+    assert_eq!(plan.tasks(), 1);
+    // SAFETY: the destinations live until the copy returns.
+    unsafe { copy::execute(&file, &plan, Some(4), None, None) }.unwrap();
+    for (i, half) in halves.iter().enumerate() {
+        let want: Vec<u8> = (first..first + count)
+            .flat_map(|r| {
+                let cols_of = (i as u64 * cols / 2)..((i as u64 + 1) * cols / 2);
+                cols_of.map(move |c| ((r * cols + c) % 251) as u8)
+            })
+            .collect();
+        assert_eq!(half, &want, "half {i}");
+    }
+}
+
+#[test]
 fn a_missing_object_is_not_found_and_a_truncated_one_fails_its_header_check() {
     let store = memory_store();
     let err = store.open("nothing.safetensors").unwrap_err();

@@ -20,7 +20,10 @@ from fastload.core.basics.errors import RequestError
 READ_MODES = ("pread", "mmap")
 
 #: (tensor name, destination, dtype wanted as a safetensors name, selection) for
-#: :func:`copy_into`: the destination's bytes receive the tensor (or its selection) in that dtype
+#: :func:`copy_into`: the destination's bytes receive the tensor (or its selection) in that dtype.
+#: A selection is ``None`` (the whole tensor), ``[start, stop]`` (a flat range of elements),
+#: ``[dim, start, stop]`` (a range of one dimension) or ``[first row, rows, row length, start,
+#: stop]`` (the same elements of each of a block of rows of the flattened tensor)
 CopyItem = tuple[str, torch.Tensor, str, "list[int] | None"]
 
 

@@ -121,6 +121,14 @@ def load_state_dict(
     return tensors
 
 
+def _rows_fit(sel: list[int], numel: int) -> bool:
+    """Whether ``[first row, rows, row length, start, stop]`` lies in a tensor of ``numel``
+    elements (as the engine checks it)."""
+    first, rows, row, start, stop = sel
+    inside = rows == 0 or (first + rows - 1) * row + stop <= numel
+    return row > 0 and first >= 0 and rows >= 0 and 0 <= start <= stop <= row and inside
+
+
 class PickleFile:
     """A pickle checkpoint file, behaving like an open :class:`fastload._core.SafetensorsFile`.
 
@@ -228,6 +236,13 @@ class PickleFile:
             return t.reshape(-1)[sel[0] : sel[1]]
         if len(sel) == 3 and 0 <= sel[0] < t.dim() and 0 <= sel[1] <= sel[2] <= t.shape[sel[0]]:
             return t.narrow(sel[0], sel[1], sel[2] - sel[1])
+        if len(sel) == 5 and _rows_fit(sel, t.numel()):
+            first, rows, row, start, stop = sel
+            flat = t.reshape(-1)
+            if rows == 0 or start == stop:
+                return flat[:0]
+            at = flat.storage_offset() + first * row + start
+            return flat.as_strided((rows, stop - start), (row, 1), at).reshape(-1)
         raise RequestError(
             f"{self._path}: [invalid-selection] tensor {name!r}: invalid selection {sel} of a "
             f"tensor of shape {list(t.shape)}"
