@@ -40,14 +40,23 @@ Piece = tuple[int, int, "Target"]
 
 
 class Run(NamedTuple):
-    """File bytes ``[lo, hi)`` of ``target`` and where they are on this rank (``view``, bytes);
-    ``kept``: this rank keeps them (else they wait in the owner's scratch to be sent)."""
+    """File bytes ``[lo, hi)`` of ``target`` and where they are on this rank: from byte ``at`` of
+    ``buffer`` (bytes, 1-d); ``kept``: this rank keeps them (else they wait in the owner's
+    scratch to be sent). A row-wise shard is one run per row: the run keeps its buffer and
+    offset, not a view of its own (a view per row of every chunk in flight was megabytes of
+    tensor objects, and most of the exchange's Python time)."""
 
     lo: int
     hi: int
-    view: torch.Tensor
+    buffer: torch.Tensor
+    at: int
     target: Target
     kept: bool = True
+
+    @property
+    def view(self) -> torch.Tensor:
+        """The bytes' place on this rank."""
+        return self.buffer[self.at : self.at + self.hi - self.lo]
 
 
 @dataclass
@@ -96,19 +105,19 @@ class Target:
             return dest.view(-1).view(torch.uint8)
         return None
 
-    def place(self, lo: int, hi: int) -> torch.Tensor:
-        """Where file bytes ``[lo, hi)`` of this tensor go (bytes, on the CPU; one run of kept
-        bytes, :func:`runs`): its destination, or its assembly buffer (made on first use; only
-        the pages written become resident)."""
+    def place(self, lo: int) -> tuple[torch.Tensor, int]:
+        """Where file bytes from ``lo`` of this tensor go (one run of kept bytes, :func:`runs`):
+        its destination, or its assembly buffer (made on first use; only the pages written become
+        resident), as bytes on the CPU, and the offset there."""
         at = laid_at(self.layout, lo - self.start)
         direct = self.direct
         if direct is not None:
-            return direct[at : at + hi - lo]
+            return direct, at
         with self.lock:
             if self.whole is None:
                 room = laid_size(self.layout, self.stored.nbytes)
                 self.whole = torch.empty(room, dtype=torch.uint8)
-            return self.whole[at : at + hi - lo]
+            return self.whole, at
 
     def runs(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """The file bytes within ``[lo, hi)`` this rank keeps, as runs that each lie in one
@@ -148,7 +157,7 @@ def landing(
     fetches only to send them on, one list per rank it sends them to), in one scratch buffer,
     list after list, so that each rank's lie one after the other. In file order."""
     out = [
-        Run(a, b, target.place(a, b), target)
+        Run(a, b, *target.place(a), target)
         for lo, hi, target in parts
         for a, b in target.runs(lo, hi)
     ]
@@ -158,7 +167,7 @@ def landing(
         at = 0
         for ranges in forward:
             for a, b, target in _cut(parts, base, ranges):
-                out.append(Run(a, b, scratch[at : at + b - a], target, kept=False))
+                out.append(Run(a, b, scratch, at, target, kept=False))
                 at += b - a
         out.sort(key=lambda run: run.lo)
     return out
@@ -237,8 +246,11 @@ def _spread(
     held: Sequence[Run], base: int, ranges: Sequence[tuple[int, int]]
 ) -> list[torch.Tensor]:
     """The views holding ``ranges`` (offsets from ``base``, sorted), in order, those that follow
-    each other in one buffer joined."""
-    out: list[torch.Tensor] = []
+    each other in one buffer joined (worked out from the runs' offsets: one view per joined
+    span, none per run)."""
+    # [buffer, its storage's address, first byte in the storage, length] of each joined span
+    spans: list[list[Any]] = []
+    storages: dict[int, tuple[int, int]] = {}  # id(buffer) -> (storage address, its offset)
     wanted = 0
     i = 0
     for a, b in ranges:
@@ -251,26 +263,22 @@ def _spread(
             run = held[j]
             x, y = max(run.lo, lo_abs), min(run.hi, hi_abs)
             if x < y:
-                _join(out, run.view[x - run.lo : y - run.lo])
+                where = storages.get(id(run.buffer))
+                if where is None:
+                    storage = run.buffer.untyped_storage().data_ptr()
+                    where = storages[id(run.buffer)] = (storage, run.buffer.storage_offset())
+                first = where[1] + run.at + x - run.lo
+                last = spans[-1] if spans else None
+                if last is not None and last[1] == where[0] and last[2] + last[3] == first:
+                    last[3] += y - x
+                else:
+                    spans.append([run.buffer, where[0], first, y - x])
             j += 1
-    got = sum(v.numel() for v in out)
+    out = [buffer.as_strided((n,), (1,), first) for buffer, _, first, n in spans]
+    got = sum(n for _, _, _, n in spans)
     if got != wanted:  # a bug, not bad input: the owner holds every byte some rank keeps
         raise AssertionError(f"collective load: {wanted - got} bytes to move are held nowhere")
     return out
-
-
-def _join(out: list[torch.Tensor], view: torch.Tensor) -> None:
-    """Appends ``view`` to ``out``, extending the last view instead where ``view`` follows it in
-    the same buffer."""
-    if out:
-        last = out[-1]
-        if (
-            last.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
-            and last.storage_offset() + last.numel() == view.storage_offset()
-        ):
-            out[-1] = last.as_strided((last.numel() + view.numel(),), (1,), last.storage_offset())
-            return
-    out.append(view)
 
 
 def messages(
@@ -321,7 +329,7 @@ def scatter(start: int, stop: int, buffer: torch.Tensor, targets: Sequence[Targe
     for target in targets:
         lo, hi = max(target.start, start), min(target.start + target.stored.nbytes, stop)
         for a, b in target.runs(lo, hi) if lo < hi else ():
-            run = Run(a, b, target.place(a, b), target)
+            run = Run(a, b, *target.place(a), target)
             run.view.copy_(data[a - start : b - start])
             held.append(run)
     settle(held)

@@ -105,7 +105,7 @@ def land_chunk(
         if got is not None:  # the owner's read buffer: to their places, sent from there
             for run in kept:
                 run.view.copy_(got[run.lo - chunk.start : run.hi - chunk.start])
-            held = [Run(chunk.start, chunk.stop, got, parts[0][2], kept=False)]
+            held = [Run(chunk.start, chunk.stop, got, 0, parts[0][2], kept=False)]
     received = move_landed(group, index, chunk, parts, held, routes, count)
     settle(kept)
     return received

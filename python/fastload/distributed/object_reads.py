@@ -165,25 +165,65 @@ def chunk_jobs(
 
 
 def landed_jobs(held: Sequence[Run]) -> list[tuple[str, torch.Tensor, str, list[int] | None]]:
-    """The engine's copy items that fetch each run of a chunk where it is held (in file order:
-    runs that follow each other in the file are fetched by one ranged GET)."""
+    """The engine's copy items that fetch each run of a chunk where it is held. The runs of one
+    tensor that lie in one buffer one after the other, each the same part of rows one stride
+    apart in the file (a row-wise shard's rows: one run per row), are one item of those rows
+    (the engine reads the rows that follow each other in the file, any item's, with one GET)."""
     bits = _core.dtype_bits()
     items: list[tuple[str, torch.Tensor, str, list[int] | None]] = []
-    for lo, hi, dest, target, _ in held:
-        stored, t_start = target.stored, target.start
-        if (lo, hi) == (t_start, t_start + stored.nbytes):
+    for block in _blocks(held, bits):
+        first = block[0]
+        stored, t_start = first.target.stored, first.target.start
+        item = bits[stored.st_dtype] // 8
+        width = first.hi - first.lo
+        dest = first.buffer[first.at : first.at + width * len(block)]
+        if len(block) > 1:  # rows of ``stride`` bytes, ``width`` of each from ``offset``
+            stride = block[1].lo - first.lo
+            row, offset = divmod(first.lo - t_start, stride)
+            selection = [row, len(block), stride // item, offset // item, (offset + width) // item]
+            items.append((stored.name, dest, stored.st_dtype, selection))
+        elif (first.lo, first.hi) == (t_start, t_start + stored.nbytes):
             items.append((stored.name, dest, stored.st_dtype, None))
         else:  # a part of the tensor: its elements (chunks and slices are cut between elements)
-            item = bits[stored.st_dtype] // 8
-            items.append(
-                (
-                    stored.name,
-                    dest,
-                    stored.st_dtype,
-                    [(lo - t_start) // item, (hi - t_start) // item],
-                )
-            )
+            part = [(first.lo - t_start) // item, (first.hi - t_start) // item]
+            items.append((stored.name, dest, stored.st_dtype, part))
     return items
+
+
+def _blocks(held: Sequence[Run], bits: Mapping[str, int]) -> list[list[Run]]:
+    """``held`` (in file order) as blocks of runs that one item of the engine can fetch: runs of
+    one tensor of a byte-sized dtype and one buffer, each as long as the first, one stride
+    apart in the file (whole elements) and one after the other in the buffer; any other run
+    alone. ``bits``: each safetensors dtype's. (The runs of several blocks interleave in the
+    file: a scratch holds each other rank's part of every row, rank after rank.)"""
+    done: list[list[Run]] = []
+    # (target, buffer, where its next run would start there) -> the block that run extends
+    open_blocks: dict[tuple[int, int, int], list[Run]] = {}
+    for run in held:
+        key = (id(run.target), id(run.buffer), run.at)
+        block = open_blocks.pop(key, None)
+        if block is None or not _extends(block, run, bits[run.target.stored.st_dtype]):
+            block = [run]
+            done.append(block)
+        else:
+            block.append(run)
+        open_blocks[(key[0], key[1], run.at + run.hi - run.lo)] = block
+    return done
+
+
+def _extends(block: list[Run], run: Run, bits: int) -> bool:
+    """Whether ``run`` continues ``block`` (runs of one tensor and buffer) as a block of rows."""
+    last = block[-1]
+    width = block[0].hi - block[0].lo
+    if bits % 8 or run.hi - run.lo != width or run.at != last.at + width:
+        return False
+    stride = run.lo - last.lo
+    if len(block) > 1:
+        return stride == block[1].lo - block[0].lo
+    item = bits // 8
+    offset = (last.lo - run.target.start) % stride if stride > 0 else -1
+    whole_elements = stride % item == offset % item == width % item == 0
+    return 0 <= offset and offset + width <= stride and whole_elements
 
 
 @dataclass
