@@ -31,8 +31,10 @@ robin, ``--repeats`` times:
 Each rank's time runs from a barrier to a barrier after the load (the slowest rank's time);
 after the clock each rank's state dict is hashed and compared with a local single-process load
 (``bitwise``), and its peak resident memory (``VmHWM``) is taken, above what it held when the
-load started (``/proc/self/statm``): the kernel's counts. Writes ``<out>.json`` (raw figures,
-the command) and ``<out>.md`` (the table).
+load started (``/proc/self/statm``): the kernel's counts. Its private peak (anonymous memory:
+the tensors, buffers and objects the load holds, without the shared libraries' code pages it ran)
+is sampled from this process every 5 ms during the load (``_private_memory.py``). Writes
+``<out>.json`` (raw figures, the command) and ``<out>.md`` (the table).
 """
 
 from __future__ import annotations
@@ -45,92 +47,17 @@ import platform
 import socket
 import statistics
 import sys
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from _fleet_link import CountingProxy, TokenBucket
+from _private_memory import PrivateMemoryWatch, private_bytes
+
 BUCKET = "bench"
 RANGE = 8 << 20
 PARALLEL = 16
-
-
-# ---------------------------------------------------------------------------------------------
-# The bucket: one bandwidth shared by per-rank counting proxies
-# ---------------------------------------------------------------------------------------------
-
-
-class TokenBucket:
-    """``rate`` bytes per second shared by every connection that takes from it (a burst of at
-    most 256 KiB)."""
-
-    def __init__(self, rate: float) -> None:
-        self.rate = rate
-        self.burst = 256 << 10
-        self.tokens = 0.0
-        self.stamp = time.monotonic()
-        self.lock = threading.Lock()
-
-    def take(self, n: int) -> None:
-        while True:
-            with self.lock:
-                now = time.monotonic()
-                self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-                self.stamp = now
-                if self.tokens >= n:
-                    self.tokens -= n
-                    return
-                wait = (n - self.tokens) / self.rate
-            time.sleep(wait)
-
-
-class CountingProxy:
-    """A TCP proxy on 127.0.0.1 in front of ``port``: counts the answer bytes it forwards
-    (``sent``) and takes each from ``bucket`` first."""
-
-    def __init__(self, port: int, bucket: TokenBucket) -> None:
-        self.upstream, self.bucket = port, bucket
-        self.sent = 0
-        self.lock = threading.Lock()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = int(self.listener.getsockname()[1])
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
-        try:
-            while data := src.recv(64 << 10):
-                if answers:
-                    self.bucket.take(len(data))
-                    with self.lock:
-                        self.sent += len(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,9 +121,16 @@ def _held(tensors: dict[str, Any]) -> int:
     return sum(storages.values())
 
 
-def _result(seconds: float, digest: str | None, before: int, held: int | None = None) -> str:
+def _result(
+    seconds: float,
+    digest: str | None,
+    before: int,
+    held: int | None = None,
+    window: tuple[float, float, int] = (0.0, 0.0, 0),
+) -> str:
     """A rank's figures: its time, its tensors' digest, and its peak resident memory, whole and
-    above what it held when the load started."""
+    above what it held when the load started; ``window``: the load's start and end
+    (``time.monotonic``) and its private memory at the start, for the parent's samples."""
     peak = _peak()
     return json.dumps(
         {
@@ -205,6 +139,8 @@ def _result(seconds: float, digest: str | None, before: int, held: int | None = 
             "peak_rss": peak,
             "peak_over_start": peak - before,
             "held": held,
+            "window": window,
+            "pid": os.getpid(),
         }
     )
 
@@ -229,12 +165,14 @@ def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: 
     elif kind == "tp":
         extra = {"tp_plan": "llama"}
     dist.barrier()
+    private, opened = private_bytes(), time.monotonic()
     before, start = _rss(), time.perf_counter()
     model = fastload.from_pretrained(cls, url, progress=False, **extra)
+    loaded = time.monotonic()
     dist.barrier()  # the load ends when the slowest rank is done
     seconds = time.perf_counter() - start
     state = dict(model.state_dict())
-    result = _result(seconds, _digest(state), before, _held(state))
+    result = _result(seconds, _digest(state), before, _held(state), (opened, loaded, private))
     Path(out, f"rank{rank}.json").write_text(result)
     dist.barrier()
     dist.destroy_process_group()
@@ -251,11 +189,13 @@ def _peer(rank: int, world: int, port: int, out: str, url: str, env: dict) -> No
     torch.set_num_threads(1)
     group = join(Rendezvous("127.0.0.1", port, world, 600.0), f"bench:{url}")
     group.gather(None)  # every peer ready
+    private, opened = private_bytes(), time.monotonic()
     before, start = _rss(), time.perf_counter()
     tensors = dict(RemoteWeights(url, group=group))
+    loaded = time.monotonic()
     group.gather(None)  # the load ends when the slowest peer is done
     seconds = time.perf_counter() - start
-    result = _result(seconds, _digest(tensors), before, _held(tensors))
+    result = _result(seconds, _digest(tensors), before, _held(tensors), (opened, loaded, private))
     Path(out, f"rank{rank}.json").write_text(result)
     group.gather(None)
     os._exit(0)  # no teardown of the peers' group
@@ -299,7 +239,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import shutil
     import tempfile
 
-    import torch.multiprocessing as mp
     import transformers
 
     import fastload
@@ -352,20 +291,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for p in proxies
                 ]
                 if kind == "floor":
-                    mp.spawn(_floor, args=(str(out), url, env), nprocs=1)
+                    job, spawned = _floor, (str(out), url, env)
                 elif kind == "shared":
-                    mp.spawn(_peer, args=(world, _free_port(), str(out), url, env), nprocs=world)
+                    job, spawned = _peer, (world, _free_port(), str(out), url, env)
                 else:
                     mode = kind if kind in ("collective", "tp") else "alone"
-                    mp.spawn(_rank, args=(world, _free_port(), str(out), mode, url, env),
-                             nprocs=world)  # fmt: skip
-                ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+                    job, spawned = _rank, (world, _free_port(), str(out), mode, url, env)
+                ranks = _spawn(job, spawned, world, out)
                 shutil.rmtree(out)
                 for p in proxies:
                     p.close()
                 row = {
                     "seconds": max(r["seconds"] for r in ranks),
                     "peak_over_start": max(r["peak_over_start"] for r in ranks),
+                    # the largest private peak above the start over that rank's tensors
+                    "private_x_held": max(
+                        r["private_over_start"] / r["held"] if r.get("held") else 0.0 for r in ranks
+                    ),
                     "peak_rss": max(r["peak_rss"] for r in ranks),
                     # the largest peak above the start over what that rank's tensors hold
                     "peak_x_held": max(
@@ -387,6 +329,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
     return {"object_bytes": size, "runs": runs}
+
+
+def _spawn(job: Any, spawned: tuple, world: int, out: Path) -> list[dict[str, Any]]:
+    """Runs ``job`` on ``world`` processes, watching their private memory from here; each
+    rank's figures, with its private peak above its start (``private_over_start``)."""
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(job, args=spawned, nprocs=world, join=False)
+    watch = PrivateMemoryWatch(p.pid for p in context.processes)
+    try:
+        while not context.join():
+            pass
+    finally:
+        watch.stop()
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    for rank in ranks:
+        opened, loaded, private = rank["window"]
+        rank["private_over_start"] = max(0, watch.peak(rank["pid"], opened, loaded) - private)
+    return ranks
 
 
 def _label(kind: str, world: int) -> str:
@@ -415,6 +376,7 @@ def summarize(result: dict[str, Any], args: argparse.Namespace, command: str) ->
             "peak_over_start": statistics.median(r["peak_over_start"] for r in runs),
             "peak_rss": statistics.median(r["peak_rss"] for r in runs),
             "peak_x_held": statistics.median(r["peak_x_held"] for r in runs),
+            "private_x_held": statistics.median(r["private_x_held"] for r in runs),
             "store_bytes_total": sum(per_rank),
             "bitwise": None if runs[0]["bitwise"] is None else all(r["bitwise"] for r in runs),
         }
@@ -450,19 +412,21 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         "| run | seconds (slowest rank) | x floor | from the store per rank (MiB) | "
         "largest share | total (x checkpoint) | peak RSS above the start, largest rank (x "
-        "checkpoint) | peak above the start (x the rank's tensors) | bitwise |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "checkpoint) | peak above the start (x the rank's tensors) | private peak above the "
+        "start (x the rank's tensors) | bitwise |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, row in summary["rows"].items():
         per_rank = ", ".join(f"{b / (1 << 20):.1f}" for b in row["store_bytes_per_rank"])
         bitwise = {None: "", True: "equal", False: "DIFFERS"}[row["bitwise"]]
         held = f"{row['peak_x_held']:.2f}x" if row["peak_x_held"] else ""
+        private = f"{row['private_x_held']:.3f}x" if row["private_x_held"] else ""
         lines.append(
             f"| {label} | {row['median_s']:.2f} | {row['x_floor']:.2f}x | {per_rank} | "
             f"{row['max_share_per_rank']:.3f} | {row['x_checkpoint_total']:.3f}x | "
             f"{row['peak_over_start'] / (1 << 20):.0f} MiB "
             f"({row['peak_over_start'] / summary['object_bytes']:.2f}x) | "
-            f"{held} | {bitwise} |"
+            f"{held} | {private} | {bitwise} |"
         )
     lines += ["", f"Command: `{summary['command']}`", ""]
     return "\n".join(lines) + "\n"
