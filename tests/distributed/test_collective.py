@@ -571,6 +571,7 @@ def test_a_chunk_only_its_owner_keeps_crosses_nothing_and_a_failed_fetch_of_it_s
     from fastload.core.checkpoint.opened import StoredTensor
     from fastload.distributed.collective import _exchange
     from fastload.distributed.landings import Target
+    from fastload.distributed.moves import alone
     from fastload.distributed.needs import Routes, need_of
 
     shape = (64, 48)
@@ -586,11 +587,13 @@ def test_a_chunk_only_its_owner_keeps_crosses_nothing_and_a_failed_fetch_of_it_s
     chunks = [Chunk(0, 0, 2048, 0), Chunk(0, 2048, 3072, 0), Chunk(0, 3072, raw.numel(), 1)]
     group = _Alone()
     reader = _Fetching(group, {0: [target]}, routes, raw, chunks[:2], fail)
+    solo = [alone(group, routes, c) for c in chunks]  # type: ignore[arg-type]
+    assert solo == [True, True, True]  # each chunk's rows are one rank's alone
     if not fail:
-        assert _exchange(group, chunks, reader, {0: [target]}, routes) == 0  # nothing received
+        assert _exchange(group, chunks, solo, reader, {0: [target]}, routes) == 0  # none received
         assert torch.equal(dest, tensor[:32]) and target.received == target.kept
         assert group.calls == ["largest"] and reader.fetched == 2
         return
     with pytest.raises(FastloadIOError, match="rank 0: .*connection cut under the fetch"):
-        _exchange(group, chunks, reader, {0: [target]}, routes)
+        _exchange(group, chunks, solo, reader, {0: [target]}, routes)
     assert group.calls == ["largest", "gather"] and reader.fetched == 1

@@ -248,6 +248,8 @@ def read_collectively(
         chunks = [Chunk(*c) for c in dealt]
     mine = [c for c in chunks if c.owner == group.rank]
     result = Exchange(chunks=mine, dealt=list(chunks))
+    # which chunks no rank but their owner keeps a byte of: decided once, alike on every rank
+    solo = [alone(group, routes, c) for c in chunks]
     reader: FileReader | ObjectReader
     if any(remote):  # a store has no pages: exactly the chunks' bytes are fetched
         result.storage_bytes = sum(c.nbytes for c in mine)
@@ -256,13 +258,13 @@ def read_collectively(
         land = (
             partial(owner_landing, group, by_file, routes) if group.device.type == "cpu" else None
         )
-        solo = [alone(group, routes, c) for c in mine]
-        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land, solo)
+        solo_mine = [s for c, s in zip(chunks, solo, strict=True) if c.owner == group.rank]
+        reader = ObjectReader(ckpt.files, extents, owned, group.device, threads, land, solo_mine)
     else:
         result.storage_bytes = pages(mine)
         reader = FileReader(ckpt, mine, group.device, threads)
     with reader:
-        result.received_bytes = _exchange(group, chunks, reader, by_file, routes, progress)
+        result.received_bytes = _exchange(group, chunks, solo, reader, by_file, routes, progress)
     unfilled = [t.stored.name for t in targets.values() if t.received != t.kept]
     if unfilled:  # a bug, not bad input: every needed byte lies in some chunk
         raise AssertionError(f"collective load: bytes of {unfilled[:3]} never arrived")
@@ -278,6 +280,7 @@ def _pieces(
 def _exchange(
     group: RankGroup,
     chunks: Sequence[Chunk],
+    solo: Sequence[bool],
     reader: FileReader | ObjectReader,
     by_file: dict[int, list[Target]],
     routes: Routes,
@@ -290,7 +293,7 @@ def _exchange(
     (one error naming it and the cause: :func:`~fastload.distributed.group.together`), none is
     left waiting for a chunk that will not come. A chunk that no rank but its owner keeps a byte
     of (a column-wise slice, dealt to the rank that keeps it) crosses nothing: its owner lands it
-    alone and the others go on without waiting for it.
+    alone and the others go on without waiting for it (``solo``: by chunk, whether it is one).
 
     On the CPU a chunk's bytes travel straight from and to where they land on each rank
     (:mod:`fastload.distributed.landings`): the owner's fetched chunk is there already (object
@@ -302,10 +305,9 @@ def _exchange(
     received = 0
     on_cpu = group.device.type == "cpu"
     failure: BaseException | None = None  # this rank's failed read, told at the next check
-    for index, chunk in enumerate(chunks):
+    for index, (chunk, crosses_nothing) in enumerate(zip(chunks, solo, strict=True)):
         mine = chunk.owner == group.rank
-        solo = alone(group, routes, chunk)
-        if solo and not mine:  # nothing of it comes here, nor must this rank wait for it
+        if crosses_nothing and not mine:  # nothing of it comes here, nor must this rank wait for it
             if progress is not None:
                 progress.add(chunk.nbytes)
             continue
@@ -315,7 +317,7 @@ def _exchange(
                 got = reader.next()
             except Exception as e:  # the others must hear of it
                 failure = e
-        if not solo:
+        if not crosses_nothing:
             _check(group, status, failure)
         if mine and got is None:
             continue  # its read failed: told at the next check
