@@ -111,16 +111,21 @@ fn an_object_opens_header_first_and_copies_like_a_file() {
     assert_eq!(halves, [1.5, -2.0, 3.25]);
 }
 
-#[test]
-fn a_slice_along_the_columns_is_one_get_per_row_spread_over_tasks() {
-    // a tensor-parallel rank's share of a row-parallel weight: half of each of 100 rows
-    let (rows, cols) = (100u64, 64u64);
+/// An object of one `rows` x `cols` u8 tensor "w" whose byte `i` is `i % 251`, in memory.
+fn matrix_object(rows: u64, cols: u64) -> SafetensorsFile {
     let spec = vec![("w".to_string(), Dtype::U8, vec![rows, cols])];
     let (mut buf, _) = build_header(&spec, None).unwrap();
     buf.extend((0..rows * cols).map(|i| (i % 251) as u8));
     let store = memory_store();
     put(&store, "w.safetensors", buf);
-    let file = SafetensorsFile::open_object(store.open("w.safetensors").unwrap()).unwrap();
+    SafetensorsFile::open_object(store.open("w.safetensors").unwrap()).unwrap()
+}
+
+#[test]
+fn a_slice_along_the_columns_is_one_get_per_row_spread_over_tasks() {
+    // a tensor-parallel rank's share of a row-parallel weight: half of each of 100 rows
+    let (rows, cols) = (100u64, 64u64);
+    let file = matrix_object(rows, cols);
     let mut dst = vec![0u8; (rows * cols / 2) as usize];
     let requests = [Request {
         name: "w".into(),
@@ -149,12 +154,7 @@ fn blocks_of_rows_that_meet_in_the_file_are_one_get_whatever_request_they_come_f
     // an exchanged chunk of a row-parallel weight: the owner's half of each row and the half it
     // fetches for the other rank, each one request of rows, interleaved in the file
     let (rows, cols) = (100u64, 64u64);
-    let spec = vec![("w".to_string(), Dtype::U8, vec![rows, cols])];
-    let (mut buf, _) = build_header(&spec, None).unwrap();
-    buf.extend((0..rows * cols).map(|i| (i % 251) as u8));
-    let store = memory_store();
-    put(&store, "w.safetensors", buf);
-    let file = SafetensorsFile::open_object(store.open("w.safetensors").unwrap()).unwrap();
+    let file = matrix_object(rows, cols);
     let (first, count) = (10u64, 80u64);
     let mut halves = [
         vec![0u8; (count * cols / 2) as usize],
