@@ -192,15 +192,9 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
     let header = file.header();
     let base = header.data_start();
     let mut plan = Plan::default();
-    let mut current: Vec<Piece> = Vec::new();
-    let mut current_bytes = 0u64;
-    // separate reads of the current task (pieces that do not follow the one before in the file)
-    let mut current_gets = 0usize;
     let mut pieces: Vec<Piece> = Vec::new();
-    // In file order: the runner's threads take tasks in order, so the reads in flight move
-    // through the file as one window (`runner::in_file_order`); from object storage, the pieces
-    // of a task that follow each other in the file are also read with one ranged GET. (The
-    // requests are checked in file order, so the first bad one in the file is the one named.)
+    // The requests are checked in file order, so that the first bad one in the file is the one
+    // an error names.
     let mut order: Vec<usize> = (0..requests.len()).collect();
     order.sort_by_key(|&i| {
         let start = match requests[i].selection {
@@ -281,10 +275,16 @@ fn plan_tasks(file: &SafetensorsFile, requests: &[Request], chunk: u64) -> Resul
             }
         }
     }
-    // The pieces in file order, whatever requests they come from: a block of rows of a shard
-    // (`Selection::Rows`) interleaves in the file with the blocks of the other ranks' shards,
-    // and pieces that follow each other in the file are read with one ranged GET.
+    // The tasks cut from the pieces in file order, whatever requests they come from: the
+    // runner's threads take tasks in order, so the reads in flight move through the file as one
+    // window (`runner::in_file_order`); from object storage, the pieces of a task that follow
+    // each other in the file are read with one ranged GET (a block of rows of one rank's shard,
+    // `Selection::Rows`, interleaves in the file with the other ranks' blocks).
     pieces.sort_by_key(|p| p.src);
+    let mut current: Vec<Piece> = Vec::new();
+    let mut current_bytes = 0u64;
+    // separate reads of the current task (pieces that do not follow the one before in the file)
+    let mut current_gets = 0usize;
     for piece in pieces {
         let follows = current
             .last()
