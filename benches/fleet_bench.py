@@ -33,8 +33,11 @@ after the clock each rank's state dict is hashed and compared with a local singl
 (``bitwise``), and its peak resident memory (``VmHWM``) is taken, above what it held when the
 load started (``/proc/self/statm``): the kernel's counts. Its private peak (anonymous memory:
 the tensors, buffers and objects the load holds, without the shared libraries' code pages it ran)
-is sampled from this process every 5 ms during the load (``_private_memory.py``). Writes
-``<out>.json`` (raw figures, the command) and ``<out>.md`` (the table).
+is sampled from this process every 5 ms during the load (``_private_memory.py``). The CPU time
+each rank spent in its load (``getrusage``, every thread), that of this process (the proxies,
+the bucket and the memory sampler) and of the server, over the run, show when the machine's
+cores, not the bucket, set the time: every process of the fleet runs on this one machine.
+Writes ``<out>.json`` (raw figures, the command) and ``<out>.md`` (the table).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import hashlib
 import json
 import os
 import platform
+import resource
 import socket
 import statistics
 import sys
@@ -112,6 +116,19 @@ def _peak() -> int:
     return int(line.split()[1]) * 1024
 
 
+def _cpu() -> float:
+    """CPU seconds this process has run so far, every thread, user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds process ``pid`` has run so far (``/proc/<pid>/stat``: user and system)."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _held(tensors: dict[str, Any]) -> int:
     """Bytes of the storages under ``tensors`` (a tensor-parallel rank's: its shards')."""
     storages = {}
@@ -127,10 +144,12 @@ def _result(
     before: int,
     held: int | None = None,
     window: tuple[float, float, int] = (0.0, 0.0, 0),
+    cpu: float = 0.0,
 ) -> str:
     """A rank's figures: its time, its tensors' digest, and its peak resident memory, whole and
     above what it held when the load started; ``window``: the load's start and end
-    (``time.monotonic``) and its private memory at the start, for the parent's samples."""
+    (``time.monotonic``) and its private memory at the start, for the parent's samples;
+    ``cpu``: the CPU seconds of its load."""
     peak = _peak()
     return json.dumps(
         {
@@ -140,6 +159,7 @@ def _result(
             "peak_over_start": peak - before,
             "held": held,
             "window": window,
+            "cpu_s": cpu,
             "pid": os.getpid(),
         }
     )
@@ -165,14 +185,15 @@ def _rank(rank: int, world: int, port: int, out: str, kind: str, url: str, env: 
     elif kind == "tp":
         extra = {"tp_plan": "llama"}
     dist.barrier()
-    private, opened = private_bytes(), time.monotonic()
+    private, opened, cpu = private_bytes(), time.monotonic(), _cpu()
     before, start = _rss(), time.perf_counter()
     model = fastload.from_pretrained(cls, url, progress=False, **extra)
-    loaded = time.monotonic()
+    loaded, cpu = time.monotonic(), _cpu() - cpu
     dist.barrier()  # the load ends when the slowest rank is done
     seconds = time.perf_counter() - start
     state = dict(model.state_dict())
-    result = _result(seconds, _digest(state), before, _held(state), (opened, loaded, private))
+    window = (opened, loaded, private)
+    result = _result(seconds, _digest(state), before, _held(state), window, cpu)
     Path(out, f"rank{rank}.json").write_text(result)
     dist.barrier()
     dist.destroy_process_group()
@@ -189,13 +210,14 @@ def _peer(rank: int, world: int, port: int, out: str, url: str, env: dict) -> No
     torch.set_num_threads(1)
     group = join(Rendezvous("127.0.0.1", port, world, 600.0), f"bench:{url}")
     group.gather(None)  # every peer ready
-    private, opened = private_bytes(), time.monotonic()
+    private, opened, cpu = private_bytes(), time.monotonic(), _cpu()
     before, start = _rss(), time.perf_counter()
     tensors = dict(RemoteWeights(url, group=group))
-    loaded = time.monotonic()
+    loaded, cpu = time.monotonic(), _cpu() - cpu
     group.gather(None)  # the load ends when the slowest peer is done
     seconds = time.perf_counter() - start
-    result = _result(seconds, _digest(tensors), before, _held(tensors), (opened, loaded, private))
+    window = (opened, loaded, private)
+    result = _result(seconds, _digest(tensors), before, _held(tensors), window, cpu)
     Path(out, f"rank{rank}.json").write_text(result)
     group.gather(None)
     os._exit(0)  # no teardown of the peers' group
@@ -216,12 +238,12 @@ def _floor(rank: int, out: str, url: str, env: dict) -> None:
     before = _rss()
     buffer = torch.empty(size, dtype=torch.uint8)
     ranges = [(o, min(size, o + RANGE)) for o in range(0, size, RANGE)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _cpu()
     with futures.ThreadPoolExecutor(PARALLEL) as pool:
         list(pool.map(lambda r: object_store.read_into(store, key, r[0], buffer[r[0] : r[1]]),
                       ranges))  # fmt: skip
-    seconds = time.perf_counter() - start
-    Path(out, f"rank{rank}.json").write_text(_result(seconds, None, before))
+    seconds, cpu = time.perf_counter() - start, _cpu() - cpu
+    Path(out, f"rank{rank}.json").write_text(_result(seconds, None, before, cpu=cpu))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -297,7 +319,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     mode = kind if kind in ("collective", "tp") else "alone"
                     job, spawned = _rank, (world, _free_port(), str(out), mode, url, env)
+                # the proxies, the bucket and the memory sampler run in this process
+                cpu, served = _cpu(), _cpu_of(server.process.pid)
                 ranks = _spawn(job, spawned, world, out)
+                cpu, served = _cpu() - cpu, _cpu_of(server.process.pid) - served
                 shutil.rmtree(out)
                 for p in proxies:
                     p.close()
@@ -314,6 +339,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         r["peak_over_start"] / r["held"] if r.get("held") else 0.0 for r in ranks
                     ),
                     "store_bytes_per_rank": [p.sent for p in proxies],
+                    "cpu_s": {
+                        "loads": sum(r["cpu_s"] for r in ranks),
+                        "proxies": cpu,
+                        "server": served,
+                    },
                     "bitwise": None
                     if kind == "floor"
                     else all(
@@ -377,6 +407,7 @@ def summarize(result: dict[str, Any], args: argparse.Namespace, command: str) ->
             "peak_rss": statistics.median(r["peak_rss"] for r in runs),
             "peak_x_held": statistics.median(r["peak_x_held"] for r in runs),
             "private_x_held": statistics.median(r["private_x_held"] for r in runs),
+            "cpu_s": {k: statistics.median(r["cpu_s"][k] for r in runs) for k in runs[0]["cpu_s"]},
             "store_bytes_total": sum(per_rank),
             "bitwise": None if runs[0]["bitwise"] is None else all(r["bitwise"] for r in runs),
         }
@@ -413,20 +444,21 @@ def markdown(summary: dict[str, Any]) -> str:
         "| run | seconds (slowest rank) | x floor | from the store per rank (MiB) | "
         "largest share | total (x checkpoint) | peak RSS above the start, largest rank (x "
         "checkpoint) | peak above the start (x the rank's tensors) | private peak above the "
-        "start (x the rank's tensors) | bitwise |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "start (x the rank's tensors) | CPU s: the loads / proxies / server | bitwise |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for label, row in summary["rows"].items():
         per_rank = ", ".join(f"{b / (1 << 20):.1f}" for b in row["store_bytes_per_rank"])
         bitwise = {None: "", True: "equal", False: "DIFFERS"}[row["bitwise"]]
         held = f"{row['peak_x_held']:.2f}x" if row["peak_x_held"] else ""
         private = f"{row['private_x_held']:.3f}x" if row["private_x_held"] else ""
+        cpu = " / ".join(f"{row['cpu_s'][k]:.1f}" for k in ("loads", "proxies", "server"))
         lines.append(
             f"| {label} | {row['median_s']:.2f} | {row['x_floor']:.2f}x | {per_rank} | "
             f"{row['max_share_per_rank']:.3f} | {row['x_checkpoint_total']:.3f}x | "
             f"{row['peak_over_start'] / (1 << 20):.0f} MiB "
             f"({row['peak_over_start'] / summary['object_bytes']:.2f}x) | "
-            f"{held} | {private} | {bitwise} |"
+            f"{held} | {private} | {cpu} | {bitwise} |"
         )
     lines += ["", f"Command: `{summary['command']}`", ""]
     return "\n".join(lines) + "\n"
