@@ -286,12 +286,11 @@ class ObjectReader(ReadAhead):
         bytes land where they stay, so the others need no token of the read-ahead. Where the
         bytes land is worked out here, in order; the fetch may run beside the one before it
         (:attr:`ReadAhead.overlap`)."""
-        if self.land is None:
-            return 1, lambda: [self._fill(index, buffer, session)]
         file, start, stop = self.chunks[index]
-        held = self.land(file, start, stop)
-        if held is None:  # through a buffer: alone, as it was dealt
-            return 1, lambda: [self._into_buffer(index, buffer)]
+        land = self.land
+        held = land(file, start, stop) if land is not None else None
+        if land is None or held is None:  # through a buffer (:meth:`_fill`): alone, as dealt
+            return super()._prepare(index, buffer, session)
         helds = [held]
         nbytes = stop - start
         while (
@@ -301,7 +300,7 @@ class ObjectReader(ReadAhead):
             and nbytes < OBJECT_CHUNK_BYTES
         ):
             _, a, b = self.chunks[index + len(helds)]
-            held = self.land(file, a, b)
+            held = land(file, a, b)
             if held is None:  # fetched on its own, next
                 break
             helds.append(held)
@@ -315,9 +314,6 @@ class ObjectReader(ReadAhead):
         return len(helds), fetch
 
     def _fill(self, index: int, buffer: torch.Tensor, session: Any) -> torch.Tensor:
-        return self._into_buffer(index, buffer)
-
-    def _into_buffer(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
         """Chunk ``index`` fetched into ``buffer`` (the start of it): what it holds of it."""
         file, start, stop = self.chunks[index]
         view = buffer[: stop - start]

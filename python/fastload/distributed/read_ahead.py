@@ -148,6 +148,7 @@ class ReadAhead:
             fills.shutdown(wait=True, cancel_futures=self.stop.is_set() or ended.is_set())
 
     def _failed(self, error: BaseException) -> None:
+        """Hands ``error`` to the exchange, unless it only says the read was called off."""
         if not self._abandoned(error):
             self.ready.put(error)
 
